@@ -1,0 +1,39 @@
+# pgscope — `make demo` shows the main job, `make test` runs every test.
+SHELL := /bin/bash
+CARGO ?= cargo
+PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
+
+.PHONY: all deps build pg-nofp demo test unit-test integration-test lint clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	$(CARGO) build --locked -p pgscope-agent
+
+# PostgreSQL 15 built like RHEL builds it: no frame pointers, stripped, debug info in a build-id
+# tree. Cached in /var/cache/pgscope (override with PGSCOPE_CACHE).
+pg-nofp: deps
+	@scripts/build-postgres-nofp.sh >/dev/null
+
+demo: build
+	@scripts/demo.sh "$(PGSCOPE_BIN)"
+
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+
+unit-test: deps
+	$(CARGO) test --locked --workspace --exclude pgscope-tests
+
+# Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
+# cluster per test).
+integration-test: build pg-nofp
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
+
+test: unit-test integration-test
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,122 @@
+//! Counts identical stacks as they arrive, keyed by module-relative locations so that the
+//! expensive part (naming frames) runs once per distinct frame at the end, and still works after
+//! a backend has exited.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
+use symbolizer::{KernelSymbols, Location, Symbolizer, UnwindEnd, UnwoundStack};
+
+/// Root frame of stacks whose unwinding stopped before the process root, so that partial stacks
+/// do not pose as roots of their own in a flamegraph.
+pub const INCOMPLETE_STACK_FRAME: &str = "[incomplete stack]";
+
+#[derive(Debug, Hash, PartialEq, Eq)]
+struct StackKey {
+    pid: u32,
+    /// Leaf first.
+    kernel: Box<[u64]>,
+    /// Leaf first.
+    user: Box<[Location]>,
+    complete: bool,
+}
+
+/// How user stacks ended, over all samples.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnwindStats {
+    pub samples: u64,
+    pub reached_root: u64,
+    pub truncated: u64,
+    pub no_unwind_info: u64,
+    pub errors: u64,
+    pub depth_limit: u64,
+    pub empty: u64,
+}
+
+impl UnwindStats {
+    /// Share of samples whose user stack reached the process root, in percent.
+    pub fn complete_pct(&self) -> f64 {
+        if self.samples == 0 {
+            return 0.0;
+        }
+        100.0 * self.reached_root as f64 / self.samples as f64
+    }
+
+    fn record(&mut self, stack: &UnwoundStack) {
+        self.samples += 1;
+        if stack.frames.is_empty() {
+            self.empty += 1;
+            return;
+        }
+        match stack.end {
+            UnwindEnd::ReachedRoot => self.reached_root += 1,
+            UnwindEnd::StackTruncated => self.truncated += 1,
+            UnwindEnd::NoUnwindInfo => self.no_unwind_info += 1,
+            UnwindEnd::Error => self.errors += 1,
+            UnwindEnd::DepthLimit => self.depth_limit += 1,
+        }
+    }
+}
+
+/// Aggregated on-CPU samples of one trace session.
+#[derive(Default)]
+pub struct StackAggregator {
+    stacks: HashMap<StackKey, u64>,
+    stats: UnwindStats,
+}
+
+impl StackAggregator {
+    pub fn add(&mut self, pid: u32, kernel_stack: &[u64], user: UnwoundStack) {
+        self.stats.record(&user);
+        let complete = user.end == UnwindEnd::ReachedRoot && !user.frames.is_empty();
+        let key = StackKey {
+            pid,
+            kernel: kernel_stack.into(),
+            user: user.frames.into_boxed_slice(),
+            complete,
+        };
+        *self.stacks.entry(key).or_insert(0) += 1;
+    }
+
+    pub fn stats(&self) -> UnwindStats {
+        self.stats
+    }
+
+    /// Names every frame and builds the profile: frames root first (user root … user leaf,
+    /// then kernel entry … kernel leaf), labelled with the process id.
+    pub fn to_profile(&self, symbolizer: &mut Symbolizer, kernel: Option<&KernelSymbols>, meta: ProfileMeta) -> Profile {
+        let incomplete: Arc<str> = Arc::from(INCOMPLETE_STACK_FRAME);
+        let unknown_kernel: Arc<str> = Arc::from("[unknown]");
+        let mut kernel_names: HashMap<u64, Arc<str>> = HashMap::new();
+        let mut samples = Vec::with_capacity(self.stacks.len());
+        for (key, &count) in &self.stacks {
+            let mut frames = Vec::with_capacity(key.user.len() + key.kernel.len() + 1);
+            if !key.complete {
+                frames.push(Frame { name: incomplete.clone(), kind: FrameKind::User });
+            }
+            for location in key.user.iter().rev() {
+                let frame = symbolizer.symbolize(location);
+                frames.push(Frame { name: frame.name, kind: FrameKind::User });
+            }
+            for (depth, &addr) in key.kernel.iter().enumerate().rev() {
+                // Callers' entries are return addresses: look up the call instruction.
+                let lookup = if depth == 0 { addr } else { addr.saturating_sub(1) };
+                let name = kernel_names
+                    .entry(lookup)
+                    .or_insert_with(|| match kernel.and_then(|k| k.lookup(lookup)) {
+                        Some(name) => Arc::from(name),
+                        None => unknown_kernel.clone(),
+                    })
+                    .clone();
+                frames.push(Frame { name, kind: FrameKind::Kernel });
+            }
+            samples.push(StackSample {
+                frames,
+                labels: vec![("pid".to_string(), key.pid.to_string())],
+                count,
+            });
+        }
+        Profile { meta, samples }
+    }
+}

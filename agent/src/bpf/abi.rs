@@ -1,0 +1,149 @@
+//! Rust mirror of `bpf/include/pgscope.h`. Every size and offset is asserted at compile time
+//! against the same numbers the header asserts with `_Static_assert`.
+
+use std::mem::{offset_of, size_of};
+
+pub const USER_STACK_MAX: usize = 16384;
+pub const KERNEL_FRAMES_MAX: usize = 127;
+const SAMPLE_HEADER_SIZE: usize = 56;
+/// Offset of the user stack bytes in a sample record.
+pub const SAMPLE_STACK_OFFSET: usize = SAMPLE_HEADER_SIZE + 8 * KERNEL_FRAMES_MAX;
+
+/// `enum pgscope_target_flags`.
+pub const TARGET_PROFILE: u8 = 1;
+pub const TARGET_FOLLOW_FORKS: u8 = 2;
+
+/// `enum pgscope_counter`, in the header's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Counter {
+    Samples = 0,
+    Sent = 1,
+    RingbufFull = 2,
+    UserStackFault = 3,
+    UserStackLost = 4,
+    KernelStackFault = 5,
+    NoScratch = 6,
+    ForksFollowed = 7,
+    TargetsFull = 8,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 9] = [
+        Counter::Samples,
+        Counter::Sent,
+        Counter::RingbufFull,
+        Counter::UserStackFault,
+        Counter::UserStackLost,
+        Counter::KernelStackFault,
+        Counter::NoScratch,
+        Counter::ForksFollowed,
+        Counter::TargetsFull,
+    ];
+
+    /// Name used in progress lines and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Samples => "samples",
+            Counter::Sent => "sent",
+            Counter::RingbufFull => "lost_ringbuf_full",
+            Counter::UserStackFault => "user_stack_partial",
+            Counter::UserStackLost => "user_stack_lost",
+            Counter::KernelStackFault => "kernel_stack_lost",
+            Counter::NoScratch => "lost_no_scratch",
+            Counter::ForksFollowed => "forks_followed",
+            Counter::TargetsFull => "lost_targets_full",
+        }
+    }
+}
+
+/// `struct pgscope_sample` up to (excluding) the user stack bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SampleHeader {
+    pub tgid: u32,
+    pub tid: u32,
+    pub time_ns: u64,
+    pub cpu: u32,
+    pub kernel_frames: u32,
+    pub user_ip: u64,
+    pub user_sp: u64,
+    pub user_bp: u64,
+    pub user_stack_len: u64,
+    pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
+}
+
+const _: () = assert!(offset_of!(SampleHeader, kernel_stack) == SAMPLE_HEADER_SIZE);
+const _: () = assert!(offset_of!(SampleHeader, user_stack_len) == 48);
+const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
+
+/// A sample record as read from the ring buffer: the header and the copied user stack.
+pub struct SampleRecord<'a> {
+    pub header: SampleHeader,
+    pub user_stack: &'a [u8],
+}
+
+/// Why a ring buffer record could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("sample record of {0} bytes is shorter than its {SAMPLE_STACK_OFFSET}-byte header")]
+    Short(usize),
+    #[error("sample record claims {claimed} stack bytes but carries {carried}")]
+    StackLength { claimed: u64, carried: usize },
+}
+
+impl<'a> SampleRecord<'a> {
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, RecordError> {
+        if bytes.len() < SAMPLE_STACK_OFFSET {
+            return Err(RecordError::Short(bytes.len()));
+        }
+        // SAFETY: the length was checked above, SampleHeader is plain old data (repr(C), only
+        // integers) and read_unaligned does not require the ring buffer record to be aligned.
+        let header: SampleHeader =
+            unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<SampleHeader>()) };
+        let carried = bytes.len() - SAMPLE_STACK_OFFSET;
+        let claimed = header.user_stack_len;
+        if claimed > carried as u64 || claimed > USER_STACK_MAX as u64 {
+            return Err(RecordError::StackLength { claimed, carried });
+        }
+        let user_stack = &bytes[SAMPLE_STACK_OFFSET..SAMPLE_STACK_OFFSET + claimed as usize];
+        Ok(Self { header, user_stack })
+    }
+
+    /// Kernel frames, leaf first.
+    pub fn kernel_stack(&self) -> &[u64] {
+        let n = (self.header.kernel_frames as usize).min(KERNEL_FRAMES_MAX);
+        &self.header.kernel_stack[..n]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_short_and_inconsistent_records() {
+        assert!(matches!(SampleRecord::parse(&[0u8; 10]), Err(RecordError::Short(10))));
+        let mut bytes = vec![0u8; SAMPLE_STACK_OFFSET + 8];
+        bytes[48..56].copy_from_slice(&16u64.to_ne_bytes());
+        assert!(matches!(
+            SampleRecord::parse(&bytes),
+            Err(RecordError::StackLength { claimed: 16, carried: 8 })
+        ));
+    }
+
+    #[test]
+    fn decodes_header_and_stack() {
+        let mut bytes = vec![0u8; SAMPLE_STACK_OFFSET + 16];
+        bytes[0..4].copy_from_slice(&1234u32.to_ne_bytes());
+        bytes[20..24].copy_from_slice(&2u32.to_ne_bytes());
+        bytes[48..56].copy_from_slice(&16u64.to_ne_bytes());
+        bytes[56..64].copy_from_slice(&0xffff_ffff_8100_0000u64.to_ne_bytes());
+        bytes[SAMPLE_STACK_OFFSET] = 0xab;
+        let record = SampleRecord::parse(&bytes).expect("valid record");
+        assert_eq!(record.header.tgid, 1234);
+        assert_eq!(record.kernel_stack(), &[0xffff_ffff_8100_0000, 0]);
+        assert_eq!(record.user_stack.len(), 16);
+        assert_eq!(record.user_stack[0], 0xab);
+    }
+}

@@ -1,0 +1,133 @@
+//! Lifecycle of the on-CPU sampling programs: load the embedded object, attach one CPU-clock
+//! perf event per online CPU and the fork/exit tracepoints, fill the target map, read the loss
+//! counters. Dropping [`OnCpuProbes`] detaches every program (aya closes the links).
+
+pub mod abi;
+
+use anyhow::{anyhow, Context, Result};
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
+use aya::programs::{PerfEvent, TracePoint};
+use aya::util::online_cpus;
+use aya::Ebpf;
+
+use abi::Counter;
+
+static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profile.bpf.o"));
+
+/// The loaded on-CPU profiler programs and their maps.
+pub struct OnCpuProbes {
+    ebpf: Ebpf,
+}
+
+impl OnCpuProbes {
+    /// Loads the programs into the kernel (CO-RE relocated against the running kernel's BTF).
+    pub fn load() -> Result<Self> {
+        let ebpf = Ebpf::load(PROFILE_OBJECT).context(
+            "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
+             ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
+        )?;
+        Ok(Self { ebpf })
+    }
+
+    /// Starts sampling every online CPU at `frequency_hz` on the CPU clock. Only processes in
+    /// the target map produce samples; the filter runs in the kernel.
+    pub fn attach_sampling(&mut self, frequency_hz: u64) -> Result<()> {
+        let program: &mut PerfEvent = self
+            .ebpf
+            .program_mut("on_cpu_sample")
+            .ok_or_else(|| anyhow!("BPF object has no program `on_cpu_sample`"))?
+            .try_into()?;
+        program.load().context("loading the on-CPU sampling program")?;
+        let cpus = online_cpus()
+            .map_err(|(path, error)| anyhow!(error).context(format!("reading `{path}`")))?;
+        for cpu in cpus {
+            program
+                .attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::AllProcessesOneCpu { cpu },
+                    SamplePolicy::Frequency(frequency_hz),
+                    false,
+                )
+                .with_context(|| format!("attaching the CPU-clock perf event on CPU {cpu}"))?;
+        }
+        Ok(())
+    }
+
+    /// Follows forks of targets flagged [`abi::TARGET_FOLLOW_FORKS`] and drops exited
+    /// processes from the target map. Needs tracefs (see `preflight::ensure_tracefs`).
+    pub fn attach_process_tracking(&mut self) -> Result<()> {
+        for (program_name, event) in [
+            ("on_fork", "sched_process_fork"),
+            ("on_process_exit", "sched_process_exit"),
+        ] {
+            let program: &mut TracePoint = self
+                .ebpf
+                .program_mut(program_name)
+                .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
+                .try_into()?;
+            program.load().with_context(|| format!("loading `{program_name}`"))?;
+            program
+                .attach("sched", event)
+                .with_context(|| format!("attaching to tracepoint sched/{event}"))?;
+        }
+        Ok(())
+    }
+
+    /// Adds a process to the in-kernel filter.
+    pub fn add_target(&mut self, tgid: u32, flags: u8) -> Result<()> {
+        let map = self.ebpf.map_mut("targets").ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
+        let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
+        targets
+            .insert(tgid, flags, 0)
+            .with_context(|| format!("adding PID {tgid} to the target map"))
+    }
+
+    /// Takes the sample ring buffer out of the object, for the event loop to own.
+    pub fn take_samples(&mut self) -> Result<RingBuf<MapData>> {
+        let map = self.ebpf.take_map("samples").ok_or_else(|| anyhow!("BPF object has no map `samples`"))?;
+        Ok(RingBuf::try_from(map)?)
+    }
+
+    /// Counters summed over CPUs, in [`Counter::ALL`] order.
+    pub fn counters(&self) -> Result<Counters> {
+        let map = self.ebpf.map("counters").ok_or_else(|| anyhow!("BPF object has no map `counters`"))?;
+        let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
+        let mut totals = [0u64; Counter::ALL.len()];
+        for (slot, counter) in totals.iter_mut().zip(Counter::ALL) {
+            let per_cpu = array
+                .get(&(counter as u32), 0)
+                .with_context(|| format!("reading counter `{}`", counter.name()))?;
+            *slot = per_cpu.iter().sum();
+        }
+        Ok(Counters(totals))
+    }
+}
+
+/// A snapshot of the BPF-side counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Counters([u64; Counter::ALL.len()]);
+
+impl Counters {
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.0[counter as usize]
+    }
+
+    /// Samples lost in the kernel, by reason, for the reasons that occurred.
+    pub fn losses(&self) -> Vec<(Counter, u64)> {
+        [Counter::RingbufFull, Counter::NoScratch, Counter::TargetsFull]
+            .into_iter()
+            .map(|c| (c, self.get(c)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+
+    /// Samples kept with a degraded stack, by reason.
+    pub fn degradations(&self) -> Vec<(Counter, u64)> {
+        [Counter::UserStackFault, Counter::UserStackLost, Counter::KernelStackFault]
+            .into_iter()
+            .map(|c| (c, self.get(c)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+}

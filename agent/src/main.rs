@@ -1,0 +1,109 @@
+//! pgscope: an eBPF profiler for PostgreSQL.
+
+mod aggregate;
+mod bpf;
+mod preflight;
+mod target;
+mod trace;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "pgscope", version, about = "eBPF profiler for PostgreSQL: which query, in which backend, spends its time where")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Profile one backend (--pid) or every process of one instance (--instance) on CPU, then
+    /// print the top functions and write flamegraphs.
+    Trace(TraceArgs),
+}
+
+#[derive(Args)]
+struct TraceArgs {
+    /// PID of a Postgres backend (see pg_stat_activity.pid).
+    #[arg(long, required_unless_present = "instance", conflicts_with = "instance")]
+    pid: Option<u32>,
+    /// Postmaster PID or data directory: profile every process of that instance, each sample
+    /// labelled with its backend PID; backends started during the trace are followed.
+    #[arg(long, value_name = "POSTMASTER_PID|DATA_DIR")]
+    instance: Option<String>,
+    /// How long to profile, e.g. 30s, 2m, 500ms.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Samples per second per CPU.
+    #[arg(long, default_value_t = 99, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    frequency: u64,
+    /// Write an SVG flamegraph here.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Write folded stacks (Brendan Gregg's format, root first) here.
+    #[arg(long, value_name = "FILE")]
+    folded: Option<PathBuf>,
+    /// Write a gzipped pprof profile here (samples carry a `pid` label).
+    #[arg(long, value_name = "FILE")]
+    pprof: Option<PathBuf>,
+    /// Extra directory holding separate debug files in a `.build-id/xx/rest.debug` tree
+    /// (/usr/lib/debug is always searched). Repeatable.
+    #[arg(long = "debug-dir", value_name = "DIR")]
+    debug_dirs: Vec<PathBuf>,
+    /// How many functions the summary lists.
+    #[arg(long, default_value_t = 20)]
+    top: usize,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text).map_err(|e| format!("{e} (try 30s, 2m or 500ms)"))?;
+    if duration.is_zero() {
+        return Err("the duration must be longer than zero".into());
+    }
+    Ok(duration)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("pgscope: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Trace(args) => {
+                trace::run(trace::TraceOptions {
+                    pid: args.pid,
+                    instance: args.instance,
+                    duration: args.duration,
+                    frequency_hz: args.frequency,
+                    svg: args.svg,
+                    folded: args.folded,
+                    pprof: args.pprof,
+                    debug_dirs: args.debug_dirs,
+                    top: args.top,
+                })
+                .await
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("pgscope: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

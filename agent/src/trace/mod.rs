@@ -1,0 +1,152 @@
+//! `pgscope trace`: profile one backend or one instance for a while, then print the top
+//! functions and write the flamegraph outputs.
+
+mod progress;
+mod report;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use aya::maps::{MapData, RingBuf};
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{debug, warn};
+
+use crate::aggregate::StackAggregator;
+use crate::bpf::abi::{SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
+use crate::bpf::OnCpuProbes;
+use crate::preflight;
+use crate::target::{self, Target};
+use symbolizer::{Symbolizer, SymbolizerOptions, UserRegs};
+
+/// Options of one trace session (parsed from the command line in `main.rs`).
+#[derive(Clone, Debug)]
+pub struct TraceOptions {
+    pub pid: Option<u32>,
+    pub instance: Option<String>,
+    pub duration: Duration,
+    pub frequency_hz: u64,
+    pub svg: Option<PathBuf>,
+    pub folded: Option<PathBuf>,
+    pub pprof: Option<PathBuf>,
+    pub debug_dirs: Vec<PathBuf>,
+    pub top: usize,
+}
+
+pub async fn run(options: TraceOptions) -> Result<()> {
+    preflight::check_all()?;
+    let target = match (&options.pid, &options.instance) {
+        (Some(pid), _) => target::backend(*pid)?,
+        (None, Some(spec)) => target::instance(spec)?,
+        (None, None) => anyhow::bail!("pass --pid <backend pid> or --instance <postmaster pid | data dir>"),
+    };
+
+    let mut probes = OnCpuProbes::load()?;
+    match &target {
+        Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE)?,
+        Target::Instance { postmaster, .. } => {
+            probes.attach_process_tracking()?;
+            // The postmaster goes in first: a backend forked from now on is caught by the fork
+            // tracepoint, one forked earlier by the /proc scan that follows.
+            let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS;
+            probes.add_target(postmaster.pid, flags)?;
+            for child in target::children_of(postmaster.pid) {
+                probes.add_target(child.pid, flags)?;
+            }
+        }
+    }
+    let ring = probes.take_samples()?;
+    probes.attach_sampling(options.frequency_hz)?;
+
+    let started = Instant::now();
+    let start_unix_nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut session = Session {
+        symbolizer: Symbolizer::new(SymbolizerOptions { debug_dirs: options.debug_dirs.clone() }),
+        aggregator: StackAggregator::default(),
+        malformed: 0,
+    };
+    eprintln!(
+        "pgscope: profiling {} at {} Hz for {:?} (Ctrl-C to stop early)",
+        target.describe(),
+        options.frequency_hz,
+        options.duration
+    );
+    let ended_early = collect(&mut session, &probes, ring, &options, started).await?;
+    let counters = probes.counters()?;
+    // Detach before the slow part (symbolization, output): the database is left alone at once.
+    drop(probes);
+    let elapsed = started.elapsed();
+    if ended_early {
+        eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
+    }
+    report::finish(&options, &target, session, counters, start_unix_nanos, elapsed)
+}
+
+/// Everything that is built up while samples arrive.
+pub(crate) struct Session {
+    pub symbolizer: Symbolizer,
+    pub aggregator: StackAggregator,
+    pub malformed: u64,
+}
+
+impl Session {
+    fn handle(&mut self, bytes: &[u8]) {
+        let record = match SampleRecord::parse(bytes) {
+            Ok(record) => record,
+            Err(error) => {
+                self.malformed += 1;
+                debug!("dropping malformed sample: {error}");
+                return;
+            }
+        };
+        let header = record.header;
+        let regs = UserRegs { ip: header.user_ip, sp: header.user_sp, bp: header.user_bp };
+        let user = self.symbolizer.unwind(header.tgid, &regs, record.user_stack);
+        self.aggregator.add(header.tgid, record.kernel_stack(), user);
+    }
+}
+
+/// Drains the ring buffer until the duration passes or a signal arrives. Returns whether the
+/// session ended before its duration.
+async fn collect(
+    session: &mut Session,
+    probes: &OnCpuProbes,
+    ring: RingBuf<MapData>,
+    options: &TraceOptions,
+    started: Instant,
+) -> Result<bool> {
+    let mut ring = AsyncFd::new(ring).context("registering the ring buffer with tokio")?;
+    let deadline = tokio::time::sleep(options.duration);
+    tokio::pin!(deadline);
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut progress = progress::Progress::new(options.duration);
+    let ended_early = loop {
+        tokio::select! {
+            readable = ring.readable_mut() => {
+                let mut guard = readable.context("waiting on the ring buffer")?;
+                while let Some(item) = guard.get_inner_mut().next() {
+                    session.handle(&item);
+                }
+                guard.clear_ready();
+            }
+            _ = tick.tick() => {
+                match probes.counters() {
+                    Ok(counters) => progress.update(started.elapsed(), &counters, &session.aggregator.stats()),
+                    Err(error) => warn!("cannot read BPF counters: {error:#}"),
+                }
+            }
+            _ = &mut deadline => break false,
+            _ = interrupt.recv() => break true,
+            _ = terminate.recv() => break true,
+        }
+    };
+    // Samples already in the ring buffer belong to the session.
+    while let Some(item) = ring.get_mut().next() {
+        session.handle(&item);
+    }
+    progress.finish();
+    Ok(ended_early)
+}

@@ -1,0 +1,109 @@
+//! The end of a trace: the summary, the top functions, and the requested output files.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use exporters::{FoldedOptions, Profile, ProfileMeta, SvgOptions};
+use symbolizer::KernelSymbols;
+use tracing::warn;
+
+use super::{Session, TraceOptions};
+use crate::bpf::abi::Counter;
+use crate::bpf::Counters;
+use crate::target::Target;
+
+pub(super) fn finish(
+    options: &TraceOptions,
+    target: &Target,
+    mut session: Session,
+    counters: Counters,
+    start_unix_nanos: u64,
+    elapsed: Duration,
+) -> Result<()> {
+    let kernel = match KernelSymbols::load() {
+        Ok(symbols) => Some(symbols),
+        Err(error) => {
+            warn!("kernel frames will be unnamed: {error}");
+            None
+        }
+    };
+    let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
+    let profile = session.aggregator.to_profile(&mut session.symbolizer, kernel.as_ref(), meta);
+    let stats = session.aggregator.stats();
+    let root_labels = match target {
+        Target::Backend(_) => Vec::new(),
+        Target::Instance { .. } => vec!["pid".to_string()],
+    };
+
+    println!(
+        "{} · {:.1} s · {} samples · user stacks complete {:.1}%",
+        target.describe(),
+        elapsed.as_secs_f64(),
+        stats.samples,
+        stats.complete_pct()
+    );
+    print_losses(&counters, session.malformed);
+    let total: u64 = profile.samples.iter().map(|s| s.count).sum();
+    if total == 0 {
+        println!("no samples: the target was idle (off CPU) for the whole trace");
+    } else {
+        let shares = exporters::top_functions(&profile, options.top);
+        println!("{}", exporters::render_top_table(&shares, total));
+    }
+
+    if let Some(path) = &options.folded {
+        write_file(path, |w| exporters::write_folded(&profile, &FoldedOptions { root_labels: root_labels.clone() }, w))?;
+        println!("wrote folded stacks to {}", path.display());
+    }
+    if let Some(path) = &options.svg {
+        let svg_options = SvgOptions {
+            title: format!("pgscope: {}", target.describe()),
+            subtitle: Some(format!("on-CPU · {} Hz · {:.0} s · {} samples", options.frequency_hz, elapsed.as_secs_f64(), total)),
+            root_labels: root_labels.clone(),
+        };
+        write_file(path, |w| exporters::write_svg(&profile, &svg_options, w))?;
+        println!("wrote flamegraph to {}", path.display());
+    }
+    if let Some(path) = &options.pprof {
+        write_pprof(path, &profile)?;
+        println!("wrote pprof profile to {}", path.display());
+    }
+    Ok(())
+}
+
+fn print_losses(counters: &Counters, malformed: u64) {
+    let mut parts: Vec<String> = counters
+        .losses()
+        .into_iter()
+        .chain(counters.degradations())
+        .map(|(counter, n)| format!("{} {n}", counter.name()))
+        .collect();
+    if malformed > 0 {
+        parts.push(format!("malformed {malformed}"));
+    }
+    if !parts.is_empty() {
+        println!(
+            "sample losses: {} (of {} samples taken in the kernel)",
+            parts.join(", "),
+            counters.get(Counter::Samples)
+        );
+    }
+}
+
+fn write_file<E>(path: &Path, write: impl FnOnce(&mut BufWriter<File>) -> Result<(), E>) -> Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let file = File::create(path).with_context(|| format!("cannot create `{}`", path.display()))?;
+    let mut writer = BufWriter::new(file);
+    write(&mut writer).with_context(|| format!("writing `{}`", path.display()))?;
+    writer.flush().with_context(|| format!("writing `{}`", path.display()))
+}
+
+fn write_pprof(path: &Path, profile: &Profile) -> Result<()> {
+    let bytes = exporters::encode_pprof_gzip(profile).context("encoding the pprof profile")?;
+    std::fs::write(path, bytes).with_context(|| format!("cannot write `{}`", path.display()))
+}

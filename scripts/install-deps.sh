@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what building and testing pgscope needs, on Debian 12. Safe to run again: packages
+# already present are left at their installed version (--no-upgrade), so the Postgres under test
+# does not change under a running machine.
+set -euo pipefail
+
+packages=(
+  clang llvm libbpf-dev bpftool       # BPF programs: compiler, libbpf headers, vmlinux.h
+  build-essential pkg-config          # C fixtures of the symbolizer tests, Rust build scripts
+  binutils elfutils file              # strip/objcopy/readelf for fixtures and the debug-file split
+  linux-perf                          # the perf agreement test
+  postgresql-15 postgresql-contrib    # the distro Postgres profiled by demo and tests
+  dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing ${missing[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-upgrade "${missing[@]}" >/dev/null
+fi
+
+# The Debian package starts a cluster on 5432; pgscope's demo and tests run their own clusters
+# and do not need it.
+if command -v pg_lsclusters >/dev/null && pg_lsclusters -h 2>/dev/null | grep -q online; then
+  echo "install-deps: note: a system Postgres cluster is running; pgscope leaves it alone" >&2
+fi
+
+if ! command -v cargo >/dev/null; then
+  echo "install-deps: cargo not found: install Rust (rustup, 1.95 or newer) and run again" >&2
+  exit 1
+fi
