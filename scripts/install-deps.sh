@@ -11,6 +11,7 @@ packages=(
   linux-perf                          # the perf agreement test
   postgresql-15 postgresql-contrib    # the distro Postgres profiled by demo and tests
   dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build
+  time bc python3                     # bench/overhead.sh and the demo's free-port pick
 )
 
 missing=()
