@@ -44,7 +44,15 @@ fn generate_vmlinux_h(out: &Path) {
 
 fn compile_bpf(src: &Path, object: &Path, vmlinux_dir: &Path, include_dir: &Path) {
     let status = Command::new("clang")
-        .args(["-g", "-O2", "-target", "bpf", "-D__TARGET_ARCH_x86", "-Wall", "-Werror"])
+        .args([
+            "-g",
+            "-O2",
+            "-target",
+            "bpf",
+            "-D__TARGET_ARCH_x86",
+            "-Wall",
+            "-Werror",
+        ])
         .arg("-I")
         .arg(vmlinux_dir)
         .arg("-I")

@@ -85,7 +85,12 @@ impl StackAggregator {
 
     /// Names every frame and builds the profile: frames root first (user root … user leaf,
     /// then kernel entry … kernel leaf), labelled with the process id.
-    pub fn to_profile(&self, symbolizer: &mut Symbolizer, kernel: Option<&KernelSymbols>, meta: ProfileMeta) -> Profile {
+    pub fn to_profile(
+        &self,
+        symbolizer: &mut Symbolizer,
+        kernel: Option<&KernelSymbols>,
+        meta: ProfileMeta,
+    ) -> Profile {
         let incomplete: Arc<str> = Arc::from(INCOMPLETE_STACK_FRAME);
         let unknown_kernel: Arc<str> = Arc::from("[unknown]");
         let mut kernel_names: HashMap<u64, Arc<str>> = HashMap::new();
@@ -93,11 +98,17 @@ impl StackAggregator {
         for (key, &count) in &self.stacks {
             let mut frames = Vec::with_capacity(key.user.len() + key.kernel.len() + 1);
             if !key.complete {
-                frames.push(Frame { name: incomplete.clone(), kind: FrameKind::User });
+                frames.push(Frame {
+                    name: incomplete.clone(),
+                    kind: FrameKind::User,
+                });
             }
             for location in key.user.iter().rev() {
                 let frame = symbolizer.symbolize(location);
-                frames.push(Frame { name: frame.name, kind: FrameKind::User });
+                frames.push(Frame {
+                    name: frame.name,
+                    kind: FrameKind::User,
+                });
             }
             for (depth, &addr) in key.kernel.iter().enumerate().rev() {
                 // Callers' entries are return addresses: look up the call instruction.
@@ -109,7 +120,10 @@ impl StackAggregator {
                         None => unknown_kernel.clone(),
                     })
                     .clone();
-                frames.push(Frame { name, kind: FrameKind::Kernel });
+                frames.push(Frame {
+                    name,
+                    kind: FrameKind::Kernel,
+                });
             }
             samples.push(StackSample {
                 frames,

@@ -14,7 +14,11 @@ use clap::{Args, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "pgscope", version, about = "eBPF profiler for PostgreSQL: which query, in which backend, spends its time where")]
+#[command(
+    name = "pgscope",
+    version,
+    about = "eBPF profiler for PostgreSQL: which query, in which backend, spends its time where"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -67,7 +67,15 @@ pub fn ensure_tracefs() -> Result<()> {
     let fstype = std::ffi::CString::new("tracefs")?;
     let source = std::ffi::CString::new("nodev")?;
     // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
-    let rc = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
     if rc != 0 {
         let error = std::io::Error::last_os_error();
         bail!(
@@ -80,9 +88,15 @@ pub fn ensure_tracefs() -> Result<()> {
 
 /// Kernels before 5.11 charge BPF maps against RLIMIT_MEMLOCK; newer ones ignore it.
 fn raise_memlock_limit() {
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
     // SAFETY: setrlimit only reads the struct passed by reference.
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
-        debug!("could not raise RLIMIT_MEMLOCK: {}", std::io::Error::last_os_error());
+        debug!(
+            "could not raise RLIMIT_MEMLOCK: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }

@@ -24,7 +24,12 @@ impl ProcessInfo {
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .map(|n| n.trim_end_matches(" (deleted)").to_string());
-        Some(Self { pid, ppid, comm, exe_name })
+        Some(Self {
+            pid,
+            ppid,
+            comm,
+            exe_name,
+        })
     }
 
     /// Postgres processes run the `postgres` binary (`postmaster` is an old alias of it).
@@ -52,8 +57,10 @@ fn parse_stat(stat: &str) -> Option<(String, u32)> {
 pub enum Target {
     /// One backend (or any single Postgres process).
     Backend(ProcessInfo),
-    /// A postmaster and every process it forks, now and during the trace.
-    Instance { postmaster: ProcessInfo, children: Vec<ProcessInfo> },
+    /// A postmaster and every process it forks, now and during the trace. Its children are
+    /// scanned when the probes attach, after the postmaster is in the filter, so that no
+    /// backend forked in between is missed.
+    Instance { postmaster: ProcessInfo },
 }
 
 impl Target {
@@ -89,8 +96,7 @@ pub fn instance(spec: &str) -> Result<Target> {
             );
         }
     }
-    let children = children_of(pid);
-    Ok(Target::Instance { postmaster, children })
+    Ok(Target::Instance { postmaster })
 }
 
 fn postgres_process(pid: u32) -> Result<ProcessInfo> {
@@ -134,7 +140,9 @@ fn postmaster_pid_of(data_dir: &Path) -> Result<u32> {
 
 /// Current children of `pid` (backends and auxiliary processes of a postmaster).
 pub fn children_of(pid: u32) -> Vec<ProcessInfo> {
-    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
     let mut children: Vec<ProcessInfo> = entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(ProcessInfo::read)

@@ -99,8 +99,7 @@ impl<'a> SampleRecord<'a> {
         }
         // SAFETY: the length was checked above, SampleHeader is plain old data (repr(C), only
         // integers) and read_unaligned does not require the ring buffer record to be aligned.
-        let header: SampleHeader =
-            unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<SampleHeader>()) };
+        let header: SampleHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<SampleHeader>()) };
         let carried = bytes.len() - SAMPLE_STACK_OFFSET;
         let claimed = header.user_stack_len;
         if claimed > carried as u64 || claimed > USER_STACK_MAX as u64 {
@@ -123,12 +122,18 @@ mod tests {
 
     #[test]
     fn rejects_short_and_inconsistent_records() {
-        assert!(matches!(SampleRecord::parse(&[0u8; 10]), Err(RecordError::Short(10))));
+        assert!(matches!(
+            SampleRecord::parse(&[0u8; 10]),
+            Err(RecordError::Short(10))
+        ));
         let mut bytes = vec![0u8; SAMPLE_STACK_OFFSET + 8];
         bytes[48..56].copy_from_slice(&16u64.to_ne_bytes());
         assert!(matches!(
             SampleRecord::parse(&bytes),
-            Err(RecordError::StackLength { claimed: 16, carried: 8 })
+            Err(RecordError::StackLength {
+                claimed: 16,
+                carried: 8
+            })
         ));
     }
 

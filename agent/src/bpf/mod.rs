@@ -39,8 +39,8 @@ impl OnCpuProbes {
             .ok_or_else(|| anyhow!("BPF object has no program `on_cpu_sample`"))?
             .try_into()?;
         program.load().context("loading the on-CPU sampling program")?;
-        let cpus = online_cpus()
-            .map_err(|(path, error)| anyhow!(error).context(format!("reading `{path}`")))?;
+        let cpus =
+            online_cpus().map_err(|(path, error)| anyhow!(error).context(format!("reading `{path}`")))?;
         for cpu in cpus {
             program
                 .attach(
@@ -66,7 +66,9 @@ impl OnCpuProbes {
                 .program_mut(program_name)
                 .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
                 .try_into()?;
-            program.load().with_context(|| format!("loading `{program_name}`"))?;
+            program
+                .load()
+                .with_context(|| format!("loading `{program_name}`"))?;
             program
                 .attach("sched", event)
                 .with_context(|| format!("attaching to tracepoint sched/{event}"))?;
@@ -76,7 +78,10 @@ impl OnCpuProbes {
 
     /// Adds a process to the in-kernel filter.
     pub fn add_target(&mut self, tgid: u32, flags: u8) -> Result<()> {
-        let map = self.ebpf.map_mut("targets").ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
+        let map = self
+            .ebpf
+            .map_mut("targets")
+            .ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
         let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .insert(tgid, flags, 0)
@@ -85,13 +90,19 @@ impl OnCpuProbes {
 
     /// Takes the sample ring buffer out of the object, for the event loop to own.
     pub fn take_samples(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.ebpf.take_map("samples").ok_or_else(|| anyhow!("BPF object has no map `samples`"))?;
+        let map = self
+            .ebpf
+            .take_map("samples")
+            .ok_or_else(|| anyhow!("BPF object has no map `samples`"))?;
         Ok(RingBuf::try_from(map)?)
     }
 
     /// Counters summed over CPUs, in [`Counter::ALL`] order.
     pub fn counters(&self) -> Result<Counters> {
-        let map = self.ebpf.map("counters").ok_or_else(|| anyhow!("BPF object has no map `counters`"))?;
+        let map = self
+            .ebpf
+            .map("counters")
+            .ok_or_else(|| anyhow!("BPF object has no map `counters`"))?;
         let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
         let mut totals = [0u64; Counter::ALL.len()];
         for (slot, counter) in totals.iter_mut().zip(Counter::ALL) {
@@ -124,10 +135,14 @@ impl Counters {
 
     /// Samples kept with a degraded stack, by reason.
     pub fn degradations(&self) -> Vec<(Counter, u64)> {
-        [Counter::UserStackFault, Counter::UserStackLost, Counter::KernelStackFault]
-            .into_iter()
-            .map(|c| (c, self.get(c)))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+        [
+            Counter::UserStackFault,
+            Counter::UserStackLost,
+            Counter::KernelStackFault,
+        ]
+        .into_iter()
+        .map(|c| (c, self.get(c)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{debug, warn};
 
@@ -51,18 +52,28 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             // tracepoint, one forked earlier by the /proc scan that follows.
             let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS;
             probes.add_target(postmaster.pid, flags)?;
-            for child in target::children_of(postmaster.pid) {
+            let children = target::children_of(postmaster.pid);
+            for child in &children {
                 probes.add_target(child.pid, flags)?;
             }
+            eprintln!(
+                "pgscope: instance has {} processes besides the postmaster",
+                children.len()
+            );
         }
     }
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
     let started = Instant::now();
-    let start_unix_nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let start_unix_nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     let mut session = Session {
-        symbolizer: Symbolizer::new(SymbolizerOptions { debug_dirs: options.debug_dirs.clone() }),
+        symbolizer: Symbolizer::new(SymbolizerOptions {
+            debug_dirs: options.debug_dirs.clone(),
+        }),
         aggregator: StackAggregator::default(),
         malformed: 0,
     };
@@ -101,7 +112,11 @@ impl Session {
             }
         };
         let header = record.header;
-        let regs = UserRegs { ip: header.user_ip, sp: header.user_sp, bp: header.user_bp };
+        let regs = UserRegs {
+            ip: header.user_ip,
+            sp: header.user_sp,
+            bp: header.user_bp,
+        };
         let user = self.symbolizer.unwind(header.tgid, &regs, record.user_stack);
         self.aggregator.add(header.tgid, record.kernel_stack(), user);
     }
@@ -116,7 +131,11 @@ async fn collect(
     options: &TraceOptions,
     started: Instant,
 ) -> Result<bool> {
-    let mut ring = AsyncFd::new(ring).context("registering the ring buffer with tokio")?;
+    // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
+    // always returns that same fd.
+    let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
+        .context("registering the ring buffer with tokio")?;
     let deadline = tokio::time::sleep(options.duration);
     tokio::pin!(deadline);
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -16,7 +16,11 @@ pub struct Progress {
 
 impl Progress {
     pub fn new(total: Duration) -> Self {
-        Self { total, terminal: std::io::stderr().is_terminal(), updates: 0 }
+        Self {
+            total,
+            terminal: std::io::stderr().is_terminal(),
+            updates: 0,
+        }
     }
 
     pub fn update(&mut self, elapsed: Duration, counters: &Counters, stats: &UnwindStats) {
@@ -35,7 +39,11 @@ impl Progress {
         );
         let mut stderr = std::io::stderr().lock();
         // Progress is best effort: a closed stderr must not end the session.
-        let _ = if self.terminal { write!(stderr, "\r{line}\x1b[K") } else { writeln!(stderr, "{line}") };
+        let _ = if self.terminal {
+            write!(stderr, "\r{line}\x1b[K")
+        } else {
+            writeln!(stderr, "{line}")
+        };
         let _ = stderr.flush();
     }
 

@@ -31,7 +31,9 @@ pub(super) fn finish(
         }
     };
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
-    let profile = session.aggregator.to_profile(&mut session.symbolizer, kernel.as_ref(), meta);
+    let profile = session
+        .aggregator
+        .to_profile(&mut session.symbolizer, kernel.as_ref(), meta);
     let stats = session.aggregator.stats();
     let root_labels = match target {
         Target::Backend(_) => Vec::new(),
@@ -55,13 +57,26 @@ pub(super) fn finish(
     }
 
     if let Some(path) = &options.folded {
-        write_file(path, |w| exporters::write_folded(&profile, &FoldedOptions { root_labels: root_labels.clone() }, w))?;
+        write_file(path, |w| {
+            exporters::write_folded(
+                &profile,
+                &FoldedOptions {
+                    root_labels: root_labels.clone(),
+                },
+                w,
+            )
+        })?;
         println!("wrote folded stacks to {}", path.display());
     }
     if let Some(path) = &options.svg {
         let svg_options = SvgOptions {
             title: format!("pgscope: {}", target.describe()),
-            subtitle: Some(format!("on-CPU · {} Hz · {:.0} s · {} samples", options.frequency_hz, elapsed.as_secs_f64(), total)),
+            subtitle: Some(format!(
+                "on-CPU · {} Hz · {:.0} s · {} samples",
+                options.frequency_hz,
+                elapsed.as_secs_f64(),
+                total
+            )),
             root_labels: root_labels.clone(),
         };
         write_file(path, |w| exporters::write_svg(&profile, &svg_options, w))?;
@@ -100,7 +115,9 @@ where
     let file = File::create(path).with_context(|| format!("cannot create `{}`", path.display()))?;
     let mut writer = BufWriter::new(file);
     write(&mut writer).with_context(|| format!("writing `{}`", path.display()))?;
-    writer.flush().with_context(|| format!("writing `{}`", path.display()))
+    writer
+        .flush()
+        .with_context(|| format!("writing `{}`", path.display()))
 }
 
 fn write_pprof(path: &Path, profile: &Profile) -> Result<()> {
