@@ -1,0 +1,319 @@
+//! Unwinding and symbolizing user-stack snapshots of (PostgreSQL) processes, plus kernel
+//! symbols.
+//!
+//! BPF hands over, per sample, the user registers and a copy of the stack from `sp` upward.
+//! [`Symbolizer::unwind`] walks that copy with `.eh_frame` CFI (framehop), falling back to
+//! frame pointers where a module has no unwind info, and returns [`Location`]s that stay
+//! valid after the process exits. [`Symbolizer::symbolize`] names them.
+//!
+//! # Naming rules (stripped binaries)
+//! An address is never named after the nearest exported symbol if it lies in another
+//! function: the `.eh_frame` FDE containing it gives the function start, and the name is a
+//! symbol starting exactly there (`.symtab` or the debug file's `.symtab` before `.dynsym`;
+//! among aliases global before weak before local, then the shortest, then alphabetical),
+//! else a sized symbol containing the address, else `module+0x<function start>`. Without an
+//! FDE: a sized symbol containing the address, else `module+0x<address>`.
+//!
+//! # framehop behaviour worth knowing
+//! - The first frame is the sampled `ip` itself (not minus 1); later frames are return
+//!   addresses minus 1.
+//! - Frame-pointer fallback is framehop's own: for addresses in no known module (JIT code),
+//!   in a module without `.eh_frame`, or before the first FDE, it uses `rbp` (`[rbp]` =
+//!   caller's `rbp`, `[rbp+8]` = return address). For an address in a gap between FDEs of a
+//!   module that has `.eh_frame`, it assumes the first frame is at a function entry
+//!   (return address at `[sp]`) and uses `rbp` for the others.
+//! - framehop ends a walk the same way at `_start` (`.cfi_undefined rip`) and when its
+//!   frame-pointer fallback meets `rbp == 0`; this crate reports the latter as
+//!   [`UnwindEnd::NoUnwindInfo`] unless the module has no `.eh_frame` at all.
+//! - framehop accepts any return address; this crate ends the walk with
+//!   [`UnwindEnd::Error`] (without that frame) when one is not in executable memory.
+//! - Signal frames (`__restore_rt`) unwind through their CFI, but the interrupted frame is
+//!   then looked up at its address minus 1 like any return address.
+//!
+//! # Use
+//! ```no_run
+//! use symbolizer::{Symbolizer, SymbolizerOptions, UserRegs};
+//!
+//! let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+//! # let (pid, regs, stack) = (1, UserRegs::default(), Vec::<u8>::new());
+//! let stack = symbolizer.unwind(pid, &regs, &stack);
+//! for location in &stack.frames {
+//!     let frame = symbolizer.symbolize(location);
+//!     println!("{}!{}", frame.module, frame.name);
+//! }
+//! // When the process exits:
+//! symbolizer.forget_process(pid);
+//! ```
+//! The process must still exist when its first sample is unwound (its maps and files are
+//! read then); [`Symbolizer::unwind_as`] covers short-lived forked children.
+
+mod cache;
+mod debuginfo;
+mod elf;
+mod error;
+mod functions;
+mod kernel;
+mod maps;
+mod module;
+mod process;
+mod symbols;
+mod unwind;
+mod vdso;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use framehop::x86_64::CacheX86_64;
+
+pub use error::Error;
+pub use kernel::KernelSymbols;
+pub use maps::{parse_maps, read_maps, MapEntry, MapPath, Perms};
+pub use module::{ModuleId, ModuleSummary};
+pub use unwind::MAX_DEPTH;
+
+use cache::{FileSource, ModuleCache};
+use process::ProcessState;
+
+/// Minimum time between two re-reads of one process's maps caused by unknown addresses.
+const MAPS_REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// framehop's cache generations are 16 bits: replace the rule cache well before they wrap.
+const MODULES_PER_RULE_CACHE: u64 = 16_384;
+
+/// Entries in the symbolize cache before it is cleared.
+const NAME_CACHE_LIMIT: usize = 1 << 20;
+
+/// x86_64 user registers at sample time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UserRegs {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+}
+
+/// One frame, resolved to a module and a lookup address in that module's ELF virtual-address
+/// space (return addresses already minus 1, so it lies inside the call instruction). For a
+/// module whose file could not be read, `addr` is a file offset instead.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    InModule {
+        module: ModuleId,
+        addr: u64,
+    },
+    /// Not in any mapped file (anonymous memory such as JIT code, or an unknown address).
+    Unmapped {
+        addr: u64,
+    },
+}
+
+/// Why a walk stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindEnd {
+    /// The root of the stack (`_start`, a thread start, or a zero return address).
+    ReachedRoot,
+    /// The walk needed bytes beyond the copied snapshot, still inside the stack mapping.
+    StackTruncated,
+    /// Frame-pointer fallback (no unwind info for the last frame) reached `rbp == 0`.
+    NoUnwindInfo,
+    /// A garbage frame: a return address outside code, a read outside the stack, or
+    /// framehop refusing to loop or move backwards.
+    Error,
+    /// [`MAX_DEPTH`] frames were collected.
+    DepthLimit,
+}
+
+/// Frames of one sample, leaf first.
+#[derive(Clone, Debug)]
+pub struct UnwoundStack {
+    pub frames: Vec<Location>,
+    pub end: UnwindEnd,
+}
+
+/// The name of a frame.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// Function name, `module+0x<function start>`, or `[unknown]`.
+    pub name: Arc<str>,
+    /// Basename of the module's file (`postgres`, `libc.so.6`), or `[unknown]`.
+    pub module: Arc<str>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SymbolizerOptions {
+    /// Extra roots holding `.build-id/xx/rest.debug` (and debuglink targets);
+    /// `/usr/lib/debug` is always searched.
+    pub debug_dirs: Vec<PathBuf>,
+}
+
+/// Unwinds and symbolizes samples of many processes. Parsed files are shared between
+/// processes (keyed by build-id) and kept until the `Symbolizer` is dropped.
+pub struct Symbolizer {
+    modules: ModuleCache,
+    processes: HashMap<u32, ProcessState>,
+    cache: CacheX86_64,
+    /// [`process::modules_added`] when `cache` was created.
+    cache_epoch: u64,
+    names: HashMap<Location, Frame>,
+    unknown: Frame,
+}
+
+impl Symbolizer {
+    pub fn new(opts: SymbolizerOptions) -> Self {
+        Symbolizer {
+            modules: ModuleCache::new(opts.debug_dirs),
+            processes: HashMap::new(),
+            cache: CacheX86_64::new(),
+            cache_epoch: process::modules_added(),
+            names: HashMap::new(),
+            unknown: Frame {
+                name: Arc::from("[unknown]"),
+                module: Arc::from("[unknown]"),
+            },
+        }
+    }
+
+    /// Unwind a user-stack snapshot of process `pid` (the bytes start at `regs.sp`). Reads
+    /// `/proc/PID/maps` on first use, and again (at most once a second) when an address falls
+    /// outside the known mappings. If the process is already gone on first use, the result is
+    /// the bare `ip` with [`UnwindEnd::NoUnwindInfo`] (see [`Symbolizer::unwind_as`]).
+    pub fn unwind(&mut self, pid: u32, regs: &UserRegs, stack: &[u8]) -> UnwoundStack {
+        if !self.ensure_process(pid) {
+            return UnwoundStack {
+                frames: vec![Location::Unmapped { addr: regs.ip }],
+                end: UnwindEnd::NoUnwindInfo,
+            };
+        }
+        self.renew_rule_cache();
+        let Some(state) = self.processes.get_mut(&pid) else {
+            return UnwoundStack {
+                frames: vec![Location::Unmapped { addr: regs.ip }],
+                end: UnwindEnd::NoUnwindInfo,
+            };
+        };
+        let source = live_source(pid);
+        let modules = &mut self.modules;
+        let mut refresh = |state: &mut ProcessState| {
+            if state.loaded_at.elapsed() < MAPS_REFRESH_INTERVAL {
+                return false;
+            }
+            match read_maps(pid) {
+                Ok(maps) => {
+                    *state = ProcessState::new(maps, &source, modules);
+                    true
+                }
+                Err(err) => {
+                    tracing::debug!(pid, error = %err, "cannot re-read mappings");
+                    false
+                }
+            }
+        };
+        unwind::unwind(state, &mut self.cache, regs, stack, Some(&mut refresh))
+    }
+
+    /// Like [`Symbolizer::unwind`], but if `pid` exited before its mappings were read, use
+    /// those of `layout_pid`: a process `pid` was forked from without `exec`, so with the
+    /// same address-space layout (a backend's postmaster). Libraries `pid` loaded itself are
+    /// then unknown, and the walk stops there with [`UnwindEnd::Error`] rather than guessing.
+    pub fn unwind_as(&mut self, pid: u32, layout_pid: u32, regs: &UserRegs, stack: &[u8]) -> UnwoundStack {
+        let pid = if self.ensure_process(pid) { pid } else { layout_pid };
+        self.unwind(pid, regs, stack)
+    }
+
+    /// Read the mappings of `pid` unless known; false if the process is gone.
+    fn ensure_process(&mut self, pid: u32) -> bool {
+        if self.processes.contains_key(&pid) {
+            return true;
+        }
+        match read_maps(pid) {
+            Ok(maps) => {
+                let state = ProcessState::new(maps, &live_source(pid), &mut self.modules);
+                self.processes.insert(pid, state);
+                true
+            }
+            Err(err) => {
+                tracing::debug!(pid, error = %err, "cannot read mappings");
+                false
+            }
+        }
+    }
+
+    fn renew_rule_cache(&mut self) {
+        let added = process::modules_added();
+        if added.wrapping_sub(self.cache_epoch) > MODULES_PER_RULE_CACHE {
+            self.cache = CacheX86_64::new();
+            self.cache_epoch = added;
+        }
+    }
+
+    /// Unwind a snapshot against given mappings instead of a live process: `maps` as parsed
+    /// by [`parse_maps`] (e.g. a saved `/proc/PID/maps`), with the mapped files read under
+    /// `root` (`/` for this machine's files). Nothing per-process is kept; parsed files are
+    /// cached as for live processes.
+    pub fn unwind_with_maps(
+        &mut self,
+        maps: &[MapEntry],
+        root: &Path,
+        regs: &UserRegs,
+        stack: &[u8],
+    ) -> UnwoundStack {
+        let source = FileSource {
+            root: root.to_path_buf(),
+            map_files: None,
+        };
+        let mut state = ProcessState::new(maps.to_vec(), &source, &mut self.modules);
+        self.renew_rule_cache();
+        unwind::unwind(&mut state, &mut self.cache, regs, stack, None)
+    }
+
+    /// Name of a frame: function name if known, else `<module basename>+0x<function start>`;
+    /// `[unknown]` for [`Location::Unmapped`].
+    pub fn symbolize(&mut self, loc: &Location) -> Frame {
+        let Location::InModule { module, addr } = loc else {
+            return self.unknown.clone();
+        };
+        if let Some(frame) = self.names.get(loc) {
+            return frame.clone();
+        }
+        let Some(data) = self.modules.get(module) else {
+            return self.unknown.clone();
+        };
+        let frame = Frame {
+            name: data.name_for(*addr),
+            module: data.basename.clone(),
+        };
+        if self.names.len() >= NAME_CACHE_LIMIT {
+            self.names.clear();
+        }
+        self.names.insert(loc.clone(), frame.clone());
+        frame
+    }
+
+    /// Forget per-process state (mappings, unwinder) of an exited process; parsed files stay
+    /// cached. Call it on every exit: pids are reused, and a stale layout is only noticed
+    /// when an address falls outside it.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+    }
+
+    /// Whether the module's file had a symbol table and a debug file (for a one-time
+    /// "missing symbols" hint).
+    pub fn module_info(&self, module: &ModuleId) -> Option<ModuleSummary> {
+        self.modules.get(module).map(|m| m.summary())
+    }
+}
+
+// The agent moves the symbolizer between tasks.
+const _: () = {
+    const fn assert_send<T: Send>() {}
+    assert_send::<Symbolizer>();
+    assert_send::<KernelSymbols>();
+};
+
+fn live_source(pid: u32) -> FileSource {
+    FileSource {
+        root: PathBuf::from(format!("/proc/{pid}/root")),
+        map_files: Some(PathBuf::from(format!("/proc/{pid}/map_files"))),
+    }
+}

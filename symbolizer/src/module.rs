@@ -1,0 +1,169 @@
+//! A loaded module (one ELF build), shared by every process that maps it, and how a module is
+//! named from an address inside it.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use crate::debuginfo::{find_debug_file, DebugSearch};
+use crate::elf::{hex, ElfData};
+use crate::functions::FunctionRanges;
+use crate::symbols::{Origin, SymbolTable};
+
+/// A loaded ELF file identity (cheap to clone, hashable). Keyed by build-id when the file has
+/// one, else by the path and inode the process mapped it from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ModuleId(Arc<ModuleKey>);
+
+#[derive(Debug, PartialEq, Eq, Hash)]
+enum ModuleKey {
+    BuildId(Box<[u8]>),
+    File { path: PathBuf, inode: u64 },
+}
+
+impl ModuleId {
+    pub(crate) fn for_file(build_id: Option<&[u8]>, path: &Path, inode: u64) -> ModuleId {
+        ModuleId(Arc::new(match build_id {
+            Some(id) if !id.is_empty() => ModuleKey::BuildId(id.into()),
+            _ => ModuleKey::File {
+                path: path.to_path_buf(),
+                inode,
+            },
+        }))
+    }
+}
+
+impl fmt::Display for ModuleId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &*self.0 {
+            ModuleKey::BuildId(id) => write!(f, "build-id {}", hex(id)),
+            ModuleKey::File { path, inode } => write!(f, "{} (inode {inode})", path.display()),
+        }
+    }
+}
+
+/// What is known about a module's symbols, for a one-time "missing symbols" hint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleSummary {
+    /// The path the module was first seen at, as the process saw it.
+    pub path: PathBuf,
+    /// Hex build-id, if the file has one.
+    pub build_id: Option<String>,
+    /// Whether the file itself has a non-empty `.symtab` (not stripped).
+    pub has_symtab: bool,
+    /// The separate debug file whose `.symtab` is used, if one was found.
+    pub debug_file: Option<PathBuf>,
+}
+
+/// One ELF build, shared (via `Arc`) by all processes mapping it.
+pub(crate) struct ModuleData {
+    pub id: ModuleId,
+    pub path: PathBuf,
+    pub basename: Arc<str>,
+    /// None when the file could not be opened or parsed; frames then get `module+0x…` names
+    /// from file offsets.
+    pub elf: Option<ElfData>,
+    debug: Option<ElfData>,
+    functions: OnceLock<FunctionRanges>,
+    symbols: OnceLock<SymbolTable>,
+}
+
+impl ModuleData {
+    /// A module whose file was read; looks for its debug file right away, while the process
+    /// (and so `/proc/PID/root`) still exists.
+    pub fn new(elf: ElfData, path: &Path, inode: u64, search: &DebugSearch<'_>) -> ModuleData {
+        let debug = find_debug_file(&elf, search);
+        if let Some(found) = &debug {
+            tracing::debug!(module = %path.display(), debug_file = %found.path.display(), "using debug file");
+        }
+        ModuleData {
+            id: ModuleId::for_file(elf.build_id.as_deref(), path, inode),
+            path: path.to_path_buf(),
+            basename: basename(path),
+            elf: Some(elf),
+            debug,
+            functions: OnceLock::new(),
+            symbols: OnceLock::new(),
+        }
+    }
+
+    /// A module whose file could not be read.
+    pub fn unreadable(path: &Path, inode: u64) -> ModuleData {
+        ModuleData {
+            id: ModuleId::for_file(None, path, inode),
+            path: path.to_path_buf(),
+            basename: basename(path),
+            elf: None,
+            debug: None,
+            functions: OnceLock::new(),
+            symbols: OnceLock::new(),
+        }
+    }
+
+    pub fn summary(&self) -> ModuleSummary {
+        ModuleSummary {
+            path: self.path.clone(),
+            build_id: self.elf.as_ref().and_then(ElfData::build_id_hex),
+            has_symtab: self.elf.as_ref().is_some_and(|e| e.has_symtab),
+            debug_file: self.debug.as_ref().map(|d| d.path.clone()),
+        }
+    }
+
+    /// FDE ranges of the module's `.eh_frame` (parsed on first use).
+    pub fn functions(&self) -> &FunctionRanges {
+        self.functions.get_or_init(|| match &self.elf {
+            Some(elf) => FunctionRanges::from_elf(elf),
+            None => FunctionRanges::default(),
+        })
+    }
+
+    /// Whether the module has `.eh_frame` at all (if not, unwinding in it uses frame pointers).
+    pub fn has_unwind_info(&self) -> bool {
+        self.elf.as_ref().is_some_and(|e| e.eh_frame.is_some())
+    }
+
+    fn symbols(&self) -> &SymbolTable {
+        self.symbols.get_or_init(|| {
+            let mut table = SymbolTable::default();
+            for (file, origin) in [
+                (self.elf.as_ref(), Origin::SymTab),
+                (self.debug.as_ref(), Origin::SymTab),
+                (self.elf.as_ref(), Origin::DynSym),
+            ] {
+                let Some(file) = file else { continue };
+                match file.object() {
+                    Ok(object) => table.add(&object, origin),
+                    Err(err) => tracing::debug!(error = %err, "cannot read symbols"),
+                }
+            }
+            table.finish();
+            table
+        })
+    }
+
+    /// The name of the function containing `svma` (see the crate docs for the rules).
+    pub fn name_for(&self, svma: u64) -> Arc<str> {
+        let symbols = self.symbols();
+        if let Some(function) = self.functions().lookup(svma) {
+            if let Some(name) = symbols.at(function.start) {
+                return name.clone();
+            }
+            if let Some(name) = symbols.containing(svma) {
+                return name.clone();
+            }
+            return Arc::from(format!("{}+0x{:x}", self.basename, function.start));
+        }
+        if let Some(name) = symbols.containing(svma) {
+            return name.clone();
+        }
+        Arc::from(format!("{}+0x{:x}", self.basename, svma))
+    }
+}
+
+fn basename(path: &Path) -> Arc<str> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_else(|| path.to_string_lossy());
+    Arc::from(name.as_ref())
+}
