@@ -2,11 +2,11 @@
 //! expensive part (naming frames) runs once per distinct frame at the end, and still works after
 //! a backend has exited.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
-use symbolizer::{KernelSymbols, Location, Symbolizer, UnwindEnd, UnwoundStack};
+use symbolizer::{KernelSymbols, Location, ModuleId, Symbolizer, UnwindEnd, UnwoundStack};
 
 /// Root frame of stacks whose unwinding stopped before the process root, so that partial stacks
 /// do not pose as roots of their own in a flamegraph.
@@ -81,6 +81,19 @@ impl StackAggregator {
 
     pub fn stats(&self) -> UnwindStats {
         self.stats
+    }
+
+    /// Every module some sampled frame lies in.
+    pub fn modules(&self) -> HashSet<ModuleId> {
+        let mut modules = HashSet::new();
+        for key in self.stacks.keys() {
+            for location in key.user.iter() {
+                if let Location::InModule { module, .. } = location {
+                    modules.insert(module.clone());
+                }
+            }
+        }
+        modules
     }
 
     /// Names every frame and builds the profile: frames root first (user root … user leaf,

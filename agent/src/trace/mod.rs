@@ -4,7 +4,8 @@
 mod progress;
 mod report;
 
-use std::path::PathBuf;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -70,12 +71,18 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
+    let layout_pid = match &target {
+        Target::Backend(_) => None,
+        Target::Instance { postmaster } => Some(postmaster.pid),
+    };
     let mut session = Session {
         symbolizer: Symbolizer::new(SymbolizerOptions {
             debug_dirs: options.debug_dirs.clone(),
         }),
         aggregator: StackAggregator::default(),
         malformed: 0,
+        layout_pid,
+        live_pids: HashSet::new(),
     };
     eprintln!(
         "pgscope: profiling {} at {} Hz for {:?} (Ctrl-C to stop early)",
@@ -99,6 +106,11 @@ pub(crate) struct Session {
     pub symbolizer: Symbolizer,
     pub aggregator: StackAggregator,
     pub malformed: u64,
+    /// The postmaster of an instance: its backends are forked without exec and share its
+    /// layout, which names the stacks of a backend that exited before its first sample was read.
+    layout_pid: Option<u32>,
+    /// Processes the symbolizer holds state for.
+    live_pids: HashSet<u32>,
 }
 
 impl Session {
@@ -117,8 +129,29 @@ impl Session {
             sp: header.user_sp,
             bp: header.user_bp,
         };
-        let user = self.symbolizer.unwind(header.tgid, &regs, record.user_stack);
+        let user = match self.layout_pid {
+            Some(layout_pid) => self
+                .symbolizer
+                .unwind_as(header.tgid, layout_pid, &regs, record.user_stack),
+            None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
+        };
+        self.live_pids.insert(header.tgid);
         self.aggregator.add(header.tgid, record.kernel_stack(), user);
+    }
+
+    /// Drops the symbolizer's per-process state of exited processes: PIDs are reused, and a new
+    /// process must not be unwound with an old one's mappings.
+    fn forget_exited(&mut self) {
+        let exited: Vec<u32> = self
+            .live_pids
+            .iter()
+            .copied()
+            .filter(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+            .collect();
+        for pid in exited {
+            self.symbolizer.forget_process(pid);
+            self.live_pids.remove(&pid);
+        }
     }
 }
 
@@ -152,6 +185,7 @@ async fn collect(
                 guard.clear_ready();
             }
             _ = tick.tick() => {
+                session.forget_exited();
                 match probes.counters() {
                     Ok(counters) => progress.update(started.elapsed(), &counters, &session.aggregator.stats()),
                     Err(error) => warn!("cannot read BPF counters: {error:#}"),

@@ -48,6 +48,7 @@ pub(super) fn finish(
         stats.complete_pct()
     );
     print_losses(&counters, session.malformed);
+    print_missing_symbols(&session);
     let total: u64 = profile.samples.iter().map(|s| s.count).sum();
     if total == 0 {
         println!("no samples: the target was idle (off CPU) for the whole trace");
@@ -106,6 +107,30 @@ fn print_losses(counters: &Counters, malformed: u64) {
             counters.get(Counter::Samples)
         );
     }
+}
+
+/// Names the sampled files that have neither a symbol table nor a debug file, once: their static
+/// functions are shown as `file+0x…`, and the user can fix that.
+fn print_missing_symbols(session: &Session) {
+    let mut stripped: Vec<String> = session
+        .aggregator
+        .modules()
+        .iter()
+        .filter_map(|module| session.symbolizer.module_info(module))
+        .filter(|info| !info.has_symtab && info.debug_file.is_none())
+        .map(|info| info.path.display().to_string())
+        .collect();
+    if stripped.is_empty() {
+        return;
+    }
+    stripped.sort();
+    stripped.dedup();
+    println!(
+        "note: no symbol table or debug file for {}: their static functions are shown as \
+         `file+0x<start>`; install the debug packages (e.g. postgresql-15-dbgsym) or pass \
+         --debug-dir with a .build-id tree to name them",
+        stripped.join(", ")
+    );
 }
 
 fn write_file<E>(path: &Path, write: impl FnOnce(&mut BufWriter<File>) -> Result<(), E>) -> Result<()>
