@@ -1,0 +1,40 @@
+//! Harness for pgscope's integration tests: throw-away Postgres clusters of two builds, sessions
+//! running CPU-bound queries, the `pgscope` binary, and `perf` as the reference profiler.
+//!
+//! Tests need root (BPF, and `perf -p` on another user's process) and run one at a time:
+//! `cargo test -p pgscope-tests -- --test-threads=1`.
+
+pub mod cluster;
+pub mod compare;
+pub mod install;
+pub mod perf;
+pub mod pgscope;
+pub mod pgstack;
+pub mod process;
+pub mod profile;
+pub mod session;
+pub mod system;
+pub mod watch;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+
+pub use cluster::PgCluster;
+pub use compare::{compare_top, disagreements, format_comparison, FunctionDiff, SelfTable};
+pub use install::PgInstall;
+pub use perf::{perf_record, PerfRecording};
+pub use pgscope::{pgscope_bin, run_pgscope, run_pgscope_ok, Trace};
+pub use pgstack::{runs_under_exec_simple_query, Statics};
+pub use process::wait_for;
+pub use profile::{Profile, Stack};
+pub use session::Session;
+pub use system::require_root_and_bpf;
+pub use watch::ProcessWatch;
+
+/// The cargo workspace root (this crate's parent directory).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the workspace")
+        .to_path_buf()
+}

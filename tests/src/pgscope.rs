@@ -1,0 +1,154 @@
+//! Locating and running the `pgscope` binary under test.
+
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+
+use crate::process::{describe, output_with_timeout};
+use crate::workspace_root;
+
+/// Longest a `pgscope trace` may run in a test, startup and symbolization included; traces in
+/// these tests last at most 10 s.
+const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The binary under test: `$PGSCOPE_BIN`, else `target/release/pgscope`, else
+/// `target/debug/pgscope` in the workspace.
+pub fn pgscope_bin() -> Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("PGSCOPE_BIN") {
+        let bin = PathBuf::from(bin);
+        if !bin.is_file() {
+            bail!("PGSCOPE_BIN is `{}`, which does not exist", bin.display());
+        }
+        return Ok(bin);
+    }
+    let target = workspace_root().join("target");
+    for profile in ["release", "debug"] {
+        let bin = target.join(profile).join("pgscope");
+        if bin.is_file() {
+            return Ok(bin);
+        }
+    }
+    bail!(
+        "no pgscope binary in `{}/{{release,debug}}` and PGSCOPE_BIN is not set: \
+         run `cargo build -p pgscope-agent` first",
+        target.display()
+    )
+}
+
+/// A `pgscope <args>` command.
+pub fn pgscope_command<I, S>(args: I) -> Result<Command>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut cmd = Command::new(pgscope_bin()?);
+    cmd.args(args);
+    Ok(cmd)
+}
+
+/// Runs `pgscope <args>` to completion (killed after 3 minutes) and returns its exit status and
+/// output, whatever the status.
+pub fn run_pgscope<I, S>(args: I) -> Result<Output>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    output_with_timeout(&mut pgscope_command(args)?, RUN_TIMEOUT)
+}
+
+/// Like [`run_pgscope`], but a non-zero exit is an error quoting stderr. Returns stdout (the
+/// top-functions table), which it also echoes to the test's stderr.
+pub fn run_pgscope_ok<I, S>(args: I) -> Result<String>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut cmd = pgscope_command(args)?;
+    let line = describe(&cmd);
+    let out = output_with_timeout(&mut cmd, RUN_TIMEOUT)?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        bail!(
+            "`{line}` failed ({}):\n{}\nstdout:\n{stdout}",
+            out.status,
+            stderr.trim()
+        );
+    }
+    eprintln!("$ {line}\n{stdout}");
+    Ok(stdout)
+}
+
+/// Arguments of one `pgscope trace` invocation, built per the CLI contract.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    args: Vec<OsString>,
+}
+
+impl Trace {
+    /// `trace --pid <pid>`: one backend.
+    pub fn pid(pid: u32) -> Self {
+        Trace {
+            args: vec!["trace".into(), "--pid".into(), pid.to_string().into()],
+        }
+    }
+
+    /// `trace --instance <target>`: a postmaster pid or a data directory.
+    pub fn instance(target: impl AsRef<OsStr>) -> Self {
+        Trace {
+            args: vec!["trace".into(), "--instance".into(), target.as_ref().to_owned()],
+        }
+    }
+
+    /// `--duration <secs>s`.
+    pub fn duration_secs(self, secs: u64) -> Self {
+        self.arg("--duration", format!("{secs}s"))
+    }
+
+    /// `--frequency <hz>`.
+    pub fn frequency(self, hz: u32) -> Self {
+        self.arg("--frequency", hz.to_string())
+    }
+
+    /// `--folded <path>`.
+    pub fn folded(self, path: &Path) -> Self {
+        self.arg("--folded", path)
+    }
+
+    /// `--pprof <path>`.
+    pub fn pprof(self, path: &Path) -> Self {
+        self.arg("--pprof", path)
+    }
+
+    /// `--svg <path>`.
+    pub fn svg(self, path: &Path) -> Self {
+        self.arg("--svg", path)
+    }
+
+    /// `--debug-dir <dir>` when the build has one.
+    pub fn debug_dir(self, dir: Option<&Path>) -> Self {
+        match dir {
+            Some(dir) => self.arg("--debug-dir", dir),
+            None => self,
+        }
+    }
+
+    /// The full argument list after the binary name.
+    pub fn args(&self) -> &[OsString] {
+        &self.args
+    }
+
+    /// Runs it; fails on a non-zero exit. Returns stdout.
+    pub fn run(&self) -> Result<String> {
+        run_pgscope_ok(&self.args)
+    }
+
+    fn arg(mut self, flag: &str, value: impl AsRef<OsStr>) -> Self {
+        self.args.push(flag.into());
+        self.args.push(value.as_ref().to_owned());
+        self
+    }
+}

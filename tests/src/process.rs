@@ -1,0 +1,132 @@
+//! Running child processes with a deadline, and polling instead of sleeping.
+
+use std::io::Read;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// How often [`wait_for`] re-checks its condition.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Calls `check` until it returns `Some`, or fails after `timeout` naming `what` was awaited.
+/// Errors from `check` end the wait at once.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().with_context(|| format!("while waiting for {what}"))? {
+            return Ok(value);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Renders a command line for error messages.
+pub fn describe(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for arg in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&arg.to_string_lossy());
+    }
+    s
+}
+
+/// Spawns `cmd` with stdin closed and stdout/stderr captured, and collects its output. Kills it
+/// and fails when it runs longer than `timeout`, so a hung child fails the test instead of
+/// hanging it.
+pub fn output_with_timeout(cmd: &mut Command, timeout: Duration) -> Result<Output> {
+    let line = describe(cmd);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start `{line}`"))?;
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
+    let status = match wait_timeout(&mut child, timeout)? {
+        Some(status) => status,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{line}` did not finish within {timeout:?}");
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: join(stdout),
+        stderr: join(stderr),
+    })
+}
+
+/// Like [`output_with_timeout`], but a non-zero exit is an error carrying stderr; returns stdout.
+pub fn run_checked(cmd: &mut Command, timeout: Duration) -> Result<String> {
+    let line = describe(cmd);
+    let out = output_with_timeout(cmd, timeout)?;
+    if !out.status.success() {
+        bail!(
+            "`{line}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    String::from_utf8(out.stdout).with_context(|| format!("`{line}` printed non-UTF-8 output"))
+}
+
+/// Waits for `child` to exit for at most `timeout`; `None` if it is still running.
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Result<Option<ExitStatus>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().context("cannot wait for child process")? {
+            return Ok(Some(status));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> Option<thread::JoinHandle<Vec<u8>>> {
+    pipe.map(|mut pipe| {
+        thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = pipe.read_to_end(&mut buf);
+            buf
+        })
+    })
+}
+
+fn join(handle: Option<thread::JoinHandle<Vec<u8>>>) -> Vec<u8> {
+    handle.and_then(|h| h.join().ok()).unwrap_or_default()
+}
+
+/// `true` while a process with this pid exists (zombies included).
+pub fn pid_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Pids of the live children of `parent`, read from `/proc/<pid>/stat`.
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut children: Vec<u32> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| parent_of(pid) == Some(parent))
+        .collect();
+    children.sort_unstable();
+    children
+}
+
+/// Parent pid of `pid`, `None` if it is gone.
+pub fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may itself contain spaces and parentheses.
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    after_comm.split_whitespace().nth(1)?.parse().ok()
+}
