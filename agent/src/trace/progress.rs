@@ -25,7 +25,7 @@ impl Progress {
 
     pub fn update(&mut self, elapsed: Duration, counters: &Counters, stats: &UnwindStats) {
         self.updates += 1;
-        if !self.terminal && self.updates % 5 != 0 {
+        if !self.terminal && !self.updates.is_multiple_of(5) {
             return;
         }
         let lost: u64 = counters.losses().iter().map(|&(_, n)| n).sum();
