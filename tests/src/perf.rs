@@ -3,13 +3,19 @@
 //! perf cannot name static functions of a stripped binary and prints `[unknown]` for each of
 //! them (pgscope prints `postgres+0x…`); [`comparable_name`] maps both spellings to `[unknown]`
 //! so self-time tables can be compared. This merges all unnamed functions into one row.
+//!
+//! perf does not read a `.build-id/xx/rest.debug` tree outside `/usr/lib/debug`, so for a build
+//! with separate debug files [`PerfRecording::finish`] puts them into a build-id cache of its
+//! own (see [`BuildIdCache`]), and perf names every function, as pgscope does with `--debug-dir`.
+//! perf never uses `~/.debug`: each recording has its own cache in the test's temp dir, so
+//! nothing leaks between runs or into the machine's cache.
 
-use std::fs::File;
+use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 use crate::process::{describe, run_checked, wait_timeout};
 use crate::profile::{is_unnamed_frame, strip_kernel_suffix, Profile, Stack, KERNEL_SUFFIX};
@@ -17,11 +23,15 @@ use crate::profile::{is_unnamed_frame, strip_kernel_suffix, Profile, Stack, KERN
 /// perf's name for a function it cannot symbolize.
 pub const PERF_UNKNOWN: &str = "[unknown]";
 
+/// Longest a `perf script`, `buildid-list` or `buildid-cache` may run.
+const POSTPROCESS_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// A `perf record` running in the background on one process.
 pub struct PerfRecording {
     child: Child,
     data: PathBuf,
     log: PathBuf,
+    cache: BuildIdCache,
     duration: Duration,
 }
 
@@ -31,8 +41,9 @@ impl PerfRecording {
     pub fn start(pid: u32, duration: Duration, frequency: u32, dir: &Path) -> Result<Self> {
         let data = dir.join(format!("perf-{pid}.data"));
         let log = dir.join(format!("perf-{pid}.log"));
+        let cache = BuildIdCache::create(&dir.join(format!("perf-{pid}.buildid")))?;
         let log_file = File::create(&log).with_context(|| format!("cannot create `{}`", log.display()))?;
-        let mut cmd = Command::new("perf");
+        let mut cmd = cache.perf();
         cmd.args(["record", "--no-buildid-cache", "-F", &frequency.to_string()])
             .args(["--call-graph", "dwarf,16384", "-p", &pid.to_string(), "-o"])
             .arg(&data)
@@ -47,12 +58,16 @@ impl PerfRecording {
             child,
             data,
             log,
+            cache,
             duration,
         })
     }
 
-    /// Waits for the recording to end and returns its samples (leaf frame included).
-    pub fn finish(mut self) -> Result<Profile> {
+    /// Waits for the recording to end and returns its samples (leaf frame included). With
+    /// `debug_dir` (the root of a `.build-id/xx/rest.debug` tree, what `pgscope --debug-dir`
+    /// takes), perf names the static functions of the recorded binaries that have a debug file
+    /// there; it is an error if none has.
+    pub fn finish(mut self, debug_dir: Option<&Path>) -> Result<Profile> {
         let status = wait_timeout(&mut self.child, self.duration + Duration::from_secs(60))?;
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
         match status {
@@ -64,11 +79,15 @@ impl PerfRecording {
                 bail!("perf record did not finish: {}", log.trim());
             }
         }
+        if let Some(debug_dir) = debug_dir {
+            self.cache.add_debug_files(&self.data, debug_dir)?;
+        }
         let script = run_checked(
-            Command::new("perf")
+            self.cache
+                .perf()
                 .args(["script", "--no-inline", "-F", "comm,pid,ip,sym,dso", "-i"])
                 .arg(&self.data),
-            Duration::from_secs(300),
+            POSTPROCESS_TIMEOUT,
         )?;
         let profile = parse_perf_script(&script)?;
         if profile.total() == 0 {
@@ -87,9 +106,99 @@ impl Drop for PerfRecording {
     }
 }
 
-/// Records `pid` for `duration` and returns the samples.
+/// Records `pid` for `duration` and returns the samples, named without debug files.
 pub fn perf_record(pid: u32, duration: Duration, frequency: u32, dir: &Path) -> Result<Profile> {
-    PerfRecording::start(pid, duration, frequency, dir)?.finish()
+    PerfRecording::start(pid, duration, frequency, dir)?.finish(None)
+}
+
+/// A perf build-id cache (`perf --buildid-dir`) private to one recording.
+///
+/// perf looks for a binary's symbols and unwind tables in its build-id cache first, then at the
+/// binary's path and in `/usr/lib/debug`. `perf buildid-cache --add` of a stripped binary
+/// caches it as `<cache>/<path>/<build-id>/elf`, and perf reads a `debug` file next to it (where
+/// it puts the debug file it finds in `/usr/lib/debug/.build-id`) for symbols, while unwinding
+/// with `elf`'s `.eh_frame`. Adding the `.debug` file itself instead names every function, but
+/// perf then unwinds with the debug file's empty `.eh_frame` and every stack is its leaf alone.
+#[derive(Debug)]
+pub struct BuildIdCache {
+    dir: PathBuf,
+}
+
+impl BuildIdCache {
+    /// An empty cache at `dir` (created).
+    pub fn create(dir: &Path) -> Result<Self> {
+        fs::create_dir_all(dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
+        Ok(BuildIdCache {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// `perf --buildid-dir <cache>`, to which the subcommand is appended.
+    pub fn perf(&self) -> Command {
+        let mut cmd = Command::new("perf");
+        cmd.arg("--buildid-dir").arg(&self.dir);
+        cmd
+    }
+
+    /// Caches every binary recorded in `data` whose build-id has a debug file in `debug_dir`,
+    /// with that debug file. Returns how many were cached; fails when none was.
+    pub fn add_debug_files(&self, data: &Path, debug_dir: &Path) -> Result<usize> {
+        let list = run_checked(
+            self.perf().args(["buildid-list", "-i"]).arg(data),
+            POSTPROCESS_TIMEOUT,
+        )?;
+        let mut added = 0;
+        for (build_id, binary) in parse_buildid_list(&list) {
+            let debug = build_id_path(debug_dir, build_id, ".debug");
+            // `[kernel.kallsyms]` and `[vdso]` are no files; binaries without a debug file keep
+            // what perf finds on its own.
+            if !debug.is_file() || !Path::new(binary).is_file() {
+                continue;
+            }
+            run_checked(
+                self.perf().args(["buildid-cache", "--add", binary]),
+                POSTPROCESS_TIMEOUT,
+            )?;
+            let link = build_id_path(&self.dir, build_id, "");
+            let entry = fs::canonicalize(&link).with_context(|| {
+                format!(
+                    "`perf buildid-cache --add {binary}` did not create `{}`",
+                    link.display()
+                )
+            })?;
+            ensure!(
+                entry.join("elf").is_file(),
+                "`{}` has no `elf`: perf's build-id cache layout is not the one this harness knows",
+                entry.display()
+            );
+            std::os::unix::fs::symlink(&debug, entry.join("debug"))
+                .with_context(|| format!("cannot link `{}` into `{}`", debug.display(), entry.display()))?;
+            added += 1;
+        }
+        ensure!(
+            added > 0,
+            "no binary in `{}` has a debug file in `{}`; perf recorded:\n{}",
+            data.display(),
+            debug_dir.display(),
+            list.trim()
+        );
+        Ok(added)
+    }
+}
+
+/// `<root>/.build-id/<first two hex digits>/<rest><suffix>`, the layout of both a debug tree and
+/// perf's build-id links.
+fn build_id_path(root: &Path, build_id: &str, suffix: &str) -> PathBuf {
+    let (head, rest) = build_id.split_at(2.min(build_id.len()));
+    root.join(".build-id").join(head).join(format!("{rest}{suffix}"))
+}
+
+/// `perf buildid-list` lines: `<build-id hex> <path or [name]>`.
+fn parse_buildid_list(text: &str) -> impl Iterator<Item = (&str, &str)> {
+    text.lines().filter_map(|line| {
+        let (id, path) = line.trim().split_once(' ')?;
+        (id.len() > 2 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some((id, path.trim()))
+    })
 }
 
 /// Parses `perf script -F comm,pid,ip,sym,dso` with call graphs: a `comm pid` header per sample,
@@ -159,6 +268,13 @@ pub fn comparable_name(frame: &str) -> String {
     }
 }
 
+/// `true` for a function name either profiler prints when it cannot name one: perf's
+/// `[unknown]` or pgscope's `object+0x…`.
+pub fn is_unnamed(name: &str) -> bool {
+    let name = strip_kernel_suffix(name);
+    name == PERF_UNKNOWN || is_unnamed_frame(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,5 +325,25 @@ postgres 18291
         assert_eq!(comparable_name("postgres+0x47c61c"), "[unknown]");
         assert_eq!(comparable_name("do_syscall_64_[k]"), "do_syscall_64");
         assert_eq!(comparable_name("int4mod"), "int4mod");
+        assert!(is_unnamed("postgres+0x47c61c") && is_unnamed("[unknown]"));
+        assert!(!is_unnamed("ExecInterpExpr"));
+    }
+
+    #[test]
+    fn reads_buildid_list() {
+        let list = "2931049c7947960f10da883c164e292835954ea1 /opt/pg/bin/postgres\n\
+                    e17735e083bee5962b452ede4e28f9520fb75fa7 [vdso]\n";
+        let entries: Vec<_> = parse_buildid_list(list).collect();
+        assert_eq!(
+            entries,
+            [
+                ("2931049c7947960f10da883c164e292835954ea1", "/opt/pg/bin/postgres"),
+                ("e17735e083bee5962b452ede4e28f9520fb75fa7", "[vdso]")
+            ]
+        );
+        assert_eq!(
+            build_id_path(Path::new("/opt/pg/debug"), entries[0].0, ".debug"),
+            Path::new("/opt/pg/debug/.build-id/29/31049c7947960f10da883c164e292835954ea1.debug")
+        );
     }
 }

@@ -86,7 +86,7 @@ fn perf_sees_the_cpu_bound_workload_as_expected() -> Result<()> {
                 .is_some_and(|f| CPU_BOUND_HOT_LEAVES.contains(&f.as_str()))
         };
         let hot = profile.fraction_where(is_hot);
-        // perf cannot use the nofp build's debug directory, so statics are unnamed for it.
+        // `perf_record` gives perf no debug files, so the nofp build's statics are unnamed for it.
         let chained = profile
             .count_where(|s| is_hot(s) && runs_under_exec_simple_query(s.user_frames(), Statics::Unnamed))
             as f64
