@@ -25,6 +25,14 @@ struct {
 	__uint(max_entries, 8 << 20);
 } samples SEC(".maps");
 
+/* Attribution layout per process: set by user space for processes it found, inherited on fork. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PGSCOPE_MAX_TARGETS);
+	__type(key, __u32); /* tgid */
+	__type(value, struct pgscope_pg_layout);
+} pg_layouts SEC(".maps");
+
 /* A sample is 17 KiB: too large for the 512-byte BPF stack, so it is built here. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -73,6 +81,63 @@ static __always_inline __u64 copy_user_stack(struct pgscope_sample *s, struct ta
 	return 0;
 }
 
+/* Reads what pg_stat_activity shows for the sampled backend, from the backend's own memory.
+ * Each read is one bpf_probe_read_user of a word: globals and the shared-memory status entry are
+ * resident in any running backend. A fault leaves the field out (its flag unset) and is counted. */
+static __always_inline void read_attribution(struct pgscope_sample *s, __u32 tgid)
+{
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	__u32 flags = 0;
+	int faults = 0;
+
+	s->query_id = 0;
+	s->wait_event_info = 0;
+	s->backend_type = 0;
+	s->database_id = 0;
+	s->backend_state = 0;
+	s->attribution = 0;
+	if (!layout)
+		return;
+
+	if (layout->my_backend_type) {
+		if (bpf_probe_read_user(&s->backend_type, 4, (void *)layout->my_backend_type) == 0)
+			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+		else
+			faults++;
+	}
+	if (layout->my_database_id) {
+		if (bpf_probe_read_user(&s->database_id, 4, (void *)layout->my_database_id) == 0)
+			flags |= PGSCOPE_ATTR_DATABASE;
+		else
+			faults++;
+	}
+	if (layout->my_be_entry) {
+		__u64 entry = 0;
+		if (bpf_probe_read_user(&entry, 8, (void *)layout->my_be_entry) != 0) {
+			faults++;
+		} else if (entry) {
+			/* Postmaster and some auxiliary processes have no status entry (NULL). */
+			if (bpf_probe_read_user(&s->backend_state, 4, (void *)(entry + layout->st_state_offset)) == 0 &&
+			    (!layout->st_query_id_offset ||
+			     bpf_probe_read_user(&s->query_id, 8, (void *)(entry + layout->st_query_id_offset)) == 0))
+				flags |= PGSCOPE_ATTR_STATUS;
+			else
+				faults++;
+		}
+	}
+	if (layout->my_wait_event_info) {
+		__u64 wait_ptr = 0;
+		if (bpf_probe_read_user(&wait_ptr, 8, (void *)layout->my_wait_event_info) == 0 && wait_ptr &&
+		    bpf_probe_read_user(&s->wait_event_info, 4, (void *)wait_ptr) == 0)
+			flags |= PGSCOPE_ATTR_WAIT_EVENT;
+		else
+			faults++;
+	}
+	s->attribution = flags;
+	if (faults)
+		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+}
+
 SEC("perf_event")
 int on_cpu_sample(struct bpf_perf_event_data *ctx)
 {
@@ -110,6 +175,8 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 	}
 	s->kernel_frames = kernel_bytes / 8;
 
+	read_attribution(s, tgid);
+
 	__u64 len = copy_user_stack(s, task);
 	s->user_stack_len = len;
 
@@ -139,6 +206,11 @@ int on_fork(struct trace_event_raw_sched_process_fork *ctx)
 		count(PGSCOPE_CNT_FORKS_FOLLOWED);
 	else if (!bpf_map_lookup_elem(&targets, &child))
 		count(PGSCOPE_CNT_TARGETS_FULL);
+
+	/* A forked child runs the same executable at the same addresses (no exec). */
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &parent);
+	if (layout)
+		bpf_map_update_elem(&pg_layouts, &child, layout, BPF_ANY);
 	return 0;
 }
 
@@ -149,7 +221,21 @@ int on_process_exit(void *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
 
-	if ((__u32)pid_tgid == tgid)
+	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
+		bpf_map_delete_elem(&pg_layouts, &tgid);
+	}
+	return 0;
+}
+
+/* Postgres forks shells for archive_command and friends: after exec the process is no longer
+ * Postgres, and the inherited layout would point into another program. */
+SEC("tracepoint/sched/sched_process_exec")
+int on_process_exec(void *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+
+	bpf_map_delete_elem(&targets, &tgid);
+	bpf_map_delete_elem(&pg_layouts, &tgid);
 	return 0;
 }

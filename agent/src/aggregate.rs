@@ -5,6 +5,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::postgres::attribution::Attribution;
+use crate::postgres::phase::Phase;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
 use symbolizer::{KernelSymbols, Location, ModuleId, Symbolizer, UnwindEnd, UnwoundStack};
 
@@ -15,6 +17,7 @@ pub const INCOMPLETE_STACK_FRAME: &str = "[incomplete stack]";
 #[derive(Debug, Hash, PartialEq, Eq)]
 struct StackKey {
     pid: u32,
+    attribution: Attribution,
     /// Leaf first.
     kernel: Box<[u64]>,
     /// Leaf first.
@@ -67,11 +70,12 @@ pub struct StackAggregator {
 }
 
 impl StackAggregator {
-    pub fn add(&mut self, pid: u32, kernel_stack: &[u64], user: UnwoundStack) {
+    pub fn add(&mut self, pid: u32, attribution: Attribution, kernel_stack: &[u64], user: UnwoundStack) {
         self.stats.record(&user);
         let complete = user.end == UnwindEnd::ReachedRoot && !user.frames.is_empty();
         let key = StackKey {
             pid,
+            attribution,
             kernel: kernel_stack.into(),
             user: user.frames.into_boxed_slice(),
             complete,
@@ -97,7 +101,9 @@ impl StackAggregator {
     }
 
     /// Names every frame and builds the profile: frames root first (user root … user leaf,
-    /// then kernel entry … kernel leaf), labelled with the process id.
+    /// then kernel entry … kernel leaf), labelled with the process id, what the backend's
+    /// status showed (backend type, database, state, queryid, wait event) and the statement
+    /// phase its stack runs under.
     pub fn to_profile(
         &self,
         symbolizer: &mut Symbolizer,
@@ -138,9 +144,19 @@ impl StackAggregator {
                     kind: FrameKind::Kernel,
                 });
             }
+            let mut labels = vec![("pid".to_string(), key.pid.to_string())];
+            key.attribution.push_labels(&mut labels);
+            let user_names = frames
+                .iter()
+                .filter(|f| f.kind == FrameKind::User)
+                .map(|f| &*f.name);
+            if let Some(phase) = Phase::of_stack(user_names) {
+                labels.push(("phase".to_string(), phase.label().to_string()));
+            }
+            labels.sort();
             samples.push(StackSample {
                 frames,
-                labels: vec![("pid".to_string(), key.pid.to_string())],
+                labels,
                 count,
             });
         }

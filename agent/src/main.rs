@@ -2,6 +2,7 @@
 
 mod aggregate;
 mod bpf;
+mod postgres;
 mod preflight;
 mod target;
 mod trace;
@@ -62,6 +63,9 @@ struct TraceArgs {
     /// How many functions the summary lists.
     #[arg(long, default_value_t = 20)]
     top: usize,
+    /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).
+    #[arg(long = "queryid", value_name = "QUERYID", allow_negative_numbers = true)]
+    query_id: Option<i64>,
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
                     pprof: args.pprof,
                     debug_dirs: args.debug_dirs,
                     top: args.top,
+                    query_id: args.query_id,
                 })
                 .await
             }

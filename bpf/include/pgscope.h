@@ -41,7 +41,31 @@ enum pgscope_counter {
 	PGSCOPE_CNT_NO_SCRATCH = 6,	     /* lost: per-CPU scratch buffer unavailable */
 	PGSCOPE_CNT_FORKS_FOLLOWED = 7,	     /* children added to the target map */
 	PGSCOPE_CNT_TARGETS_FULL = 8,	     /* lost: a child could not be added, map full */
-	PGSCOPE_CNT_MAX = 9,
+	PGSCOPE_CNT_ATTRIBUTION_FAULT = 9,   /* degraded: backend state unreadable at sample time */
+	PGSCOPE_CNT_MAX = 10,
+};
+
+/* Where one Postgres process keeps the state pg_stat_activity shows, so that a sample can read
+ * it from the backend's own memory at no per-statement cost. Addresses are of the exported
+ * globals in that process; offsets are of fields of PgBackendStatus for its major version. A
+ * zero address means "not available" (e.g. an older major without my_wait_event_info). */
+struct pgscope_pg_layout {
+	__u64 my_be_entry;	  /* &MyBEEntry: PgBackendStatus * */
+	__u64 my_wait_event_info; /* &my_wait_event_info: uint32 * (PG14+) */
+	__u64 my_backend_type;	  /* &MyBackendType: BackendType (int) */
+	__u64 my_database_id;	  /* &MyDatabaseId: Oid */
+	__u32 st_state_offset;	  /* offsetof(PgBackendStatus, st_state) */
+	__u32 st_query_id_offset; /* offsetof(PgBackendStatus, st_query_id), PG14+ */
+};
+
+_Static_assert(sizeof(struct pgscope_pg_layout) == 40, "mirrored in agent/src/bpf/abi.rs");
+
+/* Which attribution fields of a sample were read (a bit set). */
+enum pgscope_attribution_flags {
+	PGSCOPE_ATTR_BACKEND_TYPE = 1,
+	PGSCOPE_ATTR_DATABASE = 2,
+	PGSCOPE_ATTR_STATUS = 4,     /* st_state and st_query_id (the backend has a status entry) */
+	PGSCOPE_ATTR_WAIT_EVENT = 8,
 };
 
 /* One on-CPU sample. Only the used prefix of user_stack is sent through the ring buffer:
@@ -56,11 +80,19 @@ struct pgscope_sample {
 	__u64 user_sp;
 	__u64 user_bp;
 	__u64 user_stack_len;	/* bytes valid in user_stack, copied from user_sp upwards */
+	/* What pg_stat_activity would show for this backend at the sample (see pgscope_pg_layout). */
+	__u64 query_id;		/* st_query_id: pg_stat_statements.queryid, 0 when not computed yet */
+	__u32 wait_event_info;	/* *my_wait_event_info: class in the top byte */
+	__u32 backend_type;	/* MyBackendType */
+	__u32 database_id;	/* MyDatabaseId */
+	__u32 backend_state;	/* st_state */
+	__u32 attribution;	/* enum pgscope_attribution_flags */
+	__u32 _pad;
 	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
 	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
 };
 
-#define PGSCOPE_SAMPLE_HEADER_SIZE 56
+#define PGSCOPE_SAMPLE_HEADER_SIZE 88
 #define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
 
 _Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,

@@ -42,4 +42,7 @@ pub enum Error {
          to get kernel symbols"
     )]
     KallsymsHidden { path: PathBuf },
+    /// A process does not map the executable `/proc/PID/exe` points at.
+    #[error("process {pid} has no mapping of its executable `{exe}`")]
+    ExecutableNotMapped { pid: u32, exe: PathBuf },
 }

@@ -52,6 +52,7 @@ mod debuginfo;
 mod elf;
 mod error;
 mod functions;
+mod globals;
 mod kernel;
 mod maps;
 mod module;
@@ -68,6 +69,7 @@ use std::time::Duration;
 use framehop::x86_64::CacheX86_64;
 
 pub use error::Error;
+pub use globals::executable_globals;
 pub use kernel::KernelSymbols;
 pub use maps::{parse_maps, read_maps, MapEntry, MapPath, Perms};
 pub use module::{ModuleId, ModuleSummary};

@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 
 pub const USER_STACK_MAX: usize = 16384;
 pub const KERNEL_FRAMES_MAX: usize = 127;
-const SAMPLE_HEADER_SIZE: usize = 56;
+const SAMPLE_HEADER_SIZE: usize = 88;
 /// Offset of the user stack bytes in a sample record.
 pub const SAMPLE_STACK_OFFSET: usize = SAMPLE_HEADER_SIZE + 8 * KERNEL_FRAMES_MAX;
 
@@ -26,10 +26,11 @@ pub enum Counter {
     NoScratch = 6,
     ForksFollowed = 7,
     TargetsFull = 8,
+    AttributionFault = 9,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 9] = [
+    pub const ALL: [Counter; 10] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -39,6 +40,7 @@ impl Counter {
         Counter::NoScratch,
         Counter::ForksFollowed,
         Counter::TargetsFull,
+        Counter::AttributionFault,
     ];
 
     /// Name used in progress lines and metrics.
@@ -53,6 +55,7 @@ impl Counter {
             Counter::NoScratch => "lost_no_scratch",
             Counter::ForksFollowed => "forks_followed",
             Counter::TargetsFull => "lost_targets_full",
+            Counter::AttributionFault => "attribution_unreadable",
         }
     }
 }
@@ -70,12 +73,45 @@ pub struct SampleHeader {
     pub user_sp: u64,
     pub user_bp: u64,
     pub user_stack_len: u64,
+    pub query_id: u64,
+    pub wait_event_info: u32,
+    pub backend_type: u32,
+    pub database_id: u32,
+    pub backend_state: u32,
+    pub attribution: u32,
+    pub _pad: u32,
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
 
 const _: () = assert!(offset_of!(SampleHeader, kernel_stack) == SAMPLE_HEADER_SIZE);
 const _: () = assert!(offset_of!(SampleHeader, user_stack_len) == 48);
+const _: () = assert!(offset_of!(SampleHeader, query_id) == 56);
+const _: () = assert!(offset_of!(SampleHeader, attribution) == 80);
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
+
+/// `enum pgscope_attribution_flags`.
+pub const ATTR_BACKEND_TYPE: u32 = 1;
+pub const ATTR_DATABASE: u32 = 2;
+pub const ATTR_STATUS: u32 = 4;
+pub const ATTR_WAIT_EVENT: u32 = 8;
+
+/// `struct pgscope_pg_layout`: where one Postgres process keeps its pg_stat_activity state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PgLayout {
+    pub my_be_entry: u64,
+    pub my_wait_event_info: u64,
+    pub my_backend_type: u64,
+    pub my_database_id: u64,
+    pub st_state_offset: u32,
+    pub st_query_id_offset: u32,
+}
+
+const _: () = assert!(size_of::<PgLayout>() == 40);
+const _: () = assert!(offset_of!(PgLayout, st_state_offset) == 32);
+
+// SAFETY: PgLayout is repr(C) plain old data with no padding (asserted size 40 = 4*8 + 2*4).
+unsafe impl aya::Pod for PgLayout {}
 
 /// A sample record as read from the ring buffer: the header and the copied user stack.
 pub struct SampleRecord<'a> {
@@ -143,10 +179,13 @@ mod tests {
         bytes[0..4].copy_from_slice(&1234u32.to_ne_bytes());
         bytes[20..24].copy_from_slice(&2u32.to_ne_bytes());
         bytes[48..56].copy_from_slice(&16u64.to_ne_bytes());
-        bytes[56..64].copy_from_slice(&0xffff_ffff_8100_0000u64.to_ne_bytes());
+        bytes[56..64].copy_from_slice(&0x1234u64.to_ne_bytes());
+        bytes[SAMPLE_HEADER_SIZE..SAMPLE_HEADER_SIZE + 8]
+            .copy_from_slice(&0xffff_ffff_8100_0000u64.to_ne_bytes());
         bytes[SAMPLE_STACK_OFFSET] = 0xab;
         let record = SampleRecord::parse(&bytes).expect("valid record");
         assert_eq!(record.header.tgid, 1234);
+        assert_eq!(record.header.query_id, 0x1234);
         assert_eq!(record.kernel_stack(), &[0xffff_ffff_8100_0000, 0]);
         assert_eq!(record.user_stack.len(), 16);
         assert_eq!(record.user_stack[0], 0xab);

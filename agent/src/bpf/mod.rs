@@ -11,7 +11,7 @@ use aya::programs::{PerfEvent, TracePoint};
 use aya::util::online_cpus;
 use aya::Ebpf;
 
-use abi::Counter;
+use abi::{Counter, PgLayout};
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profile.bpf.o"));
 
@@ -54,12 +54,13 @@ impl OnCpuProbes {
         Ok(())
     }
 
-    /// Follows forks of targets flagged [`abi::TARGET_FOLLOW_FORKS`] and drops exited
-    /// processes from the target map. Needs tracefs (see `preflight::ensure_tracefs`).
+    /// Follows forks of targets flagged [`abi::TARGET_FOLLOW_FORKS`] (children inherit the
+    /// attribution layout too) and drops processes that exit or exec another program. Needs tracefs (see `preflight::ensure_tracefs`).
     pub fn attach_process_tracking(&mut self) -> Result<()> {
         for (program_name, event) in [
             ("on_fork", "sched_process_fork"),
             ("on_process_exit", "sched_process_exit"),
+            ("on_process_exec", "sched_process_exec"),
         ] {
             let program: &mut TracePoint = self
                 .ebpf
@@ -86,6 +87,18 @@ impl OnCpuProbes {
         targets
             .insert(tgid, flags, 0)
             .with_context(|| format!("adding PID {tgid} to the target map"))
+    }
+
+    /// Tells the sampler where process `tgid` keeps its pg_stat_activity state.
+    pub fn set_layout(&mut self, tgid: u32, layout: PgLayout) -> Result<()> {
+        let map = self
+            .ebpf
+            .map_mut("pg_layouts")
+            .ok_or_else(|| anyhow!("BPF object has no map `pg_layouts`"))?;
+        let mut layouts: BpfHashMap<_, u32, PgLayout> = BpfHashMap::try_from(map)?;
+        layouts
+            .insert(tgid, layout, 0)
+            .with_context(|| format!("setting the layout of PID {tgid}"))
     }
 
     /// Takes the sample ring buffer out of the object, for the event loop to own.

@@ -2,6 +2,7 @@
 //! functions and write the flamegraph outputs.
 
 mod progress;
+mod queries;
 mod report;
 
 use std::collections::HashSet;
@@ -18,6 +19,7 @@ use tracing::{debug, warn};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
 use crate::bpf::OnCpuProbes;
+use crate::postgres::{self, attribution::Attribution, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
 use symbolizer::{Symbolizer, SymbolizerOptions, UserRegs};
@@ -34,6 +36,7 @@ pub struct TraceOptions {
     pub pprof: Option<PathBuf>,
     pub debug_dirs: Vec<PathBuf>,
     pub top: usize,
+    pub query_id: Option<i64>,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -45,16 +48,35 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     };
 
     let mut probes = OnCpuProbes::load()?;
+    probes.attach_process_tracking()?;
+    let layout_source = match &target {
+        Target::Backend(process) => process.pid,
+        Target::Instance { postmaster } => postmaster.pid,
+    };
+    // Attribution is best effort: without it stacks are still right, only unlabelled.
+    let version_table = match postgres::resolve_layout(layout_source) {
+        Ok((layout, table)) => {
+            probes.set_layout(layout_source, layout)?;
+            Some((layout, table))
+        }
+        Err(error) => {
+            eprintln!("pgscope: no query or wait-event labels: {error:#}");
+            None
+        }
+    };
     match &target {
         Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE)?,
-        Target::Instance { postmaster, .. } => {
-            probes.attach_process_tracking()?;
+        Target::Instance { postmaster } => {
             // The postmaster goes in first: a backend forked from now on is caught by the fork
             // tracepoint, one forked earlier by the /proc scan that follows.
             let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS;
             probes.add_target(postmaster.pid, flags)?;
             let children = target::children_of(postmaster.pid);
             for child in &children {
+                // Children forked before the postmaster's layout was set need their own copy.
+                if let Some((layout, _)) = version_table {
+                    probes.set_layout(child.pid, layout)?;
+                }
                 probes.add_target(child.pid, flags)?;
             }
             eprintln!(
@@ -83,6 +105,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         malformed: 0,
         layout_pid,
         live_pids: HashSet::new(),
+        version: version_table.map(|(_, table)| table),
+        query_filter: options.query_id,
+        filtered_out: 0,
     };
     eprintln!(
         "pgscope: profiling {} at {} Hz for {:?} (Ctrl-C to stop early)",
@@ -111,6 +136,11 @@ pub(crate) struct Session {
     layout_pid: Option<u32>,
     /// Processes the symbolizer holds state for.
     live_pids: HashSet<u32>,
+    /// How to decode attribution, when the layout could be resolved.
+    version: Option<&'static VersionTable>,
+    /// `--queryid`: keep only samples of this query.
+    query_filter: Option<i64>,
+    pub filtered_out: u64,
 }
 
 impl Session {
@@ -124,6 +154,16 @@ impl Session {
             }
         };
         let header = record.header;
+        let attribution = match self.version {
+            Some(table) => Attribution::decode(&header, table),
+            None => Attribution::default(),
+        };
+        if let Some(wanted) = self.query_filter {
+            if attribution.query_id != Some(wanted) {
+                self.filtered_out += 1;
+                return;
+            }
+        }
         let regs = UserRegs {
             ip: header.user_ip,
             sp: header.user_sp,
@@ -136,7 +176,8 @@ impl Session {
             None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
         };
         self.live_pids.insert(header.tgid);
-        self.aggregator.add(header.tgid, record.kernel_stack(), user);
+        self.aggregator
+            .add(header.tgid, attribution, record.kernel_stack(), user);
     }
 
     /// Drops the symbolizer's per-process state of exited processes: PIDs are reused, and a new

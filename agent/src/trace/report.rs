@@ -55,6 +55,23 @@ pub(super) fn finish(
     } else {
         let shares = exporters::top_functions(&profile, options.top);
         println!("{}", exporters::render_top_table(&shares, total));
+        let queries = super::queries::summarize(&profile);
+        if !queries.is_empty() {
+            println!("by query (phases in % of the query's samples):");
+            println!("{}", super::queries::render(&queries, total, options.top));
+            if queries.iter().all(|q| q.query_id == 0) {
+                println!(
+                    "note: every queryid is 0: queryids are not computed; set compute_query_id = on \
+                     (or load pg_stat_statements, which turns `auto` on)"
+                );
+            }
+        }
+    }
+    if session.filtered_out > 0 {
+        println!(
+            "{} samples of other queries left out (--queryid)",
+            session.filtered_out
+        );
     }
 
     if let Some(path) = &options.folded {
@@ -118,6 +135,8 @@ fn print_missing_symbols(session: &Session) {
         .iter()
         .filter_map(|module| session.symbolizer.module_info(module))
         .filter(|info| !info.has_symtab && info.debug_file.is_none())
+        // [vdso] and friends are named from their own dynamic symbols; nothing to install.
+        .filter(|info| !info.path.to_string_lossy().starts_with('['))
         .map(|info| info.path.display().to_string())
         .collect();
     if stripped.is_empty() {

@@ -1,0 +1,83 @@
+//! What pgscope knows about Postgres itself: which major a process runs, where a backend keeps
+//! the state `pg_stat_activity` shows, and how to decode it. Everything that differs between
+//! majors lives in one module per major (`v15`); this module picks one or refuses.
+
+pub mod attribution;
+pub mod phase;
+pub mod v15;
+
+use std::fs;
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::bpf::abi::PgLayout;
+
+/// Per-major knowledge used at sample time.
+#[derive(Debug)]
+pub struct VersionTable {
+    pub major: u32,
+    /// `offsetof(PgBackendStatus, st_state)`.
+    pub st_state_offset: u32,
+    /// `offsetof(PgBackendStatus, st_query_id)`.
+    pub st_query_id_offset: u32,
+    pub backend_type_name: fn(u32) -> Option<&'static str>,
+    pub backend_state_name: fn(u32) -> Option<&'static str>,
+    pub wait_event_name: fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>,
+}
+
+/// Majors whose offsets and enums are checked by the test suite against a live server.
+pub const SUPPORTED_MAJORS: &[u32] = &[15];
+
+/// The table for `major`, or an error saying what is supported.
+pub fn table_for(major: u32) -> Result<&'static VersionTable> {
+    match major {
+        15 => Ok(&v15::TABLE),
+        _ => bail!(
+            "PostgreSQL {major} is not supported for query and wait-event attribution yet (supported: \
+             {SUPPORTED_MAJORS:?}); stacks are still profiled, without those labels"
+        ),
+    }
+}
+
+/// The major version a Postgres process runs: every Postgres process has its data directory as
+/// working directory, and `PG_VERSION` there names the major.
+pub fn detect_major(pid: u32) -> Result<u32> {
+    let cwd = PathBuf::from(format!("/proc/{pid}/cwd"));
+    let version_file = cwd.join("PG_VERSION");
+    let text = fs::read_to_string(&version_file)
+        .with_context(|| format!("cannot read the data directory's PG_VERSION of PID {pid}"))?;
+    text.trim().parse().map_err(|_| {
+        anyhow!(
+            "PG_VERSION of PID {pid} holds `{}`, not a major version",
+            text.trim()
+        )
+    })
+}
+
+/// Exported globals a sample reads, in the executable of every Postgres process.
+const GLOBALS: [&str; 4] = ["MyBEEntry", "my_wait_event_info", "MyBackendType", "MyDatabaseId"];
+
+/// Where process `pid` keeps its pg_stat_activity state, and the table to decode it.
+pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
+    let table = table_for(detect_major(pid)?)?;
+    let globals = symbolizer::executable_globals(pid, &GLOBALS)
+        .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
+    let address = |name: &str| {
+        globals.get(name).copied().ok_or_else(|| {
+            anyhow!(
+                "the postgres executable of PID {pid} exports no `{name}`; is it a PostgreSQL {} server?",
+                table.major
+            )
+        })
+    };
+    let layout = PgLayout {
+        my_be_entry: address("MyBEEntry")?,
+        my_wait_event_info: address("my_wait_event_info")?,
+        my_backend_type: address("MyBackendType")?,
+        my_database_id: address("MyDatabaseId")?,
+        st_state_offset: table.st_state_offset,
+        st_query_id_offset: table.st_query_id_offset,
+    };
+    Ok((layout, table))
+}
