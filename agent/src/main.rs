@@ -53,7 +53,11 @@ struct TraceArgs {
     /// Write folded stacks (Brendan Gregg's format, root first) here.
     #[arg(long, value_name = "FILE")]
     folded: Option<PathBuf>,
-    /// Write a gzipped pprof profile here (samples carry a `pid` label).
+    /// Write the summary as JSON here (schema `pgscope.trace.summary/v1`, see the README).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write a gzipped pprof profile here; samples carry the labels pid, backend_type,
+    /// database, state, queryid, wait_event and phase.
     #[arg(long, value_name = "FILE")]
     pprof: Option<PathBuf>,
     /// Extra directory holding separate debug files in a `.build-id/xx/rest.debug` tree
@@ -103,6 +107,7 @@ fn main() -> ExitCode {
                     debug_dirs: args.debug_dirs,
                     top: args.top,
                     query_id: args.query_id,
+                    json: args.json,
                 })
                 .await
             }

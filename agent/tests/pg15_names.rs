@@ -239,7 +239,6 @@ fn live_backends_decode_to_what_pg_stat_activity_shows() {
     // around the query, and retry until one round has every row stable.
     let mut reader = MemoryReader::default();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut last_problems;
     loop {
         let before = cluster
             .backend_pids()
@@ -284,7 +283,6 @@ fn live_backends_decode_to_what_pg_stat_activity_shows() {
             "decoded memory differs from pg_stat_activity:\n{}",
             problems.join("\n")
         );
-        last_problems = format!("{unstable} of {} rows changed during the query", rows.len());
         if unstable == 0 {
             assert!(
                 rows.iter()
@@ -295,7 +293,8 @@ fn live_backends_decode_to_what_pg_stat_activity_shows() {
         }
         assert!(
             Instant::now() < deadline,
-            "no stable round within 30 s: {last_problems}"
+            "no round without a changing row within 30 s (last: {unstable} of {} rows)",
+            rows.len()
         );
         thread::sleep(Duration::from_millis(20));
     }

@@ -1,6 +1,7 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
+mod json;
 mod progress;
 mod queries;
 mod report;
@@ -37,6 +38,7 @@ pub struct TraceOptions {
     pub debug_dirs: Vec<PathBuf>,
     pub top: usize,
     pub query_id: Option<i64>,
+    pub json: Option<PathBuf>,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -178,6 +180,11 @@ impl Session {
         self.live_pids.insert(header.tgid);
         self.aggregator
             .add(header.tgid, attribution, record.kernel_stack(), user);
+    }
+
+    /// The major version attribution is decoded for.
+    pub fn postgres_major(&self) -> Option<u32> {
+        self.version.map(|table| table.major)
     }
 
     /// Drops the symbolizer's per-process state of exited processes: PIDs are reused, and a new

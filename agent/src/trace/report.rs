@@ -49,13 +49,13 @@ pub(super) fn finish(
     );
     print_losses(&counters, session.malformed);
     print_missing_symbols(&session);
-    let total: u64 = profile.samples.iter().map(|s| s.count).sum();
+    let total = profile.total_count();
+    let shares = exporters::top_functions(&profile, options.top);
+    let queries = super::queries::summarize(&profile);
     if total == 0 {
         println!("no samples: the target was idle (off CPU) for the whole trace");
     } else {
-        let shares = exporters::top_functions(&profile, options.top);
         println!("{}", exporters::render_top_table(&shares, total));
-        let queries = super::queries::summarize(&profile);
         if !queries.is_empty() {
             println!("by query (phases in % of the query's samples):");
             println!("{}", super::queries::render(&queries, total, options.top));
@@ -99,6 +99,22 @@ pub(super) fn finish(
         };
         write_file(path, |w| exporters::write_svg(&profile, &svg_options, w))?;
         println!("wrote flamegraph to {}", path.display());
+    }
+    if let Some(path) = &options.json {
+        let summary = super::json::build(&super::json::SummaryInputs {
+            target,
+            postgres_major: session.postgres_major(),
+            frequency_hz: options.frequency_hz,
+            duration_seconds: elapsed.as_secs_f64(),
+            counters: &counters,
+            stats: &stats,
+            filtered_out: session.filtered_out,
+            profile: &profile,
+            functions: &shares,
+            queries: &queries,
+        });
+        write_file(path, |w| serde_json::to_writer_pretty(w, &summary))?;
+        println!("wrote the JSON summary to {}", path.display());
     }
     if let Some(path) = &options.pprof {
         write_pprof(path, &profile)?;

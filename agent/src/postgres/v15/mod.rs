@@ -14,3 +14,91 @@ pub static TABLE: VersionTable = VersionTable {
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
 };
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    use super::TABLE;
+
+    /// Where Debian's `postgresql-server-dev-15` puts the server headers.
+    const SERVER_INCLUDE: &str = "/usr/include/postgresql/15/server";
+
+    /// Prints the offsets pgscope reads, as the C compiler lays the struct out.
+    const OFFSETS_C: &str = r#"
+#include "postgres.h"
+/* port.h maps printf to pg_printf, which lives in libpgport; the program links only libc. */
+#undef printf
+#include <stddef.h>
+#include <stdio.h>
+#include "utils/backend_status.h"
+
+int main(void)
+{
+    printf("%zu %zu\n", offsetof(PgBackendStatus, st_state), offsetof(PgBackendStatus, st_query_id));
+    return 0;
+}
+"#;
+
+    /// A directory removed on drop (the agent has no tempfile dependency).
+    struct ScratchDir(PathBuf);
+
+    impl ScratchDir {
+        fn new() -> Self {
+            let dir = std::env::temp_dir().join(format!(
+                "pgscope-pg15-offsets-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("cannot create a scratch dir in the temp dir");
+            ScratchDir(dir)
+        }
+    }
+
+    impl Drop for ScratchDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn offsets_match_the_server_headers() {
+        assert!(
+            Path::new(SERVER_INCLUDE).join("utils/backend_status.h").is_file(),
+            "`{SERVER_INCLUDE}/utils/backend_status.h` is missing: install the PostgreSQL 15 server \
+             headers (`postgresql-server-dev-15`, which scripts/install-deps.sh installs)"
+        );
+        let dir = ScratchDir::new();
+        let source = dir.0.join("offsets.c");
+        let program = dir.0.join("offsets");
+        std::fs::write(&source, OFFSETS_C).expect("cannot write the C program");
+        let cc = Command::new("cc")
+            .arg(format!("-I{SERVER_INCLUDE}"))
+            .arg("-o")
+            .arg(&program)
+            .arg(&source)
+            .output()
+            .expect("cannot run `cc` (build-essential)");
+        assert!(
+            cc.status.success(),
+            "`cc` failed on the offsets program: {}",
+            String::from_utf8_lossy(&cc.stderr)
+        );
+        let run = Command::new(&program)
+            .output()
+            .expect("cannot run the offsets program");
+        assert!(run.status.success(), "the offsets program failed: {}", run.status);
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let offsets: Vec<u32> = stdout
+            .split_whitespace()
+            .map(|n| n.parse().expect("the offsets program prints numbers"))
+            .collect();
+        assert_eq!(
+            offsets,
+            [TABLE.st_state_offset, TABLE.st_query_id_offset],
+            "offsetof(PgBackendStatus, st_state / st_query_id) in the server headers vs. v15::TABLE"
+        );
+    }
+}

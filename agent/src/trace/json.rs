@@ -1,0 +1,195 @@
+//! `--json FILE`: the trace summary for scripts, in a versioned schema. Fields are only ever
+//! added within a version; a rename or a change of meaning bumps `schema`. Documented in the
+//! README ("JSON summary").
+
+use std::collections::BTreeMap;
+
+use exporters::{FrameKind, FunctionShare, Profile};
+use serde::Serialize;
+
+use super::queries::QuerySummary;
+use crate::aggregate::UnwindStats;
+use crate::bpf::abi::Counter;
+use crate::bpf::Counters;
+use crate::postgres::phase::Phase;
+use crate::target::Target;
+
+pub const SCHEMA: &str = "pgscope.trace.summary/v1";
+
+#[derive(Serialize)]
+pub struct Summary {
+    pub schema: &'static str,
+    pub target: TargetJson,
+    /// Major version attribution was decoded for; null when attribution was unavailable.
+    pub postgres_major: Option<u32>,
+    pub frequency_hz: u64,
+    pub duration_seconds: f64,
+    pub samples: SamplesJson,
+    pub top_functions: Vec<FunctionJson>,
+    pub queries: Vec<QueryJson>,
+    pub processes: Vec<ProcessJson>,
+}
+
+#[derive(Serialize)]
+pub struct TargetJson {
+    /// "backend" or "instance".
+    pub kind: &'static str,
+    /// The backend's PID, or the instance's postmaster PID.
+    pub pid: u32,
+}
+
+#[derive(Serialize)]
+pub struct SamplesJson {
+    /// Samples kept in the profile (after --queryid filtering).
+    pub profiled: u64,
+    /// Samples the kernel side saw for the target processes.
+    pub taken_in_kernel: u64,
+    /// Samples lost, by reason (counter name → count); only reasons that occurred.
+    pub lost: BTreeMap<&'static str, u64>,
+    /// Samples kept with a degraded part (e.g. partial user stack), by reason.
+    pub degraded: BTreeMap<&'static str, u64>,
+    /// Share of samples whose user stack unwound to the process root, in percent.
+    pub user_stacks_complete_pct: f64,
+    /// Samples of other queries left out by --queryid.
+    pub filtered_out: u64,
+}
+
+#[derive(Serialize)]
+pub struct FunctionJson {
+    pub name: String,
+    /// "user" or "kernel".
+    pub kind: &'static str,
+    pub self_samples: u64,
+    pub total_samples: u64,
+    pub self_pct: f64,
+    pub total_pct: f64,
+}
+
+#[derive(Serialize)]
+pub struct QueryJson {
+    /// pg_stat_statements.queryid as a decimal string: 64-bit values do not survive JSON
+    /// numbers in most parsers.
+    pub queryid: String,
+    pub samples: u64,
+    pub share_pct: f64,
+    /// Samples per statement phase; `other` is outside every phase function.
+    pub phases: BTreeMap<&'static str, u64>,
+    pub hottest_function: Option<String>,
+}
+
+#[derive(Serialize)]
+pub struct ProcessJson {
+    pub pid: u32,
+    pub backend_type: Option<String>,
+    pub samples: u64,
+}
+
+pub struct SummaryInputs<'a> {
+    pub target: &'a Target,
+    pub postgres_major: Option<u32>,
+    pub frequency_hz: u64,
+    pub duration_seconds: f64,
+    pub counters: &'a Counters,
+    pub stats: &'a UnwindStats,
+    pub filtered_out: u64,
+    pub profile: &'a Profile,
+    pub functions: &'a [FunctionShare],
+    pub queries: &'a [QuerySummary],
+}
+
+pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
+    let total = inputs.profile.total_count();
+    let pct = |n: u64| {
+        if total == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / total as f64
+        }
+    };
+    let (kind, pid) = match inputs.target {
+        Target::Backend(p) => ("backend", p.pid),
+        Target::Instance { postmaster } => ("instance", postmaster.pid),
+    };
+    let by_reason = |list: Vec<(Counter, u64)>| list.into_iter().map(|(c, n)| (c.name(), n)).collect();
+    Summary {
+        schema: SCHEMA,
+        target: TargetJson { kind, pid },
+        postgres_major: inputs.postgres_major,
+        frequency_hz: inputs.frequency_hz,
+        duration_seconds: inputs.duration_seconds,
+        samples: SamplesJson {
+            profiled: total,
+            taken_in_kernel: inputs.counters.get(Counter::Samples),
+            lost: by_reason(inputs.counters.losses()),
+            degraded: by_reason(inputs.counters.degradations()),
+            user_stacks_complete_pct: inputs.stats.complete_pct(),
+            filtered_out: inputs.filtered_out,
+        },
+        top_functions: inputs
+            .functions
+            .iter()
+            .map(|f| FunctionJson {
+                name: f.name.to_string(),
+                kind: match f.kind {
+                    FrameKind::User => "user",
+                    FrameKind::Kernel => "kernel",
+                },
+                self_samples: f.self_count,
+                total_samples: f.total_count,
+                self_pct: f.self_pct,
+                total_pct: f.total_pct,
+            })
+            .collect(),
+        queries: inputs
+            .queries
+            .iter()
+            .map(|q| {
+                let mut phases: BTreeMap<&'static str, u64> = Phase::ALL
+                    .iter()
+                    .zip(q.by_phase)
+                    .map(|(p, n)| (p.label(), n))
+                    .collect();
+                phases.insert("other", q.other());
+                QueryJson {
+                    queryid: q.query_id.to_string(),
+                    samples: q.samples,
+                    share_pct: pct(q.samples),
+                    phases,
+                    hottest_function: q.hottest_function.clone(),
+                }
+            })
+            .collect(),
+        processes: processes(inputs.profile),
+    }
+}
+
+fn processes(profile: &Profile) -> Vec<ProcessJson> {
+    let mut by_pid: BTreeMap<u32, (Option<String>, u64)> = BTreeMap::new();
+    for sample in &profile.samples {
+        let label = |key: &str| {
+            sample
+                .labels
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+        };
+        let Some(pid) = label("pid").and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        let entry = by_pid.entry(pid).or_insert((None, 0));
+        entry.1 += sample.count;
+        if entry.0.is_none() {
+            entry.0 = label("backend_type");
+        }
+    }
+    let mut processes: Vec<ProcessJson> = by_pid
+        .into_iter()
+        .map(|(pid, (backend_type, samples))| ProcessJson {
+            pid,
+            backend_type,
+            samples,
+        })
+        .collect();
+    processes.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.pid.cmp(&b.pid)));
+    processes
+}
