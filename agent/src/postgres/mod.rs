@@ -13,6 +13,9 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::bpf::abi::PgLayout;
 
+/// Decodes a `wait_event_info` value to `(wait_event_type, wait_event)`.
+pub type WaitEventDecoder = fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>;
+
 /// Per-major knowledge used at sample time.
 #[derive(Debug)]
 pub struct VersionTable {
@@ -23,7 +26,7 @@ pub struct VersionTable {
     pub st_query_id_offset: u32,
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
-    pub wait_event_name: fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>,
+    pub wait_event_name: WaitEventDecoder,
 }
 
 /// Majors whose offsets and enums are checked by the test suite against a live server.
