@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Every BPF program the agent embeds, relative to `bpf/`.
-const BPF_SOURCES: &[&str] = &["profile.bpf.c"];
+const BPF_SOURCES: &[&str] = &["pgscope.bpf.c"];
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));

@@ -67,6 +67,11 @@ struct TraceArgs {
     /// How many functions the summary lists.
     #[arg(long, default_value_t = 20)]
     top: usize,
+    /// Measure every call of these Postgres functions (comma-separated, or `all`): pgss_store,
+    /// s_lock, LockRelationOid, GetCachedPlan, PortalStart, vac_update_datfrozenxid,
+    /// _bt_getroot. Each call costs a uprobe trap (1-3 µs): opt in for the functions you need.
+    #[arg(long, value_delimiter = ',', value_name = "FUNCTIONS")]
+    probes: Vec<String>,
     /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).
     #[arg(long = "queryid", value_name = "QUERYID", allow_negative_numbers = true)]
     query_id: Option<i64>,
@@ -108,6 +113,7 @@ fn main() -> ExitCode {
                     top: args.top,
                     query_id: args.query_id,
                     json: args.json,
+                    probes: args.probes,
                 })
                 .await
             }

@@ -42,8 +42,54 @@ enum pgscope_counter {
 	PGSCOPE_CNT_FORKS_FOLLOWED = 7,	     /* children added to the target map */
 	PGSCOPE_CNT_TARGETS_FULL = 8,	     /* lost: a child could not be added, map full */
 	PGSCOPE_CNT_ATTRIBUTION_FAULT = 9,   /* degraded: backend state unreadable at sample time */
-	PGSCOPE_CNT_MAX = 10,
+	PGSCOPE_CNT_PROBE_HITS = 10,	     /* function probe entries in target processes */
+	PGSCOPE_CNT_PROBE_NO_ENTRY = 11,     /* lost: a return without its recorded entry */
+	PGSCOPE_CNT_PROBE_MAP_FULL = 12,     /* lost: a per-call statistic had no map room */
+	PGSCOPE_CNT_MAX = 13,
 };
+
+/* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
+enum pgscope_function {
+	PGSCOPE_FN_PGSS_STORE = 0,
+	PGSCOPE_FN_S_LOCK = 1,
+	PGSCOPE_FN_LOCK_RELATION_OID = 2,
+	PGSCOPE_FN_GET_CACHED_PLAN = 3,
+	PGSCOPE_FN_PORTAL_START = 4,
+	PGSCOPE_FN_VAC_UPDATE_DATFROZENXID = 5,
+	PGSCOPE_FN_BT_GETROOT = 6,
+	PGSCOPE_FN_MAX = 7,
+};
+
+/* Buckets of the per-function latency histogram: bucket i counts calls of [2^i, 2^(i+1)) ns,
+ * bucket 0 also [0, 1) ns; the last bucket holds everything longer (2^39 ns ≈ 9 min). */
+#define PGSCOPE_HIST_BUCKETS 40
+
+/* Per (backend, queryid, function) call statistics, aggregated per CPU in the kernel. */
+struct pgscope_call_key {
+	__u32 tgid;
+	__u32 function; /* enum pgscope_function */
+	__u64 query_id; /* st_query_id at entry; 0 when none */
+};
+
+struct pgscope_call_stats {
+	__u64 calls;
+	__u64 total_ns;
+	__u64 max_ns;
+	__u64 hist[PGSCOPE_HIST_BUCKETS];
+};
+
+/* LockRelationOid(relid, lockmode) calls per (backend, queryid, relation, mode). */
+struct pgscope_relation_lock_key {
+	__u32 tgid;
+	__u32 relid;
+	__u64 query_id;
+	__u32 lockmode;
+	__u32 _pad;
+};
+
+_Static_assert(sizeof(struct pgscope_call_key) == 16, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_call_stats) == 24 + 8 * PGSCOPE_HIST_BUCKETS, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_relation_lock_key) == 24, "mirrored in agent/src/bpf/abi.rs");
 
 /* Where one Postgres process keeps the state pg_stat_activity shows, so that a sample can read
  * it from the backend's own memory at no per-statement cost. Addresses are of the exported

@@ -27,10 +27,13 @@ pub enum Counter {
     ForksFollowed = 7,
     TargetsFull = 8,
     AttributionFault = 9,
+    ProbeHits = 10,
+    ProbeNoEntry = 11,
+    ProbeMapFull = 12,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 10] = [
+    pub const ALL: [Counter; 13] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -41,6 +44,9 @@ impl Counter {
         Counter::ForksFollowed,
         Counter::TargetsFull,
         Counter::AttributionFault,
+        Counter::ProbeHits,
+        Counter::ProbeNoEntry,
+        Counter::ProbeMapFull,
     ];
 
     /// Name used in progress lines and metrics.
@@ -56,6 +62,9 @@ impl Counter {
             Counter::ForksFollowed => "forks_followed",
             Counter::TargetsFull => "lost_targets_full",
             Counter::AttributionFault => "attribution_unreadable",
+            Counter::ProbeHits => "probe_hits",
+            Counter::ProbeNoEntry => "probe_return_without_entry",
+            Counter::ProbeMapFull => "lost_probe_map_full",
         }
     }
 }
@@ -189,5 +198,166 @@ mod tests {
         assert_eq!(record.kernel_stack(), &[0xffff_ffff_8100_0000, 0]);
         assert_eq!(record.user_stack.len(), 16);
         assert_eq!(record.user_stack[0], 0xab);
+    }
+}
+
+/// `enum pgscope_function`: the Postgres functions pgscope can probe. The value is the attach
+/// cookie the BPF programs read back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum Function {
+    PgssStore = 0,
+    SLock = 1,
+    LockRelationOid = 2,
+    GetCachedPlan = 3,
+    PortalStart = 4,
+    VacUpdateDatfrozenxid = 5,
+    BtGetroot = 6,
+}
+
+impl Function {
+    pub const ALL: [Function; 7] = [
+        Function::PgssStore,
+        Function::SLock,
+        Function::LockRelationOid,
+        Function::GetCachedPlan,
+        Function::PortalStart,
+        Function::VacUpdateDatfrozenxid,
+        Function::BtGetroot,
+    ];
+
+    /// The C function name, as given to `--probes`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Function::PgssStore => "pgss_store",
+            Function::SLock => "s_lock",
+            Function::LockRelationOid => "LockRelationOid",
+            Function::GetCachedPlan => "GetCachedPlan",
+            Function::PortalStart => "PortalStart",
+            Function::VacUpdateDatfrozenxid => "vac_update_datfrozenxid",
+            Function::BtGetroot => "_bt_getroot",
+        }
+    }
+
+    pub fn from_cookie(value: u32) -> Option<Function> {
+        Function::ALL.into_iter().find(|f| *f as u32 == value)
+    }
+}
+
+/// Buckets of `struct pgscope_call_stats.hist`: bucket i counts calls of [2^i, 2^(i+1)) ns.
+pub const HIST_BUCKETS: usize = 40;
+
+/// `struct pgscope_call_key`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CallKey {
+    pub tgid: u32,
+    pub function: u32,
+    pub query_id: u64,
+}
+
+/// `struct pgscope_call_stats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallStats {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+    pub hist: [u64; HIST_BUCKETS],
+}
+
+impl Default for CallStats {
+    fn default() -> Self {
+        Self {
+            calls: 0,
+            total_ns: 0,
+            max_ns: 0,
+            hist: [0; HIST_BUCKETS],
+        }
+    }
+}
+
+impl CallStats {
+    /// Adds another CPU's (or key's) statistics.
+    pub fn merge(&mut self, other: &CallStats) {
+        self.calls += other.calls;
+        self.total_ns += other.total_ns;
+        self.max_ns = self.max_ns.max(other.max_ns);
+        for (mine, theirs) in self.hist.iter_mut().zip(other.hist) {
+            *mine += theirs;
+        }
+    }
+
+    /// Upper bound in ns of the histogram bucket holding quantile `q` (0..=1) of the calls.
+    pub fn quantile_upper_ns(&self, q: f64) -> Option<u64> {
+        let total: u64 = self.hist.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let rank = ((q * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (bucket, &n) in self.hist.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return Some(1u64 << (bucket + 1));
+            }
+        }
+        Some(1u64 << HIST_BUCKETS)
+    }
+}
+
+/// `struct pgscope_relation_lock_key`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RelationLockKey {
+    pub tgid: u32,
+    pub relid: u32,
+    pub query_id: u64,
+    pub lockmode: u32,
+    pub _pad: u32,
+}
+
+const _: () = assert!(size_of::<CallKey>() == 16);
+const _: () = assert!(size_of::<CallStats>() == 24 + 8 * HIST_BUCKETS);
+const _: () = assert!(size_of::<RelationLockKey>() == 24);
+const _: () = assert!(offset_of!(RelationLockKey, lockmode) == 16);
+
+// SAFETY: all three are repr(C) plain old data without padding (sizes asserted above; the
+// explicit _pad field fills RelationLockKey's tail).
+unsafe impl aya::Pod for CallKey {}
+unsafe impl aya::Pod for CallStats {}
+unsafe impl aya::Pod for RelationLockKey {}
+
+#[cfg(test)]
+mod call_stats_tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_come_from_histogram_buckets() {
+        let mut stats = CallStats::default();
+        stats.hist[10] = 90; // [1024, 2048) ns
+        stats.hist[20] = 10; // [1 ms, 2 ms)
+        assert_eq!(stats.quantile_upper_ns(0.5), Some(2048));
+        assert_eq!(stats.quantile_upper_ns(0.9), Some(2048));
+        assert_eq!(stats.quantile_upper_ns(0.99), Some(1 << 21));
+        assert_eq!(CallStats::default().quantile_upper_ns(0.5), None);
+    }
+
+    #[test]
+    fn merge_adds_and_keeps_max() {
+        let mut a = CallStats {
+            calls: 2,
+            total_ns: 10,
+            max_ns: 7,
+            ..Default::default()
+        };
+        let b = CallStats {
+            calls: 3,
+            total_ns: 5,
+            max_ns: 4,
+            ..Default::default()
+        };
+        a.merge(&b);
+        assert_eq!((a.calls, a.total_ns, a.max_ns), (5, 15, 7));
     }
 }

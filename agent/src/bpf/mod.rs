@@ -5,19 +5,24 @@
 pub mod abi;
 
 use anyhow::{anyhow, Context, Result};
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use std::path::Path;
+
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
-use aya::programs::{PerfEvent, TracePoint};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::{PerfEvent, TracePoint, UProbe};
 use aya::util::online_cpus;
 use aya::Ebpf;
 
-use abi::{Counter, PgLayout};
+use abi::{CallKey, CallStats, Counter, Function, PgLayout, RelationLockKey};
 
-static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profile.bpf.o"));
+static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
 /// The loaded on-CPU profiler programs and their maps.
 pub struct OnCpuProbes {
     ebpf: Ebpf,
+    /// Whether the function-probe programs are loaded (they attach once per function).
+    function_programs_loaded: bool,
 }
 
 impl OnCpuProbes {
@@ -27,7 +32,10 @@ impl OnCpuProbes {
             "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
              ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
         )?;
-        Ok(Self { ebpf })
+        Ok(Self {
+            ebpf,
+            function_programs_loaded: false,
+        })
     }
 
     /// Starts sampling every online CPU at `frequency_hz` on the CPU clock. Only processes in
@@ -101,6 +109,71 @@ impl OnCpuProbes {
             .with_context(|| format!("setting the layout of PID {tgid}"))
     }
 
+    /// Attaches the entry and return probes of `function` in the ELF file `target` (the
+    /// postgres executable), for every process that runs it: the target map keeps the others
+    /// out. Fails with the function's name when the file has no such symbol.
+    pub fn attach_function(&mut self, function: Function, target: &Path) -> Result<()> {
+        for program_name in ["on_function_entry", "on_function_return"] {
+            let program: &mut UProbe = self
+                .ebpf
+                .program_mut(program_name)
+                .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
+                .try_into()?;
+            if !self.function_programs_loaded {
+                program
+                    .load()
+                    .with_context(|| format!("loading `{program_name}`"))?;
+            }
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::Symbol(function.name()),
+                cookie: Some(function as u64),
+            };
+            program
+                .attach(point, target, UProbeScope::AllProcesses)
+                .with_context(|| {
+                    format!(
+                        "attaching a probe to `{}` in `{}`",
+                        function.name(),
+                        target.display()
+                    )
+                })?;
+        }
+        self.function_programs_loaded = true;
+        Ok(())
+    }
+
+    /// Per (backend, queryid, function) call statistics so far, summed over CPUs.
+    pub fn call_stats(&self) -> Result<Vec<(CallKey, CallStats)>> {
+        let map = self
+            .ebpf
+            .map("call_stats")
+            .ok_or_else(|| anyhow!("BPF object has no map `call_stats`"))?;
+        let stats: PerCpuHashMap<_, CallKey, CallStats> = PerCpuHashMap::try_from(map)?;
+        let mut out = Vec::new();
+        for entry in stats.iter() {
+            let (key, per_cpu) = entry.context("reading `call_stats`")?;
+            let mut total = CallStats::default();
+            per_cpu.iter().for_each(|cpu| total.merge(cpu));
+            out.push((key, total));
+        }
+        Ok(out)
+    }
+
+    /// LockRelationOid calls per (backend, queryid, relation, lock mode), summed over CPUs.
+    pub fn relation_locks(&self) -> Result<Vec<(RelationLockKey, u64)>> {
+        let map = self
+            .ebpf
+            .map("relation_locks")
+            .ok_or_else(|| anyhow!("BPF object has no map `relation_locks`"))?;
+        let locks: PerCpuHashMap<_, RelationLockKey, u64> = PerCpuHashMap::try_from(map)?;
+        let mut out = Vec::new();
+        for entry in locks.iter() {
+            let (key, per_cpu) = entry.context("reading `relation_locks`")?;
+            out.push((key, per_cpu.iter().sum()));
+        }
+        Ok(out)
+    }
+
     /// Takes the sample ring buffer out of the object, for the event loop to own.
     pub fn take_samples(&mut self) -> Result<RingBuf<MapData>> {
         let map = self
@@ -139,11 +212,17 @@ impl Counters {
 
     /// Samples lost in the kernel, by reason, for the reasons that occurred.
     pub fn losses(&self) -> Vec<(Counter, u64)> {
-        [Counter::RingbufFull, Counter::NoScratch, Counter::TargetsFull]
-            .into_iter()
-            .map(|c| (c, self.get(c)))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+        [
+            Counter::RingbufFull,
+            Counter::NoScratch,
+            Counter::TargetsFull,
+            Counter::ProbeNoEntry,
+            Counter::ProbeMapFull,
+        ]
+        .into_iter()
+        .map(|c| (c, self.get(c)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
     }
 
     /// Samples kept with a degraded stack, by reason.

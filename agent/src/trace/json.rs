@@ -7,8 +7,10 @@ use std::collections::BTreeMap;
 use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
+use super::probes::{lock_mode_name, ProbeResults};
 use super::queries::QuerySummary;
 use crate::aggregate::UnwindStats;
+use crate::bpf::abi::CallStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
 use crate::postgres::phase::Phase;
@@ -28,6 +30,60 @@ pub struct Summary {
     pub top_functions: Vec<FunctionJson>,
     pub queries: Vec<QueryJson>,
     pub processes: Vec<ProcessJson>,
+    /// Per probed function, over all backends and queries.
+    pub probes: Vec<ProbeJson>,
+    /// Per (queryid, probed function), over all backends.
+    pub probes_by_query: Vec<ProbeByQueryJson>,
+    /// LockRelationOid calls per (queryid, relation, lock mode).
+    pub relation_locks: Vec<RelationLockJson>,
+}
+
+#[derive(Serialize)]
+pub struct CallStatsJson {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+    /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns.
+    pub histogram_log2_ns: Vec<u64>,
+    /// Whether the figures are scaled up from a measured fraction of the time; always false in
+    /// this version (every call is measured).
+    pub extrapolated: bool,
+}
+
+impl From<&CallStats> for CallStatsJson {
+    fn from(stats: &CallStats) -> Self {
+        Self {
+            calls: stats.calls,
+            total_ns: stats.total_ns,
+            max_ns: stats.max_ns,
+            histogram_log2_ns: stats.hist.to_vec(),
+            extrapolated: false,
+        }
+    }
+}
+
+#[derive(Serialize)]
+pub struct ProbeJson {
+    pub function: &'static str,
+    pub calls_per_second: f64,
+    #[serde(flatten)]
+    pub stats: CallStatsJson,
+}
+
+#[derive(Serialize)]
+pub struct ProbeByQueryJson {
+    pub queryid: String,
+    pub function: &'static str,
+    #[serde(flatten)]
+    pub stats: CallStatsJson,
+}
+
+#[derive(Serialize)]
+pub struct RelationLockJson {
+    pub queryid: String,
+    pub relid: u32,
+    pub lockmode: &'static str,
+    pub calls: u64,
 }
 
 #[derive(Serialize)]
@@ -95,6 +151,7 @@ pub struct SummaryInputs<'a> {
     pub profile: &'a Profile,
     pub functions: &'a [FunctionShare],
     pub queries: &'a [QuerySummary],
+    pub probes: &'a ProbeResults,
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -160,6 +217,37 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             })
             .collect(),
         processes: processes(inputs.profile),
+        probes: inputs
+            .probes
+            .by_function()
+            .iter()
+            .map(|(function, stats)| ProbeJson {
+                function: function.name(),
+                calls_per_second: stats.calls as f64 / inputs.duration_seconds.max(1e-9),
+                stats: stats.into(),
+            })
+            .collect(),
+        probes_by_query: inputs
+            .probes
+            .by_query()
+            .iter()
+            .map(|((query_id, function), stats)| ProbeByQueryJson {
+                queryid: query_id.to_string(),
+                function: function.name(),
+                stats: stats.into(),
+            })
+            .collect(),
+        relation_locks: inputs
+            .probes
+            .locks_by_relation()
+            .into_iter()
+            .map(|((query_id, relid, mode), calls)| RelationLockJson {
+                queryid: query_id.to_string(),
+                relid,
+                lockmode: lock_mode_name(mode),
+                calls,
+            })
+            .collect(),
     }
 }
 

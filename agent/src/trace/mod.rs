@@ -2,6 +2,7 @@
 //! functions and write the flamegraph outputs.
 
 mod json;
+mod probes;
 mod progress;
 mod queries;
 mod report;
@@ -39,6 +40,8 @@ pub struct TraceOptions {
     pub top: usize,
     pub query_id: Option<i64>,
     pub json: Option<PathBuf>,
+    /// `--probes` items as given (function names or `all`).
+    pub probes: Vec<String>,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -87,6 +90,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             );
         }
     }
+    let functions = probes::parse_probe_list(&options.probes)?;
+    let attached = probes::attach(&mut probes, &functions, layout_source)?;
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -119,13 +124,22 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     );
     let ended_early = collect(&mut session, &probes, ring, &options, started).await?;
     let counters = probes.counters()?;
+    let probe_results = probes::ProbeResults::collect(&probes, attached)?;
     // Detach before the slow part (symbolization, output): the database is left alone at once.
     drop(probes);
     let elapsed = started.elapsed();
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
-    report::finish(&options, &target, session, counters, start_unix_nanos, elapsed)
+    report::finish(
+        &options,
+        &target,
+        session,
+        counters,
+        probe_results,
+        start_unix_nanos,
+        elapsed,
+    )
 }
 
 /// Everything that is built up while samples arrive.

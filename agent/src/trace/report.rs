@@ -20,6 +20,7 @@ pub(super) fn finish(
     target: &Target,
     mut session: Session,
     counters: Counters,
+    probe_results: super::probes::ProbeResults,
     start_unix_nanos: u64,
     elapsed: Duration,
 ) -> Result<()> {
@@ -67,6 +68,13 @@ pub(super) fn finish(
             }
         }
     }
+    if !probe_results.attached.is_empty() {
+        println!("function probes (exact counts: every call is measured):");
+        println!(
+            "{}",
+            super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)
+        );
+    }
     if session.filtered_out > 0 {
         println!(
             "{} samples of other queries left out (--queryid)",
@@ -112,6 +120,7 @@ pub(super) fn finish(
             profile: &profile,
             functions: &shares,
             queries: &queries,
+            probes: &probe_results,
         });
         write_file(path, |w| serde_json::to_writer_pretty(w, &summary))?;
         println!("wrote the JSON summary to {}", path.display());

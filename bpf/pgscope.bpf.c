@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
+ * Every BPF program of pgscope, in one object so that they share the target and layout maps.
+ *
  * On-CPU sampling of Postgres processes: a perf-event program on the CPU clock of every CPU,
  * filtered to the processes in `targets`, that sends the kernel stack, the user registers and a
  * bounded copy of the user stack. User space unwinds the copy from .eh_frame, so stacks are right
@@ -81,6 +83,52 @@ static __always_inline __u64 copy_user_stack(struct pgscope_sample *s, struct ta
 	return 0;
 }
 
+/* Return instances of in-flight uretprobes patched back per sample, a bounded loop (deeper nesting is rare:
+ * one per probed function active in the thread). */
+#define MAX_URETPROBE_FRAMES 8
+
+/* A uretprobe replaces the return address of the probed call on the user stack with the
+ * [uprobes] trampoline, which has no unwind information: stacks through a probed function in
+ * flight would end there. The kernel keeps the original address and the stack slot it took it
+ * from in task->utask->return_instances (innermost first); put them back into the copy. */
+static __always_inline void restore_uretprobe_returns(struct pgscope_sample *s, struct task_struct *task, __u64 len)
+{
+	struct uprobe_task *utask = BPF_CORE_READ(task, utask);
+	if (!utask)
+		return;
+	struct return_instance *ri = BPF_CORE_READ(utask, return_instances);
+
+	for (int i = 0; i < MAX_URETPROBE_FRAMES && ri; i++) {
+		__u64 slot = BPF_CORE_READ(ri, stack);
+		__u64 original = BPF_CORE_READ(ri, orig_ret_vaddr);
+		if (slot >= s->user_sp && slot + 8 <= s->user_sp + len) {
+			__u64 offset = slot - s->user_sp;
+			if (offset <= PGSCOPE_USER_STACK_MAX - 8)
+				__builtin_memcpy(&s->user_stack[offset], &original, 8);
+		}
+		ri = BPF_CORE_READ(ri, next);
+	}
+}
+
+#define STATUS_UNREADABLE ((__u64)-1)
+
+/* MyBEEntry: the backend's PgBackendStatus; 0 for processes without one (the postmaster). */
+static __always_inline __u64 status_entry(struct pgscope_pg_layout *layout)
+{
+	__u64 entry = 0;
+
+	if (bpf_probe_read_user(&entry, 8, (void *)layout->my_be_entry) != 0)
+		return STATUS_UNREADABLE;
+	return entry;
+}
+
+static __always_inline long read_query_id(struct pgscope_pg_layout *layout, __u64 entry, __u64 *query_id)
+{
+	if (!layout->st_query_id_offset)
+		return 0;
+	return bpf_probe_read_user(query_id, 8, (void *)(entry + layout->st_query_id_offset));
+}
+
 /* Reads what pg_stat_activity shows for the sampled backend, from the backend's own memory.
  * Each read is one bpf_probe_read_user of a word: globals and the shared-memory status entry are
  * resident in any running backend. A fault leaves the field out (its flag unset) and is counted. */
@@ -112,14 +160,12 @@ static __always_inline void read_attribution(struct pgscope_sample *s, __u32 tgi
 			faults++;
 	}
 	if (layout->my_be_entry) {
-		__u64 entry = 0;
-		if (bpf_probe_read_user(&entry, 8, (void *)layout->my_be_entry) != 0) {
+		__u64 entry = status_entry(layout);
+		if (entry == STATUS_UNREADABLE) {
 			faults++;
 		} else if (entry) {
-			/* Postmaster and some auxiliary processes have no status entry (NULL). */
 			if (bpf_probe_read_user(&s->backend_state, 4, (void *)(entry + layout->st_state_offset)) == 0 &&
-			    (!layout->st_query_id_offset ||
-			     bpf_probe_read_user(&s->query_id, 8, (void *)(entry + layout->st_query_id_offset)) == 0))
+			    read_query_id(layout, entry, &s->query_id) == 0)
 				flags |= PGSCOPE_ATTR_STATUS;
 			else
 				faults++;
@@ -177,8 +223,19 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 
 	read_attribution(s, tgid);
 
+	/* A thread trapped on a uprobe breakpoint is sampled with its ip one byte past the int3 at
+	 * the probed function's entry, where the unwind tables describe a prologue that has not run:
+	 * unwind from the breakpoint address itself. Only on the kernel path, where the byte before
+	 * ip is the trap instruction and not part of a longer one. */
+	if (s->kernel_frames > 0) {
+		__u8 opcode = 0;
+		if (bpf_probe_read_user(&opcode, 1, (void *)(s->user_ip - 1)) == 0 && opcode == 0xCC)
+			s->user_ip -= 1;
+	}
+
 	__u64 len = copy_user_stack(s, task);
 	s->user_stack_len = len;
+	restore_uretprobe_returns(s, task, len);
 
 	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
 	if (size > sizeof(*s))
@@ -237,5 +294,147 @@ int on_process_exec(void *ctx)
 
 	bpf_map_delete_elem(&targets, &tgid);
 	bpf_map_delete_elem(&pg_layouts, &tgid);
+	return 0;
+}
+
+/*
+ * Function probes: uprobe + uretprobe on a handful of Postgres functions, the attach cookie
+ * naming the function. Calls, time and a log2 latency histogram are aggregated per CPU per
+ * (backend, queryid, function) in the kernel: no event per call crosses to user space.
+ */
+
+struct call_entry {
+	__u64 start_ns;
+	__u64 query_id;
+};
+
+/* In-flight calls by (thread, function). A nested call of the same function in the same thread
+ * (rare: planning a query from inside GetCachedPlan) overwrites the outer entry. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64); /* tid << 32 | function */
+	__type(value, struct call_entry);
+} calls_in_flight SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_call_key);
+	__type(value, struct pgscope_call_stats);
+} call_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_relation_lock_key);
+	__type(value, __u64);
+} relation_locks SEC(".maps");
+
+static __always_inline __u64 current_query_id(__u32 tgid)
+{
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	__u64 query_id = 0;
+
+	if (!layout || !layout->my_be_entry)
+		return 0;
+	__u64 entry = status_entry(layout);
+	if (entry && entry != STATUS_UNREADABLE)
+		read_query_id(layout, entry, &query_id);
+	return query_id;
+}
+
+/* floor(log2(v)) for v > 0, without loops (the verifier prefers straight code). */
+static __always_inline __u32 log2_u64(__u64 v)
+{
+	__u32 r = 0;
+
+	if (v >> 32) { v >>= 32; r += 32; }
+	if (v >> 16) { v >>= 16; r += 16; }
+	if (v >> 8) { v >>= 8; r += 8; }
+	if (v >> 4) { v >>= 4; r += 4; }
+	if (v >> 2) { v >>= 2; r += 2; }
+	if (v >> 1) { r += 1; }
+	return r;
+}
+
+static __always_inline void count_relation_lock(struct pt_regs *ctx, __u32 tgid, __u64 query_id)
+{
+	struct pgscope_relation_lock_key key = {
+		.tgid = tgid,
+		.relid = (__u32)PT_REGS_PARM1(ctx),
+		.query_id = query_id,
+		.lockmode = (__u32)PT_REGS_PARM2(ctx),
+	};
+	__u64 one = 1, *value = bpf_map_lookup_elem(&relation_locks, &key);
+
+	if (value)
+		*value += 1;
+	else if (bpf_map_update_elem(&relation_locks, &key, &one, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_PROBE_MAP_FULL);
+}
+
+SEC("uprobe")
+int on_function_entry(struct pt_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		return 0;
+	count(PGSCOPE_CNT_PROBE_HITS);
+	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
+	struct call_entry entry = { .query_id = current_query_id(tgid) };
+
+	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
+		count_relation_lock(ctx, tgid, entry.query_id);
+	__u64 key = (pid_tgid << 32) | function;
+	entry.start_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&calls_in_flight, &key, &entry, BPF_ANY) != 0)
+		count(PGSCOPE_CNT_PROBE_MAP_FULL);
+	return 0;
+}
+
+SEC("uretprobe")
+int on_function_return(struct pt_regs *ctx)
+{
+	__u64 now = bpf_ktime_get_ns();
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
+	__u64 key = (pid_tgid << 32) | function;
+	struct call_entry *entry = bpf_map_lookup_elem(&calls_in_flight, &key);
+
+	if (!entry) {
+		/* Not a target, or its entry came before the probe was attached. */
+		if (bpf_map_lookup_elem(&targets, &tgid))
+			count(PGSCOPE_CNT_PROBE_NO_ENTRY);
+		return 0;
+	}
+	__u64 elapsed = now - entry->start_ns;
+	struct pgscope_call_key stats_key = { .tgid = tgid, .function = function, .query_id = entry->query_id };
+	bpf_map_delete_elem(&calls_in_flight, &key);
+
+	struct pgscope_call_stats *stats = bpf_map_lookup_elem(&call_stats, &stats_key);
+	if (!stats) {
+		struct pgscope_call_stats zero = {};
+		if (bpf_map_update_elem(&call_stats, &stats_key, &zero, BPF_NOEXIST) != 0 &&
+		    !bpf_map_lookup_elem(&call_stats, &stats_key)) {
+			count(PGSCOPE_CNT_PROBE_MAP_FULL);
+			return 0;
+		}
+		stats = bpf_map_lookup_elem(&call_stats, &stats_key);
+		if (!stats)
+			return 0;
+	}
+	__u32 bucket = elapsed ? log2_u64(elapsed) : 0;
+	if (bucket >= PGSCOPE_HIST_BUCKETS)
+		bucket = PGSCOPE_HIST_BUCKETS - 1;
+	stats->calls += 1;
+	stats->total_ns += elapsed;
+	if (elapsed > stats->max_ns)
+		stats->max_ns = elapsed;
+	stats->hist[bucket] += 1;
 	return 0;
 }
