@@ -128,6 +128,11 @@ impl Trace {
         self.arg("--svg", path)
     }
 
+    /// `--queryid <queryid>`: keep only samples of that query.
+    pub fn queryid(self, query_id: i64) -> Self {
+        self.arg("--queryid", query_id.to_string())
+    }
+
     /// `--debug-dir <dir>` when the build has one.
     pub fn debug_dir(self, dir: Option<&Path>) -> Self {
         match dir {

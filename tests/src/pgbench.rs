@@ -1,0 +1,112 @@
+//! `pgbench` running in the background while a trace records it.
+
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::cluster::PgCluster;
+use crate::process::{describe, wait_for};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A `pgbench` run the test does not wait for. Dropping it kills pgbench and waits until its
+/// connections are gone from `pg_stat_activity`.
+pub struct BackgroundPgbench<'a> {
+    cluster: &'a PgCluster,
+    child: Child,
+    tag: String,
+}
+
+impl PgCluster {
+    /// Starts `pgbench <args> postgres` and returns once `clients` of its connections are in
+    /// `pg_stat_activity` (pgbench starts its script as soon as all are connected). Its
+    /// connections are told apart by a unique `application_name`. `args` should make pgbench
+    /// outlive whatever the test does meanwhile (a long `-T`).
+    pub fn spawn_pgbench(&self, args: &[&str], clients: usize) -> Result<BackgroundPgbench<'_>> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let tag = format!(
+            "pgscope-pgbench-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut cmd = self.client("pgbench");
+        cmd.args(args)
+            .arg("postgres")
+            .env("PGAPPNAME", &tag)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let line = describe(&cmd);
+        let child = cmd.spawn().with_context(|| format!("cannot start `{line}`"))?;
+        let mut pgbench = BackgroundPgbench {
+            cluster: self,
+            child,
+            tag,
+        };
+        wait_for(
+            &format!("{clients} connections of `{line}`"),
+            CONNECT_TIMEOUT,
+            || {
+                if let Some(status) = pgbench.child.try_wait()? {
+                    let mut stderr = String::new();
+                    if let Some(pipe) = pgbench.child.stderr.as_mut() {
+                        let _ = std::io::Read::read_to_string(pipe, &mut stderr);
+                    }
+                    bail!("`{line}` exited ({status}) before it ran: {}", stderr.trim());
+                }
+                Ok((pgbench.connections()? >= clients).then_some(()))
+            },
+        )?;
+        Ok(pgbench)
+    }
+}
+
+impl BackgroundPgbench<'_> {
+    /// The `application_name` of its connections.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// `true` while pgbench has not exited.
+    pub fn is_running(&mut self) -> Result<bool> {
+        Ok(self.child.try_wait()?.is_none())
+    }
+
+    /// Kills pgbench and waits until its backends have ended, so that no statement of this run
+    /// is recorded after this returns.
+    pub fn stop(mut self) -> Result<()> {
+        self.kill_and_wait()
+    }
+
+    fn connections(&self) -> Result<usize> {
+        let n = self.cluster.psql(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{}'",
+            self.tag
+        ))?;
+        n.parse().with_context(|| format!("bad count `{n}`"))
+    }
+
+    fn kill_and_wait(&mut self) -> Result<()> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // A backend notices its client is gone only when it next talks to it: after the
+        // statement it is running.
+        wait_for(
+            &format!("the backends of `{}` to exit", self.tag),
+            CONNECT_TIMEOUT,
+            || Ok((self.connections()? == 0).then_some(())),
+        )
+    }
+}
+
+impl Drop for BackgroundPgbench<'_> {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            if let Err(e) = self.kill_and_wait() {
+                eprintln!("cannot stop pgbench `{}`: {e:#}", self.tag);
+            }
+        }
+    }
+}

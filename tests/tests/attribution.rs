@@ -1,0 +1,559 @@
+//! Every sample is labelled with what `pg_stat_activity` shows for its process at that moment
+//! (backend type, database, state, queryid, wait event): the labels of the pprof output are
+//! checked against `pg_stat_statements` and `pg_stat_activity` of a live cluster.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::workload::{is_md5_frame, is_numeric_frame, CPU_BOUND, MD5_BOUND};
+use pgscope_tests::{require_root_and_bpf, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace};
+
+const FREQUENCY: u32 = 99;
+const AUXILIARY_FREQUENCY: u32 = 499;
+const TRACE_SECS: u64 = 5;
+const CLIENT_BACKEND: &str = "client backend";
+/// A queryid label needs this many samples before the test insists pg_stat_statements knows
+/// it: a statement still running when pgbench is stopped is never recorded there.
+const MIN_SAMPLES_PER_QUERYID: u64 = 3;
+
+/// One statement of the pgbench script.
+struct Statement {
+    name: &'static str,
+    sql: &'static str,
+    /// A fragment of its normalised text in pg_stat_statements that the others do not have.
+    text: &'static str,
+    /// A frame only this statement's execution has on the stack.
+    marker: fn(&str) -> bool,
+}
+
+fn is_tuplesort_frame(frame: &str) -> bool {
+    frame.starts_with("tuplesort_")
+}
+
+/// Three statements that each burn a few milliseconds of CPU in disjoint code (hashing, numeric
+/// arithmetic, sorting), so a sample's stack tells which one was running and its `queryid`
+/// label can be checked against that. `:n` becomes a literal (`-M simple`) or a parameter
+/// (`-M prepared`); the structures differ, so the three have distinct queryids.
+const SCRIPT: [Statement; 3] = [
+    Statement {
+        name: "md5",
+        sql: "SELECT count(*) FROM generate_series(1, 20000) g WHERE md5((g + :n)::text) LIKE 'ff%';",
+        text: "md5(",
+        marker: is_md5_frame,
+    },
+    Statement {
+        name: "numeric",
+        sql: "SELECT sum(g::numeric * 1.0000001 / 3.3) FROM generate_series(1, 20000) g WHERE g > :n;",
+        text: "::numeric",
+        marker: is_numeric_frame,
+    },
+    Statement {
+        name: "sort",
+        sql: "SELECT max(x) FROM (SELECT g * :n AS x FROM generate_series(1, 20000) g ORDER BY g DESC) s;",
+        text: "ORDER BY",
+        marker: is_tuplesort_frame,
+    },
+];
+
+/// pgbench with the script above under both protocols; each run is traced on its own, with
+/// pg_stat_statements reset before it, so the queryids of one run are the rows read after it.
+#[test]
+fn queryid_labels_match_pg_stat_statements() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(
+        &PgInstall::distro()?,
+        &[("shared_preload_libraries", "pg_stat_statements")],
+    )?;
+    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("burn.sql");
+    let mut text = String::from("\\set n random(1, 1000)\n");
+    for statement in &SCRIPT {
+        text.push_str(statement.sql);
+        text.push('\n');
+    }
+    fs::write(&script, text)?;
+    let script = script.to_str().context("temp dir path is not UTF-8")?;
+
+    let mut queryids: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for protocol in ["simple", "prepared"] {
+        cluster.psql("SELECT pg_stat_statements_reset()")?;
+        let pprof = dir.path().join(format!("{protocol}.pb.gz"));
+        // -n: no vacuum of pgbench's own tables, which this database does not have.
+        let mut pgbench =
+            cluster.spawn_pgbench(&["-n", "-M", protocol, "-f", script, "-c", "2", "-T", "300"], 2)?;
+        Trace::instance(cluster.data_dir())
+            .duration_secs(TRACE_SECS)
+            .frequency(FREQUENCY)
+            .pprof(&pprof)
+            .run()?;
+        ensure!(pgbench.is_running()?, "pgbench ended during the trace");
+        pgbench.stop()?;
+
+        let statements = pg_stat_statements(&cluster)?;
+        let profile = LabeledProfile::read_pprof(&pprof)?;
+        let ids = check_queryids(protocol, &profile, &statements)?;
+        for (statement, id) in SCRIPT.iter().zip(ids) {
+            queryids.entry(statement.name).or_default().push(id);
+        }
+    }
+    // Const and Param nodes are jumbled differently, so each protocol's statements have their own
+    // queryids: the prepared run checked queryids the simple run did not already produce.
+    for (name, ids) in &queryids {
+        ensure!(
+            ids[0] != ids[1],
+            "the {name} statement has queryid {} under both protocols",
+            ids[0]
+        );
+    }
+    Ok(())
+}
+
+/// `queryid → query` of every pg_stat_statements row.
+fn pg_stat_statements(cluster: &PgCluster) -> Result<BTreeMap<String, String>> {
+    let out = cluster.psql(
+        "SELECT queryid, regexp_replace(query, '\\s+', ' ', 'g') FROM pg_stat_statements WHERE toplevel",
+    )?;
+    out.lines()
+        .map(|line| {
+            let (id, query) = line
+                .split_once('|')
+                .with_context(|| format!("unexpected pg_stat_statements row `{line}`"))?;
+            Ok((id.to_owned(), query.to_owned()))
+        })
+        .collect()
+}
+
+/// Checks the queryid labels of one pgbench run; returns the queryids of [`SCRIPT`]'s statements.
+fn check_queryids(
+    protocol: &str,
+    profile: &LabeledProfile,
+    statements: &BTreeMap<String, String>,
+) -> Result<Vec<String>> {
+    let client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND);
+    let by_queryid = profile.label_values("queryid", client);
+    let mut rows: Vec<(&Option<String>, &u64)> = by_queryid.iter().collect();
+    rows.sort_by_key(|(_, n)| std::cmp::Reverse(**n));
+    eprintln!("-- {protocol} protocol: client-backend samples per queryid label");
+    eprintln!("{:>21} {:>7}  query", "queryid", "samples");
+    for (id, n) in &rows {
+        let query = match id.as_deref() {
+            None => "(no queryid label)",
+            Some("0") => "(not computed)",
+            Some(id) => statements
+                .get(id)
+                .map_or("(not in pg_stat_statements)", String::as_str),
+        };
+        eprintln!("{:>21} {n:>7}  {query}", id.as_deref().unwrap_or("-"));
+    }
+
+    ensure!(
+        profile.count_where(client) >= 200,
+        "only {} client-backend samples in the {protocol} run (2 busy clients, {TRACE_SECS} s at {FREQUENCY} Hz)",
+        profile.count_where(client)
+    );
+    let unlabelled = by_queryid.get(&None).copied().unwrap_or(0);
+    ensure!(
+        unlabelled == 0,
+        "{unlabelled} client-backend samples have no queryid label:\n{}",
+        profile.examples_where(|s| client(s) && s.label("queryid").is_none(), 5)
+    );
+    let unknown: Vec<(&str, u64)> = by_queryid
+        .iter()
+        .filter_map(|(id, &n)| Some((id.as_deref()?, n)))
+        .filter(|&(id, n)| id != "0" && n >= MIN_SAMPLES_PER_QUERYID && !statements.contains_key(id))
+        .collect();
+    ensure!(
+        unknown.is_empty(),
+        "{protocol}: queryid labels (queryid, samples) {unknown:?} are not in pg_stat_statements {statements:#?}"
+    );
+
+    let mut ids = Vec::new();
+    for statement in &SCRIPT {
+        let matching: Vec<&String> = statements
+            .iter()
+            .filter(|(_, query)| query.contains(statement.text))
+            .map(|(id, _)| id)
+            .collect();
+        ensure!(
+            matching.len() == 1,
+            "{protocol}: {} pg_stat_statements rows contain `{}`: {statements:#?}",
+            matching.len(),
+            statement.text
+        );
+        let id = matching[0].clone();
+        let name = statement.name;
+        let own = |s: &LabeledSample| client(s) && s.label("queryid") == Some(id.as_str());
+        let marked = |s: &LabeledSample| client(s) && s.any_frame(statement.marker);
+        let labelled = profile.count_where(own);
+        let labelled_marked = profile.count_where(|s| own(s) && marked(s));
+        eprintln!(
+            "{protocol}: {name} (queryid {id}): {labelled} samples, {labelled_marked} with its own functions"
+        );
+        ensure!(
+            labelled >= 20,
+            "{protocol}: only {labelled} samples carry the {name} statement's queryid {id}; \
+             samples with its functions:\n{}",
+            profile.examples_where(marked, 5)
+        );
+        // In the executor, its functions run only after ExecutorStart reported its queryid, and
+        // the next statement resets it only when it starts: any other label there is a stale or
+        // wrong read. (Parsing may call e.g. `numeric_in` while the queryid is still 0.)
+        let executing = |s: &LabeledSample| marked(s) && s.label("phase") == Some("run");
+        let mislabelled = profile.count_where(|s| executing(s) && !own(s));
+        ensure!(
+            mislabelled == 0,
+            "{protocol}: {mislabelled} samples running the {name} statement carry another queryid than {id}:\n{}",
+            profile.examples_where(|s| executing(s) && !own(s), 5)
+        );
+        // And the converse: samples with its queryid mostly run its functions.
+        ensure!(
+            labelled_marked * 10 >= labelled * 3,
+            "{protocol}: only {labelled_marked} of the {labelled} samples with the {name} statement's \
+             queryid {id} run its functions:\n{}",
+            profile.examples_where(own, 5)
+        );
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
+/// One `pg_stat_activity` row, the columns the labels mirror. Empty columns are NULL.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Activity {
+    pid: u32,
+    backend_type: String,
+    datid: Option<String>,
+    state: Option<String>,
+    query_id: Option<String>,
+    wait_event: Option<String>,
+}
+
+/// `backend_type` values of the processes core Postgres 15 starts (`GetBackendTypeDesc`); any
+/// other is a background worker's `bgw_type`.
+const CORE_BACKEND_TYPES: &[&str] = &[
+    "autovacuum launcher",
+    "autovacuum worker",
+    "archiver",
+    "background writer",
+    "checkpointer",
+    "client backend",
+    "logger",
+    "standalone backend",
+    "startup",
+    "walreceiver",
+    "walsender",
+    "walwriter",
+];
+
+impl Activity {
+    /// The rows of `pg_stat_activity`, or only the one of `pid`.
+    fn read(cluster: &PgCluster, pid: Option<u32>) -> Result<Vec<Activity>> {
+        let filter = pid.map_or(String::new(), |pid| format!(" WHERE pid = {pid}"));
+        let out = cluster.psql(&format!(
+            "SELECT pid, backend_type, coalesce(datid::text, ''), coalesce(state, ''), \
+             coalesce(query_id::text, ''), coalesce(wait_event_type || ':' || wait_event, '') \
+             FROM pg_stat_activity{filter} ORDER BY pid"
+        ))?;
+        out.lines()
+            .map(|line| {
+                let fields: Vec<&str> = line.split('|').collect();
+                ensure!(fields.len() == 6, "unexpected pg_stat_activity row `{line}`");
+                let column = |i: usize| (!fields[i].is_empty()).then(|| fields[i].to_owned());
+                Ok(Activity {
+                    pid: fields[0]
+                        .parse()
+                        .with_context(|| format!("bad pid in `{line}`"))?,
+                    backend_type: fields[1].to_owned(),
+                    datid: column(2),
+                    state: column(3),
+                    query_id: column(4),
+                    wait_event: column(5),
+                })
+            })
+            .collect()
+    }
+
+    /// The labels pgscope should put on this process's samples (wait event aside, which changes
+    /// too fast to compare with a read at another moment).
+    fn expected_labels(&self) -> BTreeMap<&'static str, Option<String>> {
+        let is_worker = !CORE_BACKEND_TYPES.contains(&self.backend_type.as_str());
+        // pgscope cannot read a worker's `bgw_type`; it names its BackendType.
+        let backend_type = if is_worker {
+            "background worker".to_owned()
+        } else {
+            self.backend_type.clone()
+        };
+        // pg_stat_activity shows a queryid of 0 as NULL.
+        let runs_queries = is_worker || self.backend_type == CLIENT_BACKEND;
+        let query_id = runs_queries.then(|| self.query_id.clone().unwrap_or_else(|| "0".into()));
+        BTreeMap::from([
+            ("backend_type", Some(backend_type)),
+            ("database", self.datid.clone().filter(|oid| oid != "0")),
+            ("state", self.state.clone()),
+            ("queryid", query_id),
+        ])
+    }
+}
+
+/// Whether `sample` carries exactly `expected` (a `None` value: no such label).
+fn has_labels(sample: &LabeledSample, expected: &BTreeMap<&'static str, Option<String>>) -> bool {
+    expected
+        .iter()
+        .all(|(key, value)| sample.label(key) == value.as_deref())
+}
+
+/// `label=value` pairs of the most frequent label sets among `pid`'s samples.
+fn label_sets(profile: &LabeledProfile, pid: u32, keys: &[&str]) -> String {
+    let mut sets: BTreeMap<String, u64> = BTreeMap::new();
+    for s in profile.samples.iter().filter(|s| s.pid() == Some(pid)) {
+        let set: Vec<String> = keys
+            .iter()
+            .map(|k| format!("{k}={}", s.label(k).unwrap_or("-")))
+            .collect();
+        *sets.entry(set.join(" ")).or_insert(0) += s.count;
+    }
+    let mut sets: Vec<(String, u64)> = sets.into_iter().collect();
+    sets.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    sets.iter()
+        .take(4)
+        .map(|(set, n)| format!("{n}× {set}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Runs `trace` while reading `pg_stat_activity` for `pid` over and over; returns every distinct
+/// row seen.
+fn trace_reading_activity(cluster: &PgCluster, trace: &Trace, pid: u32) -> Result<BTreeSet<Activity>> {
+    thread::scope(|scope| {
+        let tracing = scope.spawn(|| trace.run());
+        let mut seen = BTreeSet::new();
+        while !tracing.is_finished() {
+            seen.extend(Activity::read(cluster, Some(pid))?);
+            thread::sleep(Duration::from_millis(100));
+        }
+        tracing.join().expect("the trace thread panicked")?;
+        Ok(seen)
+    })
+}
+
+/// A CPU-bound session traced with `--pid`: its samples carry what pg_stat_activity shows for
+/// it meanwhile. Then the whole instance, with checkpoints and WAL writes going on: auxiliary
+/// processes carry their backend type and no queryid.
+#[test]
+fn labels_agree_with_pg_stat_activity() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, &[("compute_query_id", "on")])?;
+    let session = cluster.spawn_session(CPU_BOUND)?;
+    let pid = session.pid();
+    let dir = tempfile::tempdir()?;
+
+    let pprof = dir.path().join("backend.pb.gz");
+    let trace = Trace::pid(pid)
+        .duration_secs(TRACE_SECS)
+        .frequency(FREQUENCY)
+        .pprof(&pprof);
+    let seen = trace_reading_activity(&cluster, &trace, pid)?;
+    ensure!(
+        seen.len() == 1,
+        "pg_stat_activity changed for backend {pid} during the trace: {seen:#?}"
+    );
+    let activity = seen.into_iter().next().expect("one row");
+    eprintln!("pg_stat_activity of the session: {activity:?}");
+    ensure!(
+        activity.state.as_deref() == Some("active")
+            && activity.query_id.is_some()
+            && activity.wait_event.is_none(),
+        "the session is not running its query on CPU with a queryid: {activity:?}"
+    );
+
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let total = profile.total();
+    ensure!(
+        total >= 200,
+        "only {total} samples of the busy backend {pid} ({TRACE_SECS} s at {FREQUENCY} Hz)"
+    );
+    let foreign = profile.count_where(|s| s.pid() != Some(pid));
+    ensure!(
+        foreign == 0,
+        "{foreign} samples of `--pid {pid}` carry another pid:\n{}",
+        profile.examples_where(|s| s.pid() != Some(pid), 5)
+    );
+    let mut expected = activity.expected_labels();
+    expected.insert("wait_event", None);
+    let agreeing = profile.count_where(|s| has_labels(s, &expected));
+    eprintln!(
+        "backend {pid}: {agreeing} of {total} samples carry {expected:?}; label sets: {}",
+        label_sets(
+            &profile,
+            pid,
+            &["backend_type", "database", "state", "queryid", "wait_event"]
+        )
+    );
+    ensure!(
+        agreeing * 10 >= total * 9,
+        "only {agreeing} of {total} samples of backend {pid} carry {expected:?}:\n{}",
+        profile.examples_where(|s| !has_labels(s, &expected), 5)
+    );
+    let phases = profile.label_values("phase", |_| true);
+    let running = phases.get(&Some("run".to_owned())).copied().unwrap_or(0);
+    ensure!(
+        running * 10 >= total * 9,
+        "a backend deep in its executor has phase labels {phases:?}"
+    );
+
+    check_auxiliary_processes(&cluster, dir.path())?;
+    Ok(())
+}
+
+/// Traces the instance while another connection writes WAL and checkpoints, then compares the
+/// labels of every non-client process that was sampled with its pg_stat_activity row.
+fn check_auxiliary_processes(cluster: &PgCluster, dir: &Path) -> Result<()> {
+    let pprof = dir.join("instance.pb.gz");
+    // Auxiliary processes are mostly asleep: sample more often to catch them on CPU.
+    let trace = Trace::instance(cluster.data_dir())
+        .duration_secs(TRACE_SECS)
+        .frequency(AUXILIARY_FREQUENCY)
+        .pprof(&pprof);
+    cluster.psql("CREATE TABLE burn (g int, h text)")?;
+    thread::scope(|scope| -> Result<()> {
+        let tracing = scope.spawn(|| trace.run());
+        // Dirty buffers for the checkpointer and background writer, WAL for the walwriter.
+        // INSERT, unlike CREATE TABLE AS, writes through shared buffers without a ring, so
+        // the checkpoint has ~15 MB to write.
+        while !tracing.is_finished() {
+            cluster.psql(
+                "TRUNCATE burn; \
+                 INSERT INTO burn SELECT g, md5(g::text) FROM generate_series(1, 200000) g; \
+                 CHECKPOINT",
+            )?;
+        }
+        tracing.join().expect("the trace thread panicked")?;
+        Ok(())
+    })?;
+    let activity = Activity::read(cluster, None)?;
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let by_pid = profile.samples_by_pid();
+
+    eprintln!(
+        "{:>7} {:<26} {:>7}  labels seen",
+        "pid", "pg_stat_activity", "samples"
+    );
+    let mut checked = 0;
+    for row in activity.iter().filter(|row| row.backend_type != CLIENT_BACKEND) {
+        let n = by_pid.get(&row.pid).copied().unwrap_or(0);
+        eprintln!(
+            "{:>7} {:<26} {n:>7}  {}",
+            row.pid,
+            row.backend_type,
+            label_sets(
+                &profile,
+                row.pid,
+                &["backend_type", "database", "state", "queryid"]
+            )
+        );
+        if n == 0 {
+            continue;
+        }
+        let expected = row.expected_labels();
+        let wrong = profile.count_where(|s| s.pid() == Some(row.pid) && !has_labels(s, &expected));
+        ensure!(
+            wrong == 0,
+            "{wrong} of {n} samples of the {} (pid {}) do not carry {expected:?}:\n{}",
+            row.backend_type,
+            row.pid,
+            profile.examples_where(|s| s.pid() == Some(row.pid) && !has_labels(s, &expected), 5)
+        );
+        checked += n;
+    }
+    let postmaster = cluster.postmaster_pid()?;
+    eprintln!(
+        "{postmaster:>7} {:<26} {:>7}  {}",
+        "(postmaster)",
+        by_pid.get(&postmaster).copied().unwrap_or(0),
+        label_sets(
+            &profile,
+            postmaster,
+            &["backend_type", "database", "state", "queryid"]
+        )
+    );
+    // Checkpoints of freshly written tables keep the checkpointer on CPU for a while.
+    ensure!(
+        checked > 0,
+        "no samples of any auxiliary process although checkpoints ran; per pid: {by_pid:?}"
+    );
+    Ok(())
+}
+
+/// `--queryid` keeps only the samples of that query: with `--pid` of the backend running it,
+/// all of them; with `--pid` of a backend running another query, none; with `--instance`, only
+/// that backend's.
+#[test]
+fn queryid_filter_keeps_only_that_query() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, &[("compute_query_id", "on")])?;
+    let session = cluster.spawn_session(CPU_BOUND)?;
+    let other = cluster.spawn_session(MD5_BOUND)?;
+    let query_id = |pid: u32| -> Result<i64> {
+        let id = cluster.psql(&format!(
+            "SELECT query_id FROM pg_stat_activity WHERE pid = {pid}"
+        ))?;
+        id.parse()
+            .with_context(|| format!("backend {pid} has query_id `{id}`"))
+    };
+    let (wanted, other_id) = (query_id(session.pid())?, query_id(other.pid())?);
+    ensure!(
+        wanted != 0 && wanted != other_id,
+        "queryids {wanted} and {other_id}"
+    );
+    let dir = tempfile::tempdir()?;
+
+    for (name, trace, expect_samples) in [
+        ("own-pid", Trace::pid(session.pid()), true),
+        ("other-pid", Trace::pid(other.pid()), false),
+        ("instance", Trace::instance(cluster.data_dir()), true),
+    ] {
+        let pprof = dir.path().join(format!("{name}.pb.gz"));
+        let stdout = trace
+            .duration_secs(4)
+            .frequency(FREQUENCY)
+            .queryid(wanted)
+            .pprof(&pprof)
+            .run()?;
+        let profile = LabeledProfile::read_pprof(&pprof)?;
+        let by_pid = profile.samples_by_pid();
+        eprintln!("{name}: samples per pid {by_pid:?}");
+        let foreign = profile.count_where(|s| {
+            s.pid() != Some(session.pid()) || s.label("queryid") != Some(wanted.to_string().as_str())
+        });
+        ensure!(
+            foreign == 0,
+            "{name}: {foreign} samples are not backend {}'s with queryid {wanted}:\n{}",
+            session.pid(),
+            profile.examples_where(|s| s.pid() != Some(session.pid()), 5)
+        );
+        if expect_samples {
+            ensure!(
+                profile.total() >= 150,
+                "{name}: only {} samples of the busy backend {} with --queryid {wanted}",
+                profile.total(),
+                session.pid()
+            );
+        } else {
+            ensure!(profile.total() == 0, "{name}: {} samples", profile.total());
+            ensure!(
+                stdout.contains("left out (--queryid)"),
+                "{name}: the summary does not say samples were left out:\n{stdout}"
+            );
+        }
+    }
+    ensure!(
+        session.is_active()? && other.is_active()?,
+        "a workload ended during the traces"
+    );
+    Ok(())
+}
