@@ -51,7 +51,12 @@ import statistics as st, sys
 hz, secs = sys.argv[1], float(sys.argv[2])
 base, with_, cpu, rss = ([float(x) for x in a.split()] for a in sys.argv[3:7])
 ratio = st.mean(with_) / st.mean(base)
+# Each round is an adjacent pair, so its own ratio cancels slow drift; the median of those
+# ratios is robust to one round disturbed by something else on the machine.
+pair_ratios = [w / b for w, b in zip(with_, base)]
+median = st.median(pair_ratios)
 print(f"pgbench -S TPS without pgscope: {st.mean(base):.0f}  with pgscope trace at {hz} Hz: {st.mean(with_):.0f}")
-print(f"ratio with/without: {ratio:.3f}  (overhead {100 * (1 - ratio):.1f}%)")
+print(f"per-round ratios with/without: {' '.join(f'{r:.3f}' for r in pair_ratios)}")
+print(f"median ratio: {median:.3f} (overhead {100 * (1 - median):.1f}%); ratio of means: {ratio:.3f}")
 print(f"pgscope CPU: {st.mean(cpu):.2f} s per {secs + 3:.0f} s trace ({100 * st.mean(cpu) / (secs + 3):.1f}% of one core); peak RSS {max(rss) / 1024:.1f} MiB")
 PY

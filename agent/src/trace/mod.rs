@@ -170,10 +170,14 @@ impl Session {
             }
         };
         let header = record.header;
-        let attribution = match self.version {
+        let mut attribution = match self.version {
             Some(table) => Attribution::decode(&header, table),
             None => Attribution::default(),
         };
+        // Postgres calls the postmaster's type "not initialized"; say what it is.
+        if self.layout_pid == Some(header.tgid) {
+            attribution.backend_type = Some("postmaster");
+        }
         if let Some(wanted) = self.query_filter {
             if attribution.query_id != Some(wanted) {
                 self.filtered_out += 1;

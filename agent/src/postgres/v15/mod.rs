@@ -1,6 +1,7 @@
 //! PostgreSQL 15. Offsets are `offsetof` in the server headers (`postgresql-server-dev-15`,
-//! `utils/backend_status.h`); the `pg15_layout` integration test recomputes them with a C
-//! program and checks decoded values against `pg_stat_activity` of live backends.
+//! `utils/backend_status.h`): `tests::offsets_match_the_server_headers` recomputes them with a
+//! C program, `agent/tests/pg15_names.rs` decodes live backends' memory against
+//! `pg_stat_activity`, and `tests/tests/attribution.rs` checks the sample labels end to end.
 
 pub mod names;
 
