@@ -306,6 +306,8 @@ int on_process_exec(void *ctx)
 struct call_entry {
 	__u64 start_ns;
 	__u64 query_id;
+	__u32 detail; /* see PGSCOPE_CALL_DETAIL_SHIFT */
+	__u32 _pad;
 };
 
 /* In-flight calls by (thread, function). A nested call of the same function in the same thread
@@ -389,6 +391,13 @@ int on_function_entry(struct pt_regs *ctx)
 
 	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
 		count_relation_lock(ctx, tgid, entry.query_id);
+	if (function == PGSCOPE_FN_PGSS_STORE) {
+		/* pgss_store(query, queryId, location, len, kind, …): the queryid it stores is the
+		 * statement's own (also for nested statements), the kind tells text/plan/exec apart.
+		 * PG14-17 (PG18 changes the queryid's type, not its register). */
+		entry.query_id = PT_REGS_PARM2(ctx);
+		entry.detail = (__u32)((int)PT_REGS_PARM5(ctx) + 2) & 0xff;
+	}
 	__u64 key = (pid_tgid << 32) | function;
 	entry.start_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&calls_in_flight, &key, &entry, BPF_ANY) != 0)
@@ -413,7 +422,11 @@ int on_function_return(struct pt_regs *ctx)
 		return 0;
 	}
 	__u64 elapsed = now - entry->start_ns;
-	struct pgscope_call_key stats_key = { .tgid = tgid, .function = function, .query_id = entry->query_id };
+	struct pgscope_call_key stats_key = {
+		.tgid = tgid,
+		.function = function | (entry->detail << PGSCOPE_CALL_DETAIL_SHIFT),
+		.query_id = entry->query_id,
+	};
 	bpf_map_delete_elem(&calls_in_flight, &key);
 
 	struct pgscope_call_stats *stats = bpf_map_lookup_elem(&call_stats, &stats_key);

@@ -64,10 +64,14 @@ enum pgscope_function {
  * bucket 0 also [0, 1) ns; the last bucket holds everything longer (2^39 ns ≈ 9 min). */
 #define PGSCOPE_HIST_BUCKETS 40
 
+/* pgscope_call_key.function holds the function in its low byte and a detail above it: for
+ * pgss_store, its pgssStoreKind + 2 (1 = PGSS_INVALID: text only, 2 = plan, 3 = exec); 0 elsewhere. */
+#define PGSCOPE_CALL_DETAIL_SHIFT 8
+
 /* Per (backend, queryid, function) call statistics, aggregated per CPU in the kernel. */
 struct pgscope_call_key {
 	__u32 tgid;
-	__u32 function; /* enum pgscope_function */
+	__u32 function; /* enum pgscope_function | detail << PGSCOPE_CALL_DETAIL_SHIFT */
 	__u64 query_id; /* st_query_id at entry; 0 when none */
 };
 

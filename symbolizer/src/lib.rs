@@ -149,6 +149,29 @@ pub struct SymbolizerOptions {
     pub debug_dirs: Vec<PathBuf>,
 }
 
+/// Where a function lives in a file mapped by a process, for attaching a uprobe to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FunctionLocation {
+    /// The file as seen from this process: under `/proc/PID/root`, so that files of other mount
+    /// namespaces (containers) are reached.
+    pub path: PathBuf,
+    /// Offset of the function's first instruction in the file.
+    pub file_offset: u64,
+    /// The debug file the name came from, when not from the file itself.
+    pub debug_file: Option<PathBuf>,
+}
+
+/// Why [`Symbolizer::find_function`] found nothing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FindFunctionError {
+    #[error("process {pid} is gone or its memory maps are unreadable")]
+    NoProcess { pid: u32 },
+    #[error("process {pid} has no file `{module}` mapped")]
+    ModuleNotMapped { pid: u32, module: String },
+    #[error("`{path}` has no symbol `{function}` (stripped, and no debug file was found for it)")]
+    NoSymbol { path: PathBuf, function: String },
+}
+
 /// Unwinds and symbolizes samples of many processes. Parsed files are shared between
 /// processes (keyed by build-id) and kept until the `Symbolizer` is dropped.
 pub struct Symbolizer {
@@ -292,6 +315,46 @@ impl Symbolizer {
         frame
     }
 
+    /// Finds function `function` in the file named `module` (a basename such as
+    /// `pg_stat_statements.so`) mapped by process `pid`, using the file's own symbol tables and
+    /// its separate debug file: static functions of stripped libraries are found when a debug
+    /// file is installed (build-id tree, `.gnu_debuglink`, or a configured debug dir).
+    pub fn find_function(
+        &mut self,
+        pid: u32,
+        module: &str,
+        function: &str,
+    ) -> Result<FunctionLocation, FindFunctionError> {
+        if !self.ensure_process(pid) {
+            return Err(FindFunctionError::NoProcess { pid });
+        }
+        let state = self
+            .processes
+            .get(&pid)
+            .ok_or(FindFunctionError::NoProcess { pid })?;
+        let placed = state
+            .modules
+            .iter()
+            .find(|m| &*m.module.basename == module)
+            .ok_or_else(|| FindFunctionError::ModuleNotMapped {
+                pid,
+                module: module.to_string(),
+            })?;
+        let data = &placed.module;
+        let file_offset = data
+            .function_file_offset(function)
+            .ok_or_else(|| FindFunctionError::NoSymbol {
+                path: data.path.clone(),
+                function: function.to_string(),
+            })?;
+        let relative = data.path.strip_prefix("/").unwrap_or(&data.path);
+        Ok(FunctionLocation {
+            path: PathBuf::from(format!("/proc/{pid}/root")).join(relative),
+            file_offset,
+            debug_file: data.summary().debug_file,
+        })
+    }
+
     /// Forget per-process state (mappings, unwinder) of an exited process; parsed files stay
     /// cached. Call it on every exit: pids are reused, and a stale layout is only noticed
     /// when an address falls outside it.
@@ -317,5 +380,51 @@ fn live_source(pid: u32) -> FileSource {
     FileSource {
         root: PathBuf::from(format!("/proc/{pid}/root")),
         map_files: Some(PathBuf::from(format!("/proc/{pid}/map_files"))),
+    }
+}
+
+#[cfg(test)]
+mod find_function_tests {
+    use super::*;
+
+    #[no_mangle]
+    #[inline(never)]
+    pub extern "C" fn pgscope_find_function_probe(x: u64) -> u64 {
+        x.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(17)
+    }
+
+    #[test]
+    fn file_offset_points_at_the_functions_code() {
+        let exe = std::env::current_exe().expect("test executable");
+        let basename = exe.file_name().and_then(|n| n.to_str()).expect("utf-8 name");
+        let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+        let pid = std::process::id();
+        let found = symbolizer
+            .find_function(pid, basename, "pgscope_find_function_probe")
+            .expect("the test binary has a symbol table");
+        let file = std::fs::read(&found.path).expect("readable through /proc/PID/root");
+        let offset = found.file_offset as usize;
+        let in_file = file.get(offset..offset + 16).expect("offset inside the file");
+        let function: extern "C" fn(u64) -> u64 = pgscope_find_function_probe;
+        // SAFETY: reading 16 bytes of this process's own mapped code.
+        let in_memory = unsafe { std::slice::from_raw_parts(function as *const u8, 16) };
+        assert_eq!(in_file, in_memory);
+        assert_eq!(function(1), pgscope_find_function_probe(1));
+    }
+
+    #[test]
+    fn missing_module_and_symbol_are_told_apart() {
+        let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+        let pid = std::process::id();
+        let err = symbolizer
+            .find_function(pid, "pg_stat_statements.so", "pgss_store")
+            .expect_err("not mapped");
+        assert!(matches!(err, FindFunctionError::ModuleNotMapped { .. }), "{err}");
+        let exe = std::env::current_exe().expect("test executable");
+        let basename = exe.file_name().and_then(|n| n.to_str()).expect("utf-8 name");
+        let err = symbolizer
+            .find_function(pid, basename, "no_such_function_xyz")
+            .expect_err("no symbol");
+        assert!(matches!(err, FindFunctionError::NoSymbol { .. }), "{err}");
     }
 }

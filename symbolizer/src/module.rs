@@ -141,6 +141,18 @@ impl ModuleData {
         })
     }
 
+    /// File offset of the first instruction of function `name`, from the same symbol tables
+    /// that name frames (the file's `.symtab`, its debug file's, then `.dynsym`). This is what a
+    /// uprobe attaches to.
+    pub fn function_file_offset(&self, name: &str) -> Option<u64> {
+        let svma = self.symbols().address_of(name)?;
+        let elf = self.elf.as_ref()?;
+        elf.segments
+            .iter()
+            .find(|s| s.exec && s.vaddr <= svma && svma < s.vaddr + s.filesz)
+            .map(|s| svma - s.vaddr + s.offset)
+    }
+
     /// The name of the function containing `svma` (see the crate docs for the rules).
     pub fn name_for(&self, svma: u64) -> Arc<str> {
         let symbols = self.symbols();

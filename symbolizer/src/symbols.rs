@@ -103,6 +103,15 @@ impl SymbolTable {
         self.sized.sort_by(|a, b| a.sort_key().cmp(&b.sort_key()));
     }
 
+    /// Where the function `name` starts (the preferred table when several define it).
+    pub fn address_of(&self, name: &str) -> Option<u64> {
+        self.all
+            .iter()
+            .filter(|s| &*s.name == name)
+            .min_by_key(|s| s.rank)
+            .map(|s| s.addr)
+    }
+
     /// The preferred symbol starting exactly at `svma`.
     pub fn at(&self, svma: u64) -> Option<&Arc<str>> {
         let i = self.all.partition_point(|s| s.addr < svma);

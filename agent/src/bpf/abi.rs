@@ -244,6 +244,40 @@ impl Function {
     }
 }
 
+/// `PGSCOPE_CALL_DETAIL_SHIFT`: `CallKey::function` holds the function in its low byte and a
+/// detail above it (for pgss_store its pgssStoreKind + 2: 1 text only, 2 plan, 3 exec).
+const CALL_DETAIL_SHIFT: u32 = 8;
+
+/// A probed function with the detail its call key records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProbedCall {
+    pub function: Function,
+    /// pgss_store's `pgssStoreKind` + 2; 0 for other functions.
+    pub detail: u32,
+}
+
+impl ProbedCall {
+    pub fn from_key(key: &CallKey) -> Option<ProbedCall> {
+        let function = Function::from_cookie(key.function & ((1 << CALL_DETAIL_SHIFT) - 1))?;
+        Some(ProbedCall {
+            function,
+            detail: key.function >> CALL_DETAIL_SHIFT,
+        })
+    }
+
+    /// The function's name, with pgss_store's kind: `pgss_store(exec)`, `pgss_store(plan)`,
+    /// `pgss_store(text)` (the normalized-text-only call made at parse analysis).
+    pub fn label(&self) -> String {
+        match (self.function, self.detail) {
+            (Function::PgssStore, 1) => "pgss_store(text)".into(),
+            (Function::PgssStore, 2) => "pgss_store(plan)".into(),
+            (Function::PgssStore, 3) => "pgss_store(exec)".into(),
+            (Function::PgssStore, detail) => format!("pgss_store(kind {})", detail as i64 - 2),
+            (function, _) => function.name().into(),
+        }
+    }
+}
+
 /// Buckets of `struct pgscope_call_stats.hist`: bucket i counts calls of [2^i, 2^(i+1)) ns.
 pub const HIST_BUCKETS: usize = 40;
 
@@ -341,6 +375,22 @@ mod call_stats_tests {
         assert_eq!(stats.quantile_upper_ns(0.9), Some(2048));
         assert_eq!(stats.quantile_upper_ns(0.99), Some(1 << 21));
         assert_eq!(CallStats::default().quantile_upper_ns(0.5), None);
+    }
+
+    #[test]
+    fn call_keys_carry_pgss_store_kinds() {
+        let key = |function| CallKey {
+            tgid: 1,
+            function,
+            query_id: 0,
+        };
+        let exec = ProbedCall::from_key(&key(3 << 8)).expect("pgss_store");
+        assert_eq!(exec.label(), "pgss_store(exec)");
+        let plan = ProbedCall::from_key(&key(2 << 8)).expect("pgss_store");
+        assert_eq!(plan.label(), "pgss_store(plan)");
+        let lock = ProbedCall::from_key(&key(Function::LockRelationOid as u32)).expect("known");
+        assert_eq!(lock.label(), "LockRelationOid");
+        assert!(ProbedCall::from_key(&key(99)).is_none());
     }
 
     #[test]

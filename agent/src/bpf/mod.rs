@@ -109,10 +109,10 @@ impl OnCpuProbes {
             .with_context(|| format!("setting the layout of PID {tgid}"))
     }
 
-    /// Attaches the entry and return probes of `function` in the ELF file `target` (the
-    /// postgres executable), for every process that runs it: the target map keeps the others
-    /// out. Fails with the function's name when the file has no such symbol.
-    pub fn attach_function(&mut self, function: Function, target: &Path) -> Result<()> {
+    /// Attaches the entry and return probes of `function`, whose first instruction is at
+    /// `file_offset` in the ELF file `target`, for every process that maps the file: the target
+    /// map keeps the others out.
+    pub fn attach_function(&mut self, function: Function, target: &Path, file_offset: u64) -> Result<()> {
         for program_name in ["on_function_entry", "on_function_return"] {
             let program: &mut UProbe = self
                 .ebpf
@@ -125,7 +125,7 @@ impl OnCpuProbes {
                     .with_context(|| format!("loading `{program_name}`"))?;
             }
             let point = UProbeAttachPoint {
-                location: UProbeAttachLocation::Symbol(function.name()),
+                location: UProbeAttachLocation::AbsoluteOffset(file_offset),
                 cookie: Some(function as u64),
             };
             program

@@ -64,7 +64,9 @@ impl From<&CallStats> for CallStatsJson {
 
 #[derive(Serialize)]
 pub struct ProbeJson {
-    pub function: &'static str,
+    /// The function name; pgss_store is split by kind: `pgss_store(exec)`, `pgss_store(plan)`,
+    /// `pgss_store(text)`.
+    pub function: String,
     pub calls_per_second: f64,
     #[serde(flatten)]
     pub stats: CallStatsJson,
@@ -73,7 +75,7 @@ pub struct ProbeJson {
 #[derive(Serialize)]
 pub struct ProbeByQueryJson {
     pub queryid: String,
-    pub function: &'static str,
+    pub function: String,
     #[serde(flatten)]
     pub stats: CallStatsJson,
 }
@@ -221,8 +223,8 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .probes
             .by_function()
             .iter()
-            .map(|(function, stats)| ProbeJson {
-                function: function.name(),
+            .map(|(call, stats)| ProbeJson {
+                function: call.label(),
                 calls_per_second: stats.calls as f64 / inputs.duration_seconds.max(1e-9),
                 stats: stats.into(),
             })
@@ -231,9 +233,9 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .probes
             .by_query()
             .iter()
-            .map(|((query_id, function), stats)| ProbeByQueryJson {
+            .map(|((query_id, call), stats)| ProbeByQueryJson {
                 queryid: query_id.to_string(),
-                function: function.name(),
+                function: call.label(),
                 stats: stats.into(),
             })
             .collect(),

@@ -90,8 +90,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             );
         }
     }
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions {
+        debug_dirs: options.debug_dirs.clone(),
+    });
     let functions = probes::parse_probe_list(&options.probes)?;
-    let attached = probes::attach(&mut probes, &functions, layout_source)?;
+    let attached = probes::attach(&mut probes, &mut symbolizer, &functions, layout_source)?;
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 

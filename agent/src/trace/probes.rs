@@ -3,12 +3,15 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::bpf::abi::{CallKey, CallStats, Function, RelationLockKey};
+use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall, RelationLockKey};
+
+/// `ProbedCall::detail` of pgss_store's exec call (PGSS_EXEC + 2).
+const PGSS_EXEC: u32 = 3;
 use crate::bpf::OnCpuProbes;
+use symbolizer::{FindFunctionError, Symbolizer};
 
 /// Parses one `--probes` item: a function name, or `all`.
 pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {
@@ -31,33 +34,65 @@ pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {
     Ok(functions)
 }
 
-/// The postgres executable of `pid`, as seen from the host (through /proc/PID/root, so that
-/// processes in containers are covered).
-fn executable_of(pid: u32) -> Result<PathBuf> {
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
-        .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
-    let relative = exe.strip_prefix("/").unwrap_or(&exe);
-    Ok(PathBuf::from(format!("/proc/{pid}/root")).join(relative))
+/// The file a function lives in: pg_stat_statements' functions in its library, the others in
+/// the postgres executable.
+fn module_of(function: Function, executable: &str) -> String {
+    match function {
+        Function::PgssStore => "pg_stat_statements.so".to_string(),
+        _ => executable.to_string(),
+    }
+}
+
+/// What to do when a function cannot be found, in one sentence.
+fn explain(function: Function, error: &FindFunctionError) -> String {
+    match (function, error) {
+        (Function::PgssStore, FindFunctionError::ModuleNotMapped { .. }) => {
+            "pg_stat_statements is not loaded in this instance (add it to shared_preload_libraries)".into()
+        }
+        (Function::PgssStore, FindFunctionError::NoSymbol { path, .. }) => format!(
+            "pgss_store is a static function of `{}`, which is stripped, and no debug file was found: \
+             install the debug package (postgresql-15-dbgsym from the debian-debug archive) or pass \
+             --debug-dir with a .build-id tree that holds it",
+            path.display()
+        ),
+        (_, error) => error.to_string(),
+    }
 }
 
 /// Attaches what can be attached and says, per function, what could not and why; the trace
-/// goes on with the others. Returns the functions attached.
-pub fn attach(probes: &mut OnCpuProbes, functions: &[Function], pid: u32) -> Result<Vec<Function>> {
+/// goes on with the others. Functions are found with the symbolizer's symbol tables, so static
+/// functions of stripped files count when their debug file is installed. Returns the functions
+/// attached.
+pub fn attach(
+    probes: &mut OnCpuProbes,
+    symbolizer: &mut Symbolizer,
+    functions: &[Function],
+    pid: u32,
+) -> Result<Vec<Function>> {
     if functions.is_empty() {
         return Ok(Vec::new());
     }
-    let executable = executable_of(pid)?;
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+        .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
+    let executable = exe
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let mut attached = Vec::new();
     for &function in functions {
-        if function == Function::PgssStore {
-            eprintln!(
-                "pgscope: probe pgss_store not attached: it is a static function of \
-                 pg_stat_statements.so, whose distro build has no symbol table; pgscope cannot \
-                 resolve it yet (debug files and hook discovery are planned)"
-            );
-            continue;
-        }
-        match probes.attach_function(function, &executable) {
+        let location = match symbolizer.find_function(pid, &module_of(function, &executable), function.name())
+        {
+            Ok(location) => location,
+            Err(error) => {
+                eprintln!(
+                    "pgscope: probe {} not attached: {}",
+                    function.name(),
+                    explain(function, &error)
+                );
+                continue;
+            }
+        };
+        match probes.attach_function(function, &location.path, location.file_offset) {
             Ok(()) => attached.push(function),
             Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
         }
@@ -85,25 +120,36 @@ impl ProbeResults {
         })
     }
 
-    /// Statistics per function over all backends and queries.
-    pub fn by_function(&self) -> BTreeMap<Function, CallStats> {
-        let mut out: BTreeMap<Function, CallStats> =
-            self.attached.iter().map(|&f| (f, CallStats::default())).collect();
+    /// Statistics per function (pgss_store per kind) over all backends and queries; functions
+    /// attached but never called are listed with zero calls.
+    pub fn by_function(&self) -> BTreeMap<ProbedCall, CallStats> {
+        let mut out: BTreeMap<ProbedCall, CallStats> = self
+            .attached
+            .iter()
+            .map(|&function| {
+                let detail = if function == Function::PgssStore {
+                    PGSS_EXEC
+                } else {
+                    0
+                };
+                (ProbedCall { function, detail }, CallStats::default())
+            })
+            .collect();
         for (key, stats) in &self.calls {
-            if let Some(function) = Function::from_cookie(key.function) {
-                out.entry(function).or_default().merge(stats);
+            if let Some(call) = ProbedCall::from_key(key) {
+                out.entry(call).or_default().merge(stats);
             }
         }
         out
     }
 
     /// Statistics per (queryid, function) over all backends, by total time, longest first.
-    pub fn by_query(&self) -> Vec<((i64, Function), CallStats)> {
-        let mut merged: BTreeMap<(i64, Function), CallStats> = BTreeMap::new();
+    pub fn by_query(&self) -> Vec<((i64, ProbedCall), CallStats)> {
+        let mut merged: BTreeMap<(i64, ProbedCall), CallStats> = BTreeMap::new();
         for (key, stats) in &self.calls {
-            if let Some(function) = Function::from_cookie(key.function) {
+            if let Some(call) = ProbedCall::from_key(key) {
                 merged
-                    .entry((key.query_id as i64, function))
+                    .entry((key.query_id as i64, call))
                     .or_default()
                     .merge(stats);
             }
@@ -154,7 +200,7 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
         "{:<24} {:>10} {:>10} {:>11} {:>9} {:>9} {:>9} {:>10}",
         "function", "calls", "calls/s", "total ms", "avg µs", "p50 µs≤", "p99 µs≤", "max µs"
     );
-    for (function, stats) in results.by_function() {
+    for (call, stats) in results.by_function() {
         let avg = if stats.calls == 0 {
             0.0
         } else {
@@ -169,7 +215,7 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
         let _ = writeln!(
             out,
             "{:<24} {:>10} {:>10.0} {:>11.2} {:>9.2} {:>9} {:>9} {:>10.1}",
-            function.name(),
+            call.label(),
             stats.calls,
             stats.calls as f64 / seconds.max(1e-9),
             stats.total_ns as f64 / 1e6,
@@ -187,7 +233,7 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
             "{:>21} {:<24} {:>10} {:>11} {:>9}",
             "queryid", "function", "calls", "total ms", "avg µs"
         );
-        for ((query_id, function), stats) in by_query.iter().take(limit) {
+        for ((query_id, call), stats) in by_query.iter().take(limit) {
             let avg = if stats.calls == 0 {
                 0.0
             } else {
@@ -197,7 +243,7 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
                 out,
                 "{:>21} {:<24} {:>10} {:>11.2} {:>9.2}",
                 query_id,
-                function.name(),
+                call.label(),
                 stats.calls,
                 stats.total_ns as f64 / 1e6,
                 avg
@@ -289,14 +335,22 @@ mod tests {
             ],
         };
         let by_function = results.by_function();
-        assert_eq!(by_function[&Function::LockRelationOid].calls, 8);
+        let lock = ProbedCall {
+            function: Function::LockRelationOid,
+            detail: 0,
+        };
+        assert_eq!(by_function[&lock].calls, 8);
         assert_eq!(
-            by_function[&Function::BtGetroot].calls,
+            by_function[&ProbedCall {
+                function: Function::BtGetroot,
+                detail: 0
+            }]
+                .calls,
             0,
             "attached but never called"
         );
         let by_query = results.by_query();
-        assert_eq!(by_query[0], ((7, Function::LockRelationOid), stats(7)));
+        assert_eq!(by_query[0], ((7, lock), stats(7)));
         assert_eq!(results.locks_by_relation(), vec![((7, 16384, 1), 7)]);
         let table = render(&results, 1.0, 10);
         assert!(table.contains("AccessShareLock"), "{table}");
