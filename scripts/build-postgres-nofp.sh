@@ -11,7 +11,10 @@ set -euo pipefail
 version=$(dpkg-query -W -f='${Version}' postgresql-15 2>/dev/null) || {
   echo "postgresql-15 is not installed; run 'make deps' first" >&2; exit 1; }
 cache_root=${PGSCOPE_CACHE:-/var/cache/pgscope}
-prefix=${1:-$cache_root/pg15-nofp-$version}
+# Debian's source patches pkglibdir to /usr/lib/postgresql/15/lib unless the library path
+# contains "pgsql" or "postgres": the prefix must, or `make install` overwrites the distro's
+# extension libraries (checked after the install below).
+prefix=${1:-$cache_root/pgsql-15-nofp-$version}
 if [[ -f $prefix/.complete ]]; then
   echo "$prefix"
   exit 0
@@ -64,6 +67,13 @@ log "building with $(nproc) jobs"
 make -s -j"$(nproc)" >make.log 2>&1 || { tail -30 make.log >&2; exit 1; }
 make -s -C contrib/pg_stat_statements -j"$(nproc)" >>make.log 2>&1
 rm -rf "$prefix"
+# The server loads extensions from the PKGLIBDIR compiled in: it must lie inside the prefix.
+pkglibdir=$(sed -n 's/^#define PKGLIBDIR "\(.*\)"$/\1/p' src/port/pg_config_paths.h)
+if [[ $pkglibdir != "$prefix"/* ]]; then
+  echo "build-postgres-nofp: refusing to install: pkglibdir is '$pkglibdir', outside $prefix" \
+    "(Debian's per-version-dirs patch); choose a prefix whose path contains 'pgsql'" >&2
+  exit 1
+fi
 make -s install >>make.log 2>&1
 make -s -C contrib/pg_stat_statements install >>make.log 2>&1
 

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{PerfEvent, TracePoint, UProbe};
 use aya::util::online_cpus;
 use aya::Ebpf;
@@ -18,11 +18,22 @@ use abi::{CallKey, CallStats, Counter, Function, PgLayout, RelationLockKey};
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
+/// The uprobe and uretprobe programs every probed function shares.
+const FUNCTION_PROGRAMS: [&str; 2] = ["on_function_entry", "on_function_return"];
+
+/// A cookie outside `enum pgscope_function`: the programs run in full, their statistics land
+/// under a function user space ignores.
+const CALIBRATION_COOKIE: u64 = Function::ALL.len() as u64;
+
+/// The attachments of one probed function.
+pub struct FunctionLinks {
+    entry: UProbeLinkId,
+    exit: UProbeLinkId,
+}
+
 /// The loaded on-CPU profiler programs and their maps.
 pub struct OnCpuProbes {
     ebpf: Ebpf,
-    /// Whether the function-probe programs are loaded (they attach once per function).
-    function_programs_loaded: bool,
 }
 
 impl OnCpuProbes {
@@ -32,10 +43,7 @@ impl OnCpuProbes {
             "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
              ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
         )?;
-        Ok(Self {
-            ebpf,
-            function_programs_loaded: false,
-        })
+        Ok(Self { ebpf })
     }
 
     /// Starts sampling every online CPU at `frequency_hz` on the CPU clock. Only processes in
@@ -97,6 +105,18 @@ impl OnCpuProbes {
             .with_context(|| format!("adding PID {tgid} to the target map"))
     }
 
+    /// Removes a process from the in-kernel filter.
+    pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
+        let map = self
+            .ebpf
+            .map_mut("targets")
+            .ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
+        let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
+        targets
+            .remove(&tgid)
+            .with_context(|| format!("removing PID {tgid} from the target map"))
+    }
+
     /// Tells the sampler where process `tgid` keeps its pg_stat_activity state.
     pub fn set_layout(&mut self, tgid: u32, layout: PgLayout) -> Result<()> {
         let map = self
@@ -111,35 +131,94 @@ impl OnCpuProbes {
 
     /// Attaches the entry and return probes of `function`, whose first instruction is at
     /// `file_offset` in the ELF file `target`, for every process that maps the file: the target
-    /// map keeps the others out.
-    pub fn attach_function(&mut self, function: Function, target: &Path, file_offset: u64) -> Result<()> {
-        for program_name in ["on_function_entry", "on_function_return"] {
-            let program: &mut UProbe = self
-                .ebpf
-                .program_mut(program_name)
-                .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
-                .try_into()?;
-            if !self.function_programs_loaded {
-                program
-                    .load()
-                    .with_context(|| format!("loading `{program_name}`"))?;
-            }
+    /// map keeps the others out. The links can be detached and the probe attached again (the
+    /// duty cycle does).
+    pub fn attach_function(
+        &mut self,
+        function: Function,
+        target: &Path,
+        file_offset: u64,
+    ) -> Result<FunctionLinks> {
+        self.attach_with_cookie(function as u64, function.name(), target, file_offset)
+    }
+
+    /// Attaches the function-probe programs to a function of no [`Function`] (its statistics
+    /// are ignored): for measuring what one probe hit costs.
+    pub fn attach_calibration(&mut self, target: &Path, file_offset: u64) -> Result<FunctionLinks> {
+        self.attach_with_cookie(
+            CALIBRATION_COOKIE,
+            "the calibration function",
+            target,
+            file_offset,
+        )
+    }
+
+    fn attach_with_cookie(
+        &mut self,
+        cookie: u64,
+        name: &str,
+        target: &Path,
+        file_offset: u64,
+    ) -> Result<FunctionLinks> {
+        let mut links = Vec::with_capacity(2);
+        for program_name in FUNCTION_PROGRAMS {
+            let program = self.function_program(program_name)?;
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(file_offset),
-                cookie: Some(function as u64),
+                cookie: Some(cookie),
             };
-            program
-                .attach(point, target, UProbeScope::AllProcesses)
-                .with_context(|| {
-                    format!(
-                        "attaching a probe to `{}` in `{}`",
-                        function.name(),
-                        target.display()
-                    )
-                })?;
+            match program.attach(point, target, UProbeScope::AllProcesses) {
+                Ok(link) => links.push(link),
+                Err(error) => {
+                    // Leave nothing half attached.
+                    for (name, link) in FUNCTION_PROGRAMS.into_iter().zip(links) {
+                        let _ = self.function_program(name).and_then(|p| Ok(p.detach(link)?));
+                    }
+                    return Err(anyhow!(error)
+                        .context(format!("attaching a probe to `{name}` in `{}`", target.display())));
+                }
+            }
         }
-        self.function_programs_loaded = true;
+        let mut links = links.into_iter();
+        match (links.next(), links.next()) {
+            (Some(entry), Some(exit)) => Ok(FunctionLinks { entry, exit }),
+            _ => Err(anyhow!("attaching `{name}` produced no links")),
+        }
+    }
+
+    /// Detaches a function's probes (calls in flight are simply not counted). The return probe
+    /// goes first: detaching takes a grace period, and a return probe left alone would fire for
+    /// calls whose entry was no longer recorded.
+    pub fn detach_function(&mut self, links: FunctionLinks) -> Result<()> {
+        self.function_program(FUNCTION_PROGRAMS[1])?.detach(links.exit)?;
+        self.function_program(FUNCTION_PROGRAMS[0])?.detach(links.entry)?;
         Ok(())
+    }
+
+    fn function_program(&mut self, name: &str) -> Result<&mut UProbe> {
+        let program: &mut UProbe = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("BPF object has no program `{name}`"))?
+            .try_into()?;
+        if program.fd().is_err() {
+            program.load().with_context(|| format!("loading `{name}`"))?;
+        }
+        Ok(program)
+    }
+
+    /// Entries per function since load, summed over CPUs, indexed by [`Function`] value.
+    pub fn function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
+        let map = self
+            .ebpf
+            .map("function_hits")
+            .ok_or_else(|| anyhow!("BPF object has no map `function_hits`"))?;
+        let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
+        let mut hits = [0u64; Function::ALL.len()];
+        for (slot, function) in hits.iter_mut().zip(Function::ALL) {
+            *slot = array.get(&(function as u32), 0)?.iter().sum();
+        }
+        Ok(hits)
     }
 
     /// Per (backend, queryid, function) call statistics so far, summed over CPUs.

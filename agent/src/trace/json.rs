@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
-use super::probes::{lock_mode_name, ProbeResults};
+use super::probes::{lock_mode_name, Extrapolation, ProbeResults};
 use super::queries::QuerySummary;
 use crate::aggregate::UnwindStats;
-use crate::bpf::abi::CallStats;
 use crate::bpf::abi::Counter;
+use crate::bpf::abi::{CallStats, Function};
 use crate::bpf::Counters;
 use crate::postgres::phase::Phase;
 use crate::target::Target;
@@ -45,19 +45,22 @@ pub struct CallStatsJson {
     pub max_ns: u64,
     /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns.
     pub histogram_log2_ns: Vec<u64>,
-    /// Whether the figures are scaled up from a measured fraction of the time; always false in
-    /// this version (every call is measured).
+    /// Whether calls, total_ns and the histogram are estimates scaled up from the time the
+    /// probe was attached (duty cycle under --probe-budget); max_ns is always as measured.
     pub extrapolated: bool,
+    /// Share of the trace the probe was attached, 0..1.
+    pub attached_share: f64,
 }
 
-impl From<&CallStats> for CallStatsJson {
-    fn from(stats: &CallStats) -> Self {
+impl CallStatsJson {
+    fn new(stats: &CallStats, extrapolation: Extrapolation) -> Self {
         Self {
             calls: stats.calls,
             total_ns: stats.total_ns,
             max_ns: stats.max_ns,
             histogram_log2_ns: stats.hist.to_vec(),
-            extrapolated: false,
+            extrapolated: extrapolation.extrapolated,
+            attached_share: extrapolation.attached_share,
         }
     }
 }
@@ -86,6 +89,8 @@ pub struct RelationLockJson {
     pub relid: u32,
     pub lockmode: &'static str,
     pub calls: u64,
+    /// Whether `calls` is an estimate (LockRelationOid was duty-cycled).
+    pub extrapolated: bool,
 }
 
 #[derive(Serialize)]
@@ -226,7 +231,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .map(|(call, stats)| ProbeJson {
                 function: call.label(),
                 calls_per_second: stats.calls as f64 / inputs.duration_seconds.max(1e-9),
-                stats: stats.into(),
+                stats: CallStatsJson::new(stats, inputs.probes.extrapolation(call.function)),
             })
             .collect(),
         probes_by_query: inputs
@@ -236,7 +241,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .map(|((query_id, call), stats)| ProbeByQueryJson {
                 queryid: query_id.to_string(),
                 function: call.label(),
-                stats: stats.into(),
+                stats: CallStatsJson::new(stats, inputs.probes.extrapolation(call.function)),
             })
             .collect(),
         relation_locks: inputs
@@ -248,6 +253,10 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                 relid,
                 lockmode: lock_mode_name(mode),
                 calls,
+                extrapolated: inputs
+                    .probes
+                    .extrapolation(Function::LockRelationOid)
+                    .extrapolated,
             })
             .collect(),
     }

@@ -1,6 +1,8 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
+mod calibrate;
+mod duty;
 mod json;
 mod probes;
 mod progress;
@@ -19,12 +21,13 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{debug, warn};
 
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
+use crate::bpf::abi::{Counter, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
 use crate::bpf::OnCpuProbes;
 use crate::postgres::{self, attribution::Attribution, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
-use symbolizer::{Symbolizer, SymbolizerOptions, UserRegs};
+use probes::ProbeSet;
+use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions, UserRegs};
 
 /// Options of one trace session (parsed from the command line in `main.rs`).
 #[derive(Clone, Debug)]
@@ -42,6 +45,8 @@ pub struct TraceOptions {
     pub json: Option<PathBuf>,
     /// `--probes` items as given (function names or `all`).
     pub probes: Vec<String>,
+    /// Budget of the probes as a fraction of the instance's CPU; None: no duty cycling.
+    pub probe_budget: Option<f64>,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -94,7 +99,36 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         debug_dirs: options.debug_dirs.clone(),
     });
     let functions = probes::parse_probe_list(&options.probes)?;
-    let attached = probes::attach(&mut probes, &mut symbolizer, &functions, layout_source)?;
+    let mut probe_set = if functions.is_empty() {
+        ProbeSet::attach(&mut probes, &mut symbolizer, &[], layout_source, None, 0.0)?
+    } else {
+        let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
+            Ok(ns) => ns,
+            Err(error) => {
+                warn!(
+                    "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
+                    calibrate::FALLBACK_NS_PER_HIT
+                );
+                calibrate::FALLBACK_NS_PER_HIT
+            }
+        };
+        eprintln!(
+            "pgscope: one probe hit costs {:.0} ns here; probe budget {}",
+            ns_per_hit,
+            match options.probe_budget {
+                Some(fraction) => format!("{:.1}% of the instance's CPU", fraction * 100.0),
+                None => "none (every call measured)".to_string(),
+            }
+        );
+        ProbeSet::attach(
+            &mut probes,
+            &mut symbolizer,
+            &functions,
+            layout_source,
+            options.probe_budget,
+            ns_per_hit,
+        )?
+    };
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -119,18 +153,41 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         query_filter: options.query_id,
         filtered_out: 0,
     };
+    // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
+    let signals = Signals::install()?;
     eprintln!(
         "pgscope: profiling {} at {} Hz for {:?} (Ctrl-C to stop early)",
         target.describe(),
         options.frequency_hz,
         options.duration
     );
-    let ended_early = collect(&mut session, &probes, ring, &options, started).await?;
+    let ended_early = collect(
+        &mut session,
+        &mut probes,
+        &mut probe_set,
+        ring,
+        &options,
+        started,
+        signals,
+    )
+    .await?;
+    let elapsed = started.elapsed();
+    // All probe counts are read at one instant, and attached time ends there: detaching takes a
+    // kernel grace period per probe, during which functions detached later would count on.
+    probe_set.stop_clock();
     let counters = probes.counters()?;
-    let probe_results = probes::ProbeResults::collect(&probes, attached)?;
+    let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed)?;
+    probe_set.detach_all(&mut probes)?;
+    // Kernel symbols while pgscope's own BPF programs are still loaded: they name its frames.
+    let kernel = match KernelSymbols::load() {
+        Ok(symbols) => Some(symbols),
+        Err(error) => {
+            warn!("kernel frames will be unnamed: {error}");
+            None
+        }
+    };
     // Detach before the slow part (symbolization, output): the database is left alone at once.
     drop(probes);
-    let elapsed = started.elapsed();
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
@@ -140,9 +197,25 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         session,
         counters,
         probe_results,
+        kernel,
         start_unix_nanos,
         elapsed,
     )
+}
+
+/// SIGINT and SIGTERM end a trace early, with its output written.
+struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+        })
+    }
 }
 
 /// Everything that is built up while samples arrive.
@@ -224,14 +297,19 @@ impl Session {
     }
 }
 
+/// How often probe duty cycles advance.
+const DUTY_TICK: Duration = Duration::from_millis(50);
+
 /// Drains the ring buffer until the duration passes or a signal arrives. Returns whether the
 /// session ended before its duration.
 async fn collect(
     session: &mut Session,
-    probes: &OnCpuProbes,
+    probes: &mut OnCpuProbes,
+    probe_set: &mut ProbeSet,
     ring: RingBuf<MapData>,
     options: &TraceOptions,
     started: Instant,
+    mut signals: Signals,
 ) -> Result<bool> {
     // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
     // always returns that same fd.
@@ -240,10 +318,12 @@ async fn collect(
         .context("registering the ring buffer with tokio")?;
     let deadline = tokio::time::sleep(options.duration);
     tokio::pin!(deadline);
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut progress = progress::Progress::new(options.duration);
+    let mut duty_tick = tokio::time::interval(DUTY_TICK);
+    // CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
+    let mut instance_cpu_ns_per_s = 1e9;
+    let mut last_samples = 0u64;
     let ended_early = loop {
         tokio::select! {
             readable = ring.readable_mut() => {
@@ -256,13 +336,24 @@ async fn collect(
             _ = tick.tick() => {
                 session.forget_exited();
                 match probes.counters() {
-                    Ok(counters) => progress.update(started.elapsed(), &counters, &session.aggregator.stats()),
+                    Ok(counters) => {
+                        let samples = counters.get(Counter::Samples);
+                        if last_samples > 0 {
+                            let per_second = samples.saturating_sub(last_samples) as f64;
+                            instance_cpu_ns_per_s = per_second / options.frequency_hz as f64 * 1e9;
+                        }
+                        last_samples = samples;
+                        progress.update(started.elapsed(), &counters, &session.aggregator.stats());
+                    }
                     Err(error) => warn!("cannot read BPF counters: {error:#}"),
                 }
             }
+            _ = duty_tick.tick() => {
+                probe_set.tick(probes, DUTY_TICK, instance_cpu_ns_per_s).context("duty-cycling the probes")?;
+            }
             _ = &mut deadline => break false,
-            _ = interrupt.recv() => break true,
-            _ = terminate.recv() => break true,
+            _ = signals.interrupt.recv() => break true,
+            _ = signals.terminate.recv() => break true,
         }
     };
     // Samples already in the ring buffer belong to the session.

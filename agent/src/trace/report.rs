@@ -8,7 +8,6 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use exporters::{FoldedOptions, Profile, ProfileMeta, SvgOptions};
 use symbolizer::KernelSymbols;
-use tracing::warn;
 
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
@@ -21,16 +20,10 @@ pub(super) fn finish(
     mut session: Session,
     counters: Counters,
     probe_results: super::probes::ProbeResults,
+    kernel: Option<KernelSymbols>,
     start_unix_nanos: u64,
     elapsed: Duration,
 ) -> Result<()> {
-    let kernel = match KernelSymbols::load() {
-        Ok(symbols) => Some(symbols),
-        Err(error) => {
-            warn!("kernel frames will be unnamed: {error}");
-            None
-        }
-    };
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
     let profile = session
         .aggregator
@@ -69,7 +62,7 @@ pub(super) fn finish(
         }
     }
     if !probe_results.attached.is_empty() {
-        println!("function probes (exact counts: every call is measured):");
+        println!("function probes (\"attached\": share of the trace; \"est.\": counts scaled up from it):");
         println!(
             "{}",
             super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)
