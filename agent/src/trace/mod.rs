@@ -191,16 +191,14 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
-    report::finish(
-        &options,
-        &target,
-        session,
+    let measured = report::Measured {
         counters,
         probe_results,
         kernel,
         start_unix_nanos,
         elapsed,
-    )
+    };
+    report::finish(&options, &target, session, measured)
 }
 
 /// SIGINT and SIGTERM end a trace early, with its output written.

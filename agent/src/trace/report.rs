@@ -14,16 +14,28 @@ use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
 use crate::target::Target;
 
+/// What a trace measured besides its samples, read before the probes were detached.
+pub(super) struct Measured {
+    pub counters: Counters,
+    pub probe_results: super::probes::ProbeResults,
+    pub kernel: Option<KernelSymbols>,
+    pub start_unix_nanos: u64,
+    pub elapsed: Duration,
+}
+
 pub(super) fn finish(
     options: &TraceOptions,
     target: &Target,
     mut session: Session,
-    counters: Counters,
-    probe_results: super::probes::ProbeResults,
-    kernel: Option<KernelSymbols>,
-    start_unix_nanos: u64,
-    elapsed: Duration,
+    measured: Measured,
 ) -> Result<()> {
+    let Measured {
+        counters,
+        probe_results,
+        kernel,
+        start_unix_nanos,
+        elapsed,
+    } = measured;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
     let profile = session
         .aggregator
