@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod compare;
+pub mod connection;
 pub mod install;
 pub mod perf;
 pub mod pgbench;
@@ -14,7 +15,9 @@ pub mod pgstack;
 pub mod pprof;
 pub mod process;
 pub mod profile;
+pub mod running_trace;
 pub mod session;
+pub mod summary;
 pub mod system;
 pub mod watch;
 pub mod workload;
@@ -23,15 +26,18 @@ use std::path::{Path, PathBuf};
 
 pub use cluster::PgCluster;
 pub use compare::{compare_top, disagreements, format_comparison, FunctionDiff, SelfTable};
+pub use connection::Connection;
 pub use install::PgInstall;
 pub use perf::{perf_record, PerfRecording};
 pub use pgbench::BackgroundPgbench;
-pub use pgscope::{pgscope_bin, run_pgscope, run_pgscope_ok, Trace};
+pub use pgscope::{pgscope_bin, run_pgscope, run_pgscope_ok, Trace, TraceOutput};
 pub use pgstack::{runs_under_exec_simple_query, Statics};
 pub use pprof::{LabeledProfile, LabeledSample};
 pub use process::wait_for;
 pub use profile::{Profile, Stack};
+pub use running_trace::RunningTrace;
 pub use session::Session;
+pub use summary::TraceSummary;
 pub use system::require_root_and_bpf;
 pub use watch::ProcessWatch;
 

@@ -12,7 +12,7 @@ use crate::workspace_root;
 
 /// Longest a `pgscope trace` may run in a test, startup and symbolization included; traces in
 /// these tests last at most 10 s.
-const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+pub(crate) const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The binary under test: `$PGSCOPE_BIN`, else `target/release/pgscope`, else
 /// `target/debug/pgscope` in the workspace.
@@ -128,6 +128,16 @@ impl Trace {
         self.arg("--svg", path)
     }
 
+    /// `--json <path>`: the summary in schema `pgscope.trace.summary/v1`.
+    pub fn json(self, path: &Path) -> Self {
+        self.arg("--json", path)
+    }
+
+    /// `--probes <functions>`: a comma-separated list of function names, or `all`.
+    pub fn probes(self, functions: &str) -> Self {
+        self.arg("--probes", functions)
+    }
+
     /// `--queryid <queryid>`: keep only samples of that query.
     pub fn queryid(self, query_id: i64) -> Self {
         self.arg("--queryid", query_id.to_string())
@@ -139,6 +149,14 @@ impl Trace {
             Some(dir) => self.arg("--debug-dir", dir),
             None => self,
         }
+    }
+
+    /// Runs it; fails on a non-zero exit. Returns stdout and stderr (where pgscope says what it
+    /// could not do, e.g. a probe it did not attach), echoing both to the test's stderr.
+    pub fn output(&self) -> Result<TraceOutput> {
+        let mut cmd = pgscope_command(&self.args)?;
+        let line = describe(&cmd);
+        TraceOutput::checked(&line, output_with_timeout(&mut cmd, RUN_TIMEOUT)?)
     }
 
     /// The full argument list after the binary name.
@@ -155,5 +173,31 @@ impl Trace {
         self.args.push(flag.into());
         self.args.push(value.as_ref().to_owned());
         self
+    }
+}
+
+/// What a `pgscope trace` that exited successfully printed.
+#[derive(Debug, Clone)]
+pub struct TraceOutput {
+    /// The summary tables.
+    pub stdout: String,
+    /// Progress, warnings and what could not be done.
+    pub stderr: String,
+}
+
+impl TraceOutput {
+    /// Fails on a non-zero exit, quoting stderr; echoes both streams to the test's stderr.
+    pub(crate) fn checked(line: &str, out: Output) -> Result<Self> {
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !out.status.success() {
+            bail!(
+                "`{line}` failed ({}):\n{}\nstdout:\n{stdout}",
+                out.status,
+                stderr.trim()
+            );
+        }
+        eprintln!("$ {line}\n{stderr}{stdout}");
+        Ok(Self { stdout, stderr })
     }
 }

@@ -1,0 +1,167 @@
+//! Reading back the JSON summary of `pgscope trace --json` (schema `pgscope.trace.summary/v1`,
+//! documented in the README): the probe tables and the sample counters the tests check.
+
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+use serde_json::Value;
+
+/// The schema this reader understands.
+pub const SCHEMA: &str = "pgscope.trace.summary/v1";
+
+/// One `pgscope trace --json` file.
+#[derive(Debug, Clone)]
+pub struct TraceSummary {
+    json: Value,
+}
+
+/// Calls, time and latency histogram of one probed function (`probes[]` or
+/// `probes_by_query[]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallStats {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+    /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns.
+    pub histogram_log2_ns: Vec<u64>,
+}
+
+/// One `relation_locks[]` row: LockRelationOid calls of one query on one relation in one mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelationLock {
+    pub relid: u32,
+    /// `AccessShareLock`, `RowExclusiveLock`, …
+    pub lockmode: String,
+    pub calls: u64,
+}
+
+impl TraceSummary {
+    /// Parses `path` and checks its `schema`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).with_context(|| format!("`{}` is not JSON", path.display()))?;
+        let schema = json.get("schema").and_then(Value::as_str);
+        ensure!(
+            schema == Some(SCHEMA),
+            "`{}` has schema {schema:?}, expected `{SCHEMA}`",
+            path.display()
+        );
+        Ok(Self { json })
+    }
+
+    /// `samples.user_stacks_complete_pct`.
+    pub fn user_stacks_complete_pct(&self) -> Result<f64> {
+        self.json
+            .pointer("/samples/user_stacks_complete_pct")
+            .and_then(Value::as_f64)
+            .context("the summary has no number `samples.user_stacks_complete_pct`")
+    }
+
+    /// `samples.profiled`: samples kept in the profile.
+    pub fn samples_profiled(&self) -> Result<u64> {
+        self.json
+            .pointer("/samples/profiled")
+            .and_then(Value::as_u64)
+            .context("the summary has no number `samples.profiled`")
+    }
+
+    /// The `probes[]` row of `function`; `None` when the function was not attached.
+    pub fn probe(&self, function: &str) -> Result<Option<CallStats>> {
+        for row in self.array("probes")? {
+            if row.get("function").and_then(Value::as_str) == Some(function) {
+                return call_stats(row).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Every `probes[]` row as (function, stats).
+    pub fn probes(&self) -> Result<Vec<(String, CallStats)>> {
+        self.array("probes")?
+            .iter()
+            .map(|row| Ok((string_field(row, "function")?, call_stats(row)?)))
+            .collect()
+    }
+
+    /// Every `probes_by_query[]` row as (queryid, function, stats).
+    pub fn probes_by_query(&self) -> Result<Vec<(String, String, CallStats)>> {
+        self.array("probes_by_query")?
+            .iter()
+            .map(|row| {
+                Ok((
+                    string_field(row, "queryid")?,
+                    string_field(row, "function")?,
+                    call_stats(row)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The `probes_by_query[]` row of (`queryid`, `function`); `None` when that query never
+    /// called it during the trace.
+    pub fn probe_of_query(&self, queryid: &str, function: &str) -> Result<Option<CallStats>> {
+        Ok(self
+            .probes_by_query()?
+            .into_iter()
+            .find(|(q, f, _)| q == queryid && f == function)
+            .map(|(_, _, stats)| stats))
+    }
+
+    /// The `relation_locks[]` rows of `queryid`.
+    pub fn relation_locks(&self, queryid: &str) -> Result<Vec<RelationLock>> {
+        let mut locks = Vec::new();
+        for row in self.array("relation_locks")? {
+            if string_field(row, "queryid")? != queryid {
+                continue;
+            }
+            let relid = u64_field(row, "relid")?;
+            locks.push(RelationLock {
+                relid: u32::try_from(relid).with_context(|| format!("relid {relid} is not an Oid"))?,
+                lockmode: string_field(row, "lockmode")?,
+                calls: u64_field(row, "calls")?,
+            });
+        }
+        Ok(locks)
+    }
+
+    fn array(&self, key: &str) -> Result<&Vec<Value>> {
+        self.json
+            .get(key)
+            .and_then(Value::as_array)
+            .with_context(|| format!("the summary has no array `{key}`"))
+    }
+}
+
+fn call_stats(row: &Value) -> Result<CallStats> {
+    let histogram_log2_ns = row
+        .get("histogram_log2_ns")
+        .and_then(Value::as_array)
+        .with_context(|| format!("no array `histogram_log2_ns` in {row}"))?
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .with_context(|| format!("histogram bucket `{v}` is not a count"))
+        })
+        .collect::<Result<_>>()?;
+    Ok(CallStats {
+        calls: u64_field(row, "calls")?,
+        total_ns: u64_field(row, "total_ns")?,
+        max_ns: u64_field(row, "max_ns")?,
+        histogram_log2_ns,
+    })
+}
+
+fn u64_field(row: &Value, key: &str) -> Result<u64> {
+    row.get(key)
+        .and_then(Value::as_u64)
+        .with_context(|| format!("no unsigned number `{key}` in {row}"))
+}
+
+fn string_field(row: &Value, key: &str) -> Result<String> {
+    row.get(key)
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .with_context(|| format!("no string `{key}` in {row}"))
+}
