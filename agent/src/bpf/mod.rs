@@ -7,7 +7,7 @@ pub mod abi;
 use anyhow::{anyhow, Context, Result};
 use std::path::Path;
 
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{PerfEvent, TracePoint, UProbe};
@@ -95,10 +95,7 @@ impl OnCpuProbes {
 
     /// Adds a process to the in-kernel filter.
     pub fn add_target(&mut self, tgid: u32, flags: u8) -> Result<()> {
-        let map = self
-            .ebpf
-            .map_mut("targets")
-            .ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
+        let map = self.map_mut("targets")?;
         let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .insert(tgid, flags, 0)
@@ -107,10 +104,7 @@ impl OnCpuProbes {
 
     /// Removes a process from the in-kernel filter.
     pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
-        let map = self
-            .ebpf
-            .map_mut("targets")
-            .ok_or_else(|| anyhow!("BPF object has no map `targets`"))?;
+        let map = self.map_mut("targets")?;
         let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .remove(&tgid)
@@ -119,10 +113,7 @@ impl OnCpuProbes {
 
     /// Tells the sampler where process `tgid` keeps its pg_stat_activity state.
     pub fn set_layout(&mut self, tgid: u32, layout: PgLayout) -> Result<()> {
-        let map = self
-            .ebpf
-            .map_mut("pg_layouts")
-            .ok_or_else(|| anyhow!("BPF object has no map `pg_layouts`"))?;
+        let map = self.map_mut("pg_layouts")?;
         let mut layouts: BpfHashMap<_, u32, PgLayout> = BpfHashMap::try_from(map)?;
         layouts
             .insert(tgid, layout, 0)
@@ -209,10 +200,7 @@ impl OnCpuProbes {
 
     /// Entries per function since load, summed over CPUs, indexed by [`Function`] value.
     pub fn function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
-        let map = self
-            .ebpf
-            .map("function_hits")
-            .ok_or_else(|| anyhow!("BPF object has no map `function_hits`"))?;
+        let map = self.map("function_hits")?;
         let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
         let mut hits = [0u64; Function::ALL.len()];
         for (slot, function) in hits.iter_mut().zip(Function::ALL) {
@@ -223,34 +211,39 @@ impl OnCpuProbes {
 
     /// Per (backend, queryid, function) call statistics so far, summed over CPUs.
     pub fn call_stats(&self) -> Result<Vec<(CallKey, CallStats)>> {
-        let map = self
-            .ebpf
-            .map("call_stats")
-            .ok_or_else(|| anyhow!("BPF object has no map `call_stats`"))?;
-        let stats: PerCpuHashMap<_, CallKey, CallStats> = PerCpuHashMap::try_from(map)?;
-        let mut out = Vec::new();
-        for entry in stats.iter() {
-            let (key, per_cpu) = entry.context("reading `call_stats`")?;
+        self.sum_per_cpu_hash("call_stats", |per_cpu: &[CallStats]| {
             let mut total = CallStats::default();
             per_cpu.iter().for_each(|cpu| total.merge(cpu));
-            out.push((key, total));
-        }
-        Ok(out)
+            total
+        })
     }
 
     /// LockRelationOid calls per (backend, queryid, relation, lock mode), summed over CPUs.
     pub fn relation_locks(&self) -> Result<Vec<(RelationLockKey, u64)>> {
-        let map = self
-            .ebpf
-            .map("relation_locks")
-            .ok_or_else(|| anyhow!("BPF object has no map `relation_locks`"))?;
-        let locks: PerCpuHashMap<_, RelationLockKey, u64> = PerCpuHashMap::try_from(map)?;
+        self.sum_per_cpu_hash("relation_locks", |per_cpu: &[u64]| per_cpu.iter().sum())
+    }
+
+    /// Every entry of a per-CPU hash map, its per-CPU values folded into one.
+    fn sum_per_cpu_hash<K: aya::Pod, V: aya::Pod, T>(
+        &self,
+        name: &str,
+        fold: impl Fn(&[V]) -> T,
+    ) -> Result<Vec<(K, T)>> {
+        let map: PerCpuHashMap<_, K, V> = PerCpuHashMap::try_from(self.map(name)?)?;
         let mut out = Vec::new();
-        for entry in locks.iter() {
-            let (key, per_cpu) = entry.context("reading `relation_locks`")?;
-            out.push((key, per_cpu.iter().sum()));
+        for entry in map.iter() {
+            let (key, per_cpu) = entry.with_context(|| format!("reading `{name}`"))?;
+            out.push((key, fold(&per_cpu)));
         }
         Ok(out)
+    }
+
+    fn map(&self, name: &str) -> Result<&Map> {
+        self.ebpf.map(name).ok_or_else(|| missing_map(name))
+    }
+
+    fn map_mut(&mut self, name: &str) -> Result<&mut Map> {
+        self.ebpf.map_mut(name).ok_or_else(|| missing_map(name))
     }
 
     /// Takes the sample ring buffer out of the object, for the event loop to own.
@@ -258,16 +251,13 @@ impl OnCpuProbes {
         let map = self
             .ebpf
             .take_map("samples")
-            .ok_or_else(|| anyhow!("BPF object has no map `samples`"))?;
+            .ok_or_else(|| missing_map("samples"))?;
         Ok(RingBuf::try_from(map)?)
     }
 
     /// Counters summed over CPUs, in [`Counter::ALL`] order.
     pub fn counters(&self) -> Result<Counters> {
-        let map = self
-            .ebpf
-            .map("counters")
-            .ok_or_else(|| anyhow!("BPF object has no map `counters`"))?;
+        let map = self.map("counters")?;
         let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
         let mut totals = [0u64; Counter::ALL.len()];
         for (slot, counter) in totals.iter_mut().zip(Counter::ALL) {
@@ -278,6 +268,10 @@ impl OnCpuProbes {
         }
         Ok(Counters(totals))
     }
+}
+
+fn missing_map(name: &str) -> anyhow::Error {
+    anyhow!("BPF object has no map `{name}`: the embedded object does not match this agent")
 }
 
 /// A snapshot of the BPF-side counters.
