@@ -30,6 +30,9 @@ enum Command {
     /// Profile one backend (--pid) or every process of one instance (--instance) on CPU, then
     /// print the top functions and write flamegraphs.
     Trace(TraceArgs),
+    /// Measure what one probe hit costs on this machine: a bare uprobe (empty program) and a
+    /// pgscope function probe (entry + return). `bench/probes.sh` quotes it.
+    Calibrate,
 }
 
 #[derive(Args)]
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Calibrate => trace::calibrate(),
             Command::Trace(args) => {
                 trace::run(trace::TraceOptions {
                     pid: args.pid,

@@ -21,6 +21,9 @@ static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR
 /// The uprobe and uretprobe programs every probed function shares.
 const FUNCTION_PROGRAMS: [&str; 2] = ["on_function_entry", "on_function_return"];
 
+/// Entry and return programs that do nothing, for the floor cost of a probed call.
+const EMPTY_PROGRAMS: [&str; 2] = ["empty_entry", "empty_return"];
+
 /// A cookie outside `enum pgscope_function`: the programs run in full, their statistics land
 /// under a function user space ignores.
 const CALIBRATION_COOKIE: u64 = Function::ALL.len() as u64;
@@ -142,6 +145,29 @@ impl OnCpuProbes {
             target,
             file_offset,
         )
+    }
+
+    /// Attaches do-nothing entry and return programs to a function: the floor cost of a probed
+    /// call.
+    pub fn attach_empty(&mut self, target: &Path, file_offset: u64) -> Result<FunctionLinks> {
+        let mut attach = |name: &str| -> Result<UProbeLinkId> {
+            let program = self.function_program(name)?;
+            Ok(program.attach(
+                UProbeAttachLocation::AbsoluteOffset(file_offset),
+                target,
+                UProbeScope::AllProcesses,
+            )?)
+        };
+        let entry = attach(EMPTY_PROGRAMS[0])?;
+        let exit = attach(EMPTY_PROGRAMS[1])?;
+        Ok(FunctionLinks { entry, exit })
+    }
+
+    /// Detaches what [`OnCpuProbes::attach_empty`] attached.
+    pub fn detach_empty(&mut self, links: FunctionLinks) -> Result<()> {
+        self.function_program(EMPTY_PROGRAMS[1])?.detach(links.exit)?;
+        self.function_program(EMPTY_PROGRAMS[0])?.detach(links.entry)?;
+        Ok(())
     }
 
     fn attach_with_cookie(

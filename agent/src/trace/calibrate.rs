@@ -39,17 +39,34 @@ fn time_calls() -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-/// Nanoseconds one probed call costs (entry + return), measured.
-pub fn measure_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
+fn calibration_target(symbolizer: &mut Symbolizer) -> Result<symbolizer::FunctionLocation> {
     let pid = std::process::id();
     let exe = std::env::current_exe().context("locating pgscope's own executable")?;
     let name = exe
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let location = symbolizer
+    symbolizer
         .find_function(pid, &name, "pgscope_calibration_target")
-        .context("finding the calibration function in pgscope's own binary")?;
+        .context("finding the calibration function in pgscope's own binary")
+}
+
+/// Nanoseconds a call costs with a uprobe and a uretprobe whose programs do nothing: the traps
+/// alone, the floor under any function probe.
+pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
+    let location = calibration_target(symbolizer)?;
+    let bare = time_calls();
+    let link = probes.attach_empty(&location.path, location.file_offset)?;
+    let probed = time_calls();
+    probes.detach_empty(link)?;
+    symbolizer.forget_process(std::process::id());
+    Ok(((probed - bare) / f64::from(CALLS)).max(0.0))
+}
+
+/// Nanoseconds one probed call costs (entry + return, full programs), measured.
+pub fn measure_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
+    let pid = std::process::id();
+    let location = calibration_target(symbolizer)?;
     let bare = time_calls();
     probes.add_target(pid, TARGET_PROFILE)?;
     let links = probes.attach_calibration(&location.path, location.file_offset);

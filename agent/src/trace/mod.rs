@@ -1,7 +1,7 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
-mod calibrate;
+pub mod calibrate;
 mod duty;
 mod json;
 mod probes;
@@ -293,6 +293,19 @@ impl Session {
             self.live_pids.remove(&pid);
         }
     }
+}
+
+/// `pgscope calibrate`: what a probe hit costs on this machine — the floor (a uprobe running an
+/// empty program) and pgscope's function probes (entry + return, full programs).
+pub fn calibrate() -> Result<()> {
+    preflight::check_all()?;
+    let mut probes = OnCpuProbes::load()?;
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+    let floor = calibrate::measure_floor_ns_per_hit(&mut probes, &mut symbolizer)?;
+    let full = calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer)?;
+    println!("uprobe + uretprobe with empty programs: {floor:.0} ns per call");
+    println!("pgscope function probe (entry + return programs): {full:.0} ns per call");
+    Ok(())
 }
 
 /// How often probe duty cycles advance.
