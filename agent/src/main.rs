@@ -29,7 +29,7 @@ struct Cli {
 enum Command {
     /// Profile one backend (--pid) or every process of one instance (--instance) on CPU, then
     /// print the top functions and write flamegraphs.
-    Trace(TraceArgs),
+    Trace(Box<TraceArgs>),
     /// Measure what one probe hit costs on this machine: a bare uprobe (empty program) and a
     /// pgscope function probe (entry + return). `bench/probes.sh` quotes it.
     Calibrate,
