@@ -4,6 +4,7 @@
 pub mod calibrate;
 mod duty;
 mod json;
+mod live;
 mod probes;
 mod progress;
 mod queries;
@@ -152,6 +153,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         version: version_table.map(|(_, table)| table),
         query_filter: options.query_id,
         filtered_out: 0,
+        live: live::LiveCounts::default(),
     };
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
@@ -231,6 +233,7 @@ pub(crate) struct Session {
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     pub filtered_out: u64,
+    live: live::LiveCounts,
 }
 
 impl Session {
@@ -270,6 +273,7 @@ impl Session {
             None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
         };
         self.live_pids.insert(header.tgid);
+        self.live.record(&attribution);
         self.aggregator
             .add(header.tgid, attribution, record.kernel_stack(), user);
     }
@@ -307,6 +311,9 @@ pub fn calibrate() -> Result<()> {
     println!("pgscope function probe (entry + return programs): {full:.0} ns per call");
     Ok(())
 }
+
+/// Queries and wait events the live view shows.
+const LIVE_ROWS: usize = 5;
 
 /// How often probe duty cycles advance.
 const DUTY_TICK: Duration = Duration::from_millis(50);
@@ -354,7 +361,9 @@ async fn collect(
                             instance_cpu_ns_per_s = per_second / options.frequency_hz as f64 * 1e9;
                         }
                         last_samples = samples;
-                        progress.update(started.elapsed(), &counters, &session.aggregator.stats());
+                        let mut table = session.live.lines(LIVE_ROWS);
+                        table.extend(probe_set.live_lines());
+                        progress.update(started.elapsed(), &counters, &session.aggregator.stats(), &table);
                     }
                     Err(error) => warn!("cannot read BPF counters: {error:#}"),
                 }

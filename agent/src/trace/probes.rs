@@ -92,6 +92,9 @@ pub struct ProbeSet {
     cycle: DutyCycle,
     last_hits: [u64; Function::ALL.len()],
     since_plan: Duration,
+    /// Hit counters and time of the last live-view line.
+    live_hits: [u64; Function::ALL.len()],
+    live_since: Option<Instant>,
 }
 
 /// How often the duty cycle is re-planned from the measured hit rates.
@@ -116,11 +119,14 @@ impl ProbeSet {
             cycle: DutyCycle::new(),
             last_hits: [0; Function::ALL.len()],
             since_plan: Duration::ZERO,
+            live_hits: [0; Function::ALL.len()],
+            live_since: None,
         };
         if functions.is_empty() {
             return Ok(set);
         }
         set.last_hits = probes.function_hits()?;
+        set.live_hits = set.last_hits;
         let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
             .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
         let executable = exe
@@ -178,6 +184,32 @@ impl ProbeSet {
             }
         }
         Ok(())
+    }
+
+    /// Live view lines: calls per second of each probed function over the last second.
+    pub fn live_lines(&mut self) -> Vec<String> {
+        let now = Instant::now();
+        let seconds = self.live_since.map_or(0.0, |since| (now - since).as_secs_f64());
+        self.live_since = Some(now);
+        let mut lines = Vec::new();
+        for probe in &self.probes {
+            let index = probe.function as usize;
+            let calls = self.last_hits[index].saturating_sub(self.live_hits[index]);
+            if seconds > 0.0 {
+                let state = if probe.links.is_some() {
+                    ""
+                } else {
+                    " (detached: duty cycle)"
+                };
+                lines.push(format!(
+                    "  probe {:<24} {:>9.0} calls/s{state}",
+                    probe.function.name(),
+                    calls as f64 / seconds
+                ));
+            }
+        }
+        self.live_hits = self.last_hits;
+        lines
     }
 
     pub fn functions(&self) -> Vec<Function> {

@@ -1,4 +1,5 @@
-//! The live progress line of `pgscope trace`: samples taken and lost while it runs.
+//! The live view of `pgscope trace`: samples taken and lost, and on a terminal a small table
+//! redrawn every second (busiest queries and wait events, probe calls per second).
 
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
@@ -7,11 +8,13 @@ use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
 
-/// On a terminal the line is redrawn every second; in a log it is written every 5 seconds.
+/// On a terminal the view is redrawn every second; in a log one line is written every 5 s.
 pub struct Progress {
     total: Duration,
     terminal: bool,
     updates: u64,
+    /// Lines drawn last time (the cursor goes back up over them).
+    drawn: usize,
 }
 
 impl Progress {
@@ -20,10 +23,12 @@ impl Progress {
             total,
             terminal: std::io::stderr().is_terminal(),
             updates: 0,
+            drawn: 0,
         }
     }
 
-    pub fn update(&mut self, elapsed: Duration, counters: &Counters, stats: &UnwindStats) {
+    /// `table` is drawn under the progress line on a terminal only.
+    pub fn update(&mut self, elapsed: Duration, counters: &Counters, stats: &UnwindStats, table: &[String]) {
         self.updates += 1;
         if !self.terminal && !self.updates.is_multiple_of(5) {
             return;
@@ -39,11 +44,29 @@ impl Progress {
         );
         let mut stderr = std::io::stderr().lock();
         // Progress is best effort: a closed stderr must not end the session.
-        let _ = if self.terminal {
-            write!(stderr, "\r{line}\x1b[K")
-        } else {
-            writeln!(stderr, "{line}")
-        };
+        if !self.terminal {
+            let _ = writeln!(stderr, "{line}");
+            return;
+        }
+        let mut out = String::new();
+        if self.drawn > 1 {
+            out.push_str(&format!("\x1b[{}A", self.drawn - 1));
+        }
+        out.push('\r');
+        let lines: Vec<&str> = std::iter::once(line.as_str())
+            .chain(table.iter().map(String::as_str))
+            .collect();
+        // Lines left over from a taller table are cleared.
+        let height = lines.len().max(self.drawn);
+        for i in 0..height {
+            out.push_str(lines.get(i).copied().unwrap_or(""));
+            out.push_str("\x1b[K");
+            if i + 1 < height {
+                out.push('\n');
+            }
+        }
+        self.drawn = height;
+        let _ = write!(stderr, "{out}");
         let _ = stderr.flush();
     }
 
