@@ -87,6 +87,19 @@ impl StackAggregator {
         self.stats
     }
 
+    /// Samples per queryid, most first (for fetching the texts of the busiest queries).
+    pub fn query_ids(&self) -> Vec<(i64, u64)> {
+        let mut counts: HashMap<i64, u64> = HashMap::new();
+        for (key, &count) in &self.stacks {
+            if let Some(query_id) = key.attribution.query_id.filter(|&q| q != 0) {
+                *counts.entry(query_id).or_insert(0) += count;
+            }
+        }
+        let mut sorted: Vec<_> = counts.into_iter().collect();
+        sorted.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        sorted
+    }
+
     /// Every module some sampled frame lies in.
     pub fn modules(&self) -> HashSet<ModuleId> {
         let mut modules = HashSet::new();

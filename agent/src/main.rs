@@ -81,6 +81,11 @@ struct TraceArgs {
     /// our measurements (the probes slow the workload while attached).
     #[arg(long, default_value = "none", value_name = "PERCENT|none", value_parser = parse_budget)]
     probe_budget: Budget,
+    /// Connection for reading query texts from pg_stat_statements at the end, libpq style
+    /// (e.g. "host=/var/run/postgresql user=postgres dbname=postgres"). Default: the instance's
+    /// Unix socket, as the OS user that owns the data directory (peer authentication).
+    #[arg(long, value_name = "CONNINFO")]
+    conninfo: Option<String>,
     /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).
     #[arg(long = "queryid", value_name = "QUERYID", allow_negative_numbers = true)]
     query_id: Option<i64>,
@@ -139,6 +144,7 @@ fn main() -> ExitCode {
                     json: args.json,
                     probes: args.probes,
                     probe_budget: args.probe_budget.0,
+                    conninfo: args.conninfo,
                 })
                 .await
             }

@@ -103,6 +103,12 @@ impl Trace {
         }
     }
 
+    /// `--conninfo <info>`: where pgscope reads query texts.
+    pub fn conninfo(mut self, info: &str) -> Self {
+        self.args.extend(["--conninfo".into(), info.into()]);
+        self
+    }
+
     /// `--duration <secs>s`.
     pub fn duration_secs(self, secs: u64) -> Self {
         self.arg("--duration", format!("{secs}s"))

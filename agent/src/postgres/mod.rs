@@ -4,6 +4,7 @@
 
 pub mod attribution;
 pub mod phase;
+pub mod sql;
 pub mod v15;
 
 use std::fs;

@@ -135,6 +135,9 @@ pub struct QueryJson {
     pub queryid: String,
     pub samples: u64,
     pub share_pct: f64,
+    /// The normalized text from pg_stat_statements (`$1` for constants; never parameters), when
+    /// pgscope could connect.
+    pub query: Option<String>,
     /// Samples per statement phase; `other` is outside every phase function.
     pub phases: BTreeMap<&'static str, u64>,
     pub hottest_function: Option<String>,
@@ -159,6 +162,7 @@ pub struct SummaryInputs<'a> {
     pub functions: &'a [FunctionShare],
     pub queries: &'a [QuerySummary],
     pub probes: &'a ProbeResults,
+    pub query_texts: &'a std::collections::HashMap<i64, String>,
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -218,6 +222,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     queryid: q.query_id.to_string(),
                     samples: q.samples,
                     share_pct: pct(q.samples),
+                    query: inputs.query_texts.get(&q.query_id).cloned(),
                     phases,
                     hottest_function: q.hottest_function.clone(),
                 }

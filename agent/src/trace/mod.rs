@@ -10,7 +10,7 @@ mod progress;
 mod queries;
 mod report;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -24,7 +24,7 @@ use tracing::{debug, warn};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{Counter, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
 use crate::bpf::OnCpuProbes;
-use crate::postgres::{self, attribution::Attribution, VersionTable};
+use crate::postgres::{self, attribution::Attribution, sql, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
 use probes::ProbeSet;
@@ -48,6 +48,8 @@ pub struct TraceOptions {
     pub probes: Vec<String>,
     /// Budget of the probes as a fraction of the instance's CPU; None: no duty cycling.
     pub probe_budget: Option<f64>,
+    /// `--conninfo`: how to reach the instance for query texts.
+    pub conninfo: Option<String>,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -193,14 +195,63 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
+    let query_texts = fetch_query_texts(&options, layout_source, &session, &probe_results).await;
     let measured = report::Measured {
         counters,
         probe_results,
         kernel,
         start_unix_nanos,
         elapsed,
+        query_texts,
     };
     report::finish(&options, &target, session, measured)
+}
+
+/// Texts of the queries the summary names, from pg_stat_statements; empty (with one line saying
+/// why) when the instance cannot be reached.
+async fn fetch_query_texts(
+    options: &TraceOptions,
+    pid: u32,
+    session: &Session,
+    probe_results: &probes::ProbeResults,
+) -> HashMap<i64, String> {
+    let mut wanted: Vec<i64> = session
+        .aggregator
+        .query_ids()
+        .into_iter()
+        .take(options.top)
+        .map(|(query_id, _)| query_id)
+        .collect();
+    wanted.extend(
+        probe_results
+            .by_query()
+            .iter()
+            .take(options.top)
+            .map(|((query_id, _), _)| *query_id),
+    );
+    wanted.retain(|&q| q != 0);
+    wanted.sort_unstable();
+    wanted.dedup();
+    if wanted.is_empty() {
+        return HashMap::new();
+    }
+    let target = match &options.conninfo {
+        Some(info) => Ok(sql::Connect::Conninfo(info.clone())),
+        None => sql::Connect::for_process(pid),
+    };
+    match target {
+        Ok(target) => match sql::query_texts(&target, &wanted).await {
+            Ok(texts) => texts,
+            Err(error) => {
+                eprintln!("pgscope: no query texts: {error:#}; pass --conninfo to name a connection");
+                HashMap::new()
+            }
+        },
+        Err(error) => {
+            eprintln!("pgscope: no query texts: {error:#}");
+            HashMap::new()
+        }
+    }
 }
 
 /// SIGINT and SIGTERM end a trace early, with its output written.

@@ -1,5 +1,6 @@
 //! The end of a trace: the summary, the top functions, and the requested output files.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -21,6 +22,8 @@ pub(super) struct Measured {
     pub kernel: Option<KernelSymbols>,
     pub start_unix_nanos: u64,
     pub elapsed: Duration,
+    /// Normalized texts from pg_stat_statements, when the instance could be reached.
+    pub query_texts: HashMap<i64, String>,
 }
 
 pub(super) fn finish(
@@ -35,6 +38,7 @@ pub(super) fn finish(
         kernel,
         start_unix_nanos,
         elapsed,
+        query_texts,
     } = measured;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
     let profile = session
@@ -65,6 +69,7 @@ pub(super) fn finish(
         if !queries.is_empty() {
             println!("by query (phases in % of the query's samples):");
             println!("{}", super::queries::render(&queries, total, options.top));
+            print_query_texts(&queries, &query_texts, options.top);
             if queries.iter().all(|q| q.query_id == 0) {
                 println!(
                     "note: every queryid is 0: queryids are not computed; set compute_query_id = on \
@@ -126,6 +131,7 @@ pub(super) fn finish(
             functions: &shares,
             queries: &queries,
             probes: &probe_results,
+            query_texts: &query_texts,
         });
         write_file(path, |w| serde_json::to_writer_pretty(w, &summary))?;
         println!("wrote the JSON summary to {}", path.display());
@@ -135,6 +141,26 @@ pub(super) fn finish(
         println!("wrote pprof profile to {}", path.display());
     }
     Ok(())
+}
+
+/// The normalized text of each query in the table, one line each, cut to fit a terminal.
+fn print_query_texts(queries: &[super::queries::QuerySummary], texts: &HashMap<i64, String>, limit: usize) {
+    let named: Vec<_> = queries
+        .iter()
+        .take(limit)
+        .filter_map(|q| texts.get(&q.query_id).map(|t| (q.query_id, t)))
+        .collect();
+    if named.is_empty() {
+        return;
+    }
+    println!("query texts (pg_stat_statements, normalized):");
+    for (query_id, text) in named {
+        let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let shown: String = flat.chars().take(100).collect();
+        let ellipsis = if flat.chars().count() > 100 { "…" } else { "" };
+        println!("{query_id:>21}  {shown}{ellipsis}");
+    }
+    println!();
 }
 
 fn print_losses(counters: &Counters, malformed: u64) {

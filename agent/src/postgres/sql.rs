@@ -1,0 +1,183 @@
+//! Facts only SQL can give, read at the end of a trace: the normalized query texts of
+//! pg_stat_statements. By default pgscope connects through the instance's own Unix socket (its
+//! directory and port are in `postmaster.pid`) as the OS user that owns the data directory, so
+//! that peer authentication works as it does for `sudo -u postgres psql`; `--conninfo` says
+//! otherwise. Texts are normalized by Postgres (`$1` for constants): parameters never leave the
+//! server.
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tokio_postgres::{Client, Config, NoTls};
+
+/// How to reach the instance.
+#[derive(Clone, Debug)]
+pub enum Connect {
+    /// A libpq-style connection string from `--conninfo`.
+    Conninfo(String),
+    /// The instance's Unix socket, as the data directory's owner.
+    Socket {
+        dir: PathBuf,
+        port: u16,
+        owner_uid: u32,
+        user: String,
+    },
+}
+
+impl Connect {
+    /// Reads socket directory and port from the `postmaster.pid` of `pid`'s data directory
+    /// (every Postgres process has the data directory as working directory).
+    pub fn for_process(pid: u32) -> Result<Self> {
+        let data_dir = PathBuf::from(format!("/proc/{pid}/cwd"));
+        let pid_file = fs::read_to_string(data_dir.join("postmaster.pid"))
+            .with_context(|| format!("reading postmaster.pid in the data directory of PID {pid}"))?;
+        let lines: Vec<&str> = pid_file.lines().collect();
+        let port = lines
+            .get(3)
+            .and_then(|l| l.trim().parse().ok())
+            .context("postmaster.pid has no port")?;
+        let socket = lines.get(4).map(|l| l.trim()).filter(|l| !l.is_empty());
+        let Some(socket) = socket else {
+            bail!(
+                "the instance listens on no Unix socket (unix_socket_directories is empty): pass --conninfo"
+            );
+        };
+        // A socket path is inside the process's mount namespace: reach it through
+        // /proc/PID/root only when that is not ours (a container), since that path needs ptrace
+        // rights the connection, made as the data directory's owner, does not have.
+        let same_namespace = fs::read_link(format!("/proc/{pid}/ns/mnt"))
+            .ok()
+            .is_some_and(|theirs| {
+                fs::read_link("/proc/self/ns/mnt")
+                    .ok()
+                    .is_some_and(|ours| ours == theirs)
+            });
+        let dir = if same_namespace {
+            PathBuf::from(socket)
+        } else {
+            Path::new(&format!("/proc/{pid}/root")).join(socket.trim_start_matches('/'))
+        };
+        let owner_uid = fs::metadata(&data_dir)
+            .with_context(|| format!("reading the data directory of PID {pid}"))?
+            .uid();
+        let user = user_name(owner_uid).unwrap_or_else(|| "postgres".to_string());
+        Ok(Connect::Socket {
+            dir,
+            port,
+            owner_uid,
+            user,
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Connect::Conninfo(info) => format!("--conninfo `{info}`"),
+            Connect::Socket { dir, port, user, .. } => {
+                format!("the socket in `{}` (port {port}) as `{user}`", dir.display())
+            }
+        }
+    }
+}
+
+/// The name of OS user `uid`, from /etc/passwd.
+fn user_name(uid: u32) -> Option<String> {
+    let passwd = fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        let name = fields.next()?;
+        let id: u32 = fields.nth(1)?.parse().ok()?;
+        (id == uid).then(|| name.to_string())
+    })
+}
+
+/// Connects with the effective uid of `uid` for the socket handshake only: peer authentication
+/// reads the credentials of the connecting process at connect time.
+async fn connect_as(config: &Config, uid: u32) -> Result<Client> {
+    // SAFETY: seteuid only changes this process's effective uid; it is restored below before
+    // anything else runs (the runtime is single-threaded and nothing else is scheduled here).
+    if unsafe { libc::seteuid(uid) } != 0 {
+        return Err(anyhow!(std::io::Error::last_os_error()).context(format!("switching to uid {uid}")));
+    }
+    let connected = config.connect(NoTls).await;
+    // SAFETY: as above; pgscope runs as root, so switching back to 0 is allowed.
+    let restored = unsafe { libc::seteuid(0) };
+    if restored != 0 {
+        bail!(
+            "cannot switch back to root after connecting: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let (client, connection) = connected?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::debug!("connection to Postgres ended: {error}");
+        }
+    });
+    Ok(client)
+}
+
+async fn connect(target: &Connect) -> Result<Client> {
+    match target {
+        Connect::Conninfo(info) => {
+            let config: Config = info.parse().context("parsing --conninfo")?;
+            let (client, connection) = config.connect(NoTls).await?;
+            tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!("connection to Postgres ended: {error}");
+                }
+            });
+            Ok(client)
+        }
+        Connect::Socket {
+            dir,
+            port,
+            owner_uid,
+            user,
+        } => {
+            // The OS user's own role first (peer authentication maps it), then the usual
+            // superuser role, for clusters initialized with `initdb -U postgres` by another user.
+            let mut last_error = None;
+            for role in [user.as_str(), "postgres"] {
+                let mut config = Config::new();
+                config
+                    .host_path(dir)
+                    .port(*port)
+                    .user(role)
+                    .dbname("postgres")
+                    .application_name("pgscope");
+                match connect_as(&config, *owner_uid).await {
+                    Ok(client) => return Ok(client),
+                    Err(error) => last_error = Some(error),
+                }
+                if user == "postgres" {
+                    break;
+                }
+            }
+            Err(last_error.unwrap_or_else(|| anyhow!("no role to connect as")))
+        }
+    }
+}
+
+/// Normalized texts of `query_ids` from pg_stat_statements (those it still holds).
+pub async fn query_texts(target: &Connect, query_ids: &[i64]) -> Result<HashMap<i64, String>> {
+    let client = connect(target)
+        .await
+        .with_context(|| format!("connecting through {}", target.describe()))?;
+    let rows = client
+        .query(
+            "SELECT queryid, query FROM pg_stat_statements WHERE queryid = ANY($1)",
+            &[&query_ids],
+        )
+        .await
+        .context("reading pg_stat_statements (is the extension created in database `postgres`?)")?;
+    let mut texts = HashMap::new();
+    for row in rows {
+        let query_id: i64 = row.try_get(0)?;
+        let text: String = row.try_get(1)?;
+        texts.insert(query_id, text);
+    }
+    Ok(texts)
+}
