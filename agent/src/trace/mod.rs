@@ -101,7 +101,21 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let mut symbolizer = Symbolizer::new(SymbolizerOptions {
         debug_dirs: options.debug_dirs.clone(),
     });
-    let functions = probes::parse_probe_list(&options.probes)?;
+    let mut functions = probes::parse_probe_list(&options.probes)?;
+    if !functions.is_empty() {
+        // Probes read arguments whose types and registers are checked per major (e.g.
+        // pgss_store's queryid is int64 in 18, _bt_getroot gained an argument in 16).
+        match postgres::detect_major(layout_source).and_then(postgres::table_for) {
+            Ok(_) => {}
+            Err(error) => {
+                eprintln!(
+                    "pgscope: function probes not attached: {error:#}; probes are tested on PostgreSQL {:?}",
+                    postgres::SUPPORTED_MAJORS
+                );
+                functions.clear();
+            }
+        }
+    }
     let mut probe_set = if functions.is_empty() {
         ProbeSet::attach(&mut probes, &mut symbolizer, &[], layout_source, None, 0.0)?
     } else {
