@@ -14,14 +14,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-pgcluster_start
+# pg_stat_statements turns queryids on (compute_query_id = auto) and gives the texts.
+pgcluster_start -c shared_preload_libraries=pg_stat_statements
 echo "demo: throwaway Postgres 15 cluster on port $PGC_PORT in $PGC_WORK"
+pgc_psql -c "CREATE EXTENSION pg_stat_statements" >/dev/null
 pgc_pgbench -i -q -s 10 postgres >/dev/null 2>&1
 
-echo "demo: running pgbench (2 clients, select-only) and profiling the instance for 15 s"
-pgc_pgbench -S -c 2 -j 2 -T 25 postgres >"$PGC_WORK/pgbench.log" 2>&1 &
+echo "demo: running pgbench (2 clients, TPC-B-like) and profiling the instance for 15 s"
+pgc_pgbench -c 2 -j 2 -T 25 postgres >"$PGC_WORK/pgbench.log" 2>&1 &
 bench_pid=$!
-"$pgscope" trace --instance "$PGC_DATA" --duration 15s --frequency 99 --top 15 \
+"$pgscope" trace --instance "$PGC_DATA" --duration 15s --frequency 99 --top 10 \
   --svg "$out_dir/pgscope-demo.svg" --folded "$out_dir/pgscope-demo.folded"
 wait "$bench_pid" 2>/dev/null || true
 bench_pid=

@@ -5,6 +5,7 @@ pub mod calibrate;
 mod duty;
 mod json;
 mod live;
+mod probe_set;
 mod probes;
 mod progress;
 mod queries;
@@ -27,7 +28,7 @@ use crate::bpf::OnCpuProbes;
 use crate::postgres::{self, attribution::Attribution, sql, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
-use probes::ProbeSet;
+use probe_set::ProbeSet;
 use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions, UserRegs};
 
 /// Options of one trace session (parsed from the command line in `main.rs`).

@@ -1,0 +1,299 @@
+//! The probed functions of a trace: found with the symbolizer, attached, and switched on and off
+//! by the shared duty cycle under `--probe-budget`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use symbolizer::{FindFunctionError, Symbolizer};
+use tracing::warn;
+
+use super::duty::{plan_shared_duty, DutyCycle};
+use super::probes::Extrapolation;
+use crate::bpf::abi::Function;
+use crate::bpf::{FunctionLinks, OnCpuProbes};
+
+/// The file a function lives in: pg_stat_statements' functions in its library, the others in
+/// the postgres executable.
+fn module_of(function: Function, executable: &str) -> String {
+    match function {
+        Function::PgssStore => "pg_stat_statements.so".to_string(),
+        _ => executable.to_string(),
+    }
+}
+
+/// What to do when a function cannot be found, in one sentence.
+fn explain(function: Function, error: &FindFunctionError) -> String {
+    match (function, error) {
+        (Function::PgssStore, FindFunctionError::ModuleNotMapped { .. }) => {
+            "pg_stat_statements is not loaded in this instance (add it to shared_preload_libraries)".into()
+        }
+        (Function::PgssStore, FindFunctionError::NoSymbol { path, .. }) => format!(
+            "pgss_store is a static function of `{}`, which is stripped, and no debug file was found: \
+             install the debug package (postgresql-15-dbgsym from the debian-debug archive) or pass \
+             --debug-dir with a .build-id tree that holds it",
+            path.display()
+        ),
+        (_, error) => error.to_string(),
+    }
+}
+
+/// One probed function, attached or between duty-cycle windows.
+struct ActiveProbe {
+    function: Function,
+    path: PathBuf,
+    file_offset: u64,
+    links: Option<FunctionLinks>,
+    /// Whether it follows the shared duty cycle (it is hot) or stays attached.
+    cycled: bool,
+    /// Time attached so far, from attach completed to detach started: the denominator of its
+    /// extrapolation.
+    attached_total: Duration,
+    /// When the current attachment completed.
+    attached_since: Option<Instant>,
+    /// Hits and attached time since the last re-plan: the hit rate while attached.
+    hits_window: u64,
+    attached_window: Duration,
+}
+
+/// The probed functions of a trace and their duty cycle.
+pub struct ProbeSet {
+    probes: Vec<ActiveProbe>,
+    /// Budget as a fraction of the instance's CPU time; None: every call is measured.
+    budget: Option<f64>,
+    ns_per_hit: f64,
+    cycle: DutyCycle,
+    last_hits: [u64; Function::ALL.len()],
+    since_plan: Duration,
+    /// Hit counters and time of the last live-view line.
+    live_hits: [u64; Function::ALL.len()],
+    live_since: Option<Instant>,
+}
+
+/// How often the duty cycle is re-planned from the measured hit rates.
+const REPLAN_EVERY: Duration = Duration::from_secs(1);
+
+impl ProbeSet {
+    /// Attaches what can be attached and says, per function, what could not and why; the
+    /// trace goes on with the others. Functions are found with the symbolizer's symbol tables,
+    /// so static functions of stripped files count when their debug file is installed.
+    pub fn attach(
+        probes: &mut OnCpuProbes,
+        symbolizer: &mut Symbolizer,
+        functions: &[Function],
+        pid: u32,
+        budget: Option<f64>,
+        ns_per_hit: f64,
+    ) -> Result<ProbeSet> {
+        let mut set = ProbeSet {
+            probes: Vec::new(),
+            budget,
+            ns_per_hit,
+            cycle: DutyCycle::new(),
+            last_hits: [0; Function::ALL.len()],
+            since_plan: Duration::ZERO,
+            live_hits: [0; Function::ALL.len()],
+            live_since: None,
+        };
+        if functions.is_empty() {
+            return Ok(set);
+        }
+        set.last_hits = probes.function_hits()?;
+        set.live_hits = set.last_hits;
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+            .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
+        let executable = exe
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for &function in functions {
+            let location =
+                match symbolizer.find_function(pid, &module_of(function, &executable), function.name()) {
+                    Ok(location) => location,
+                    Err(error) => {
+                        eprintln!(
+                            "pgscope: probe {} not attached: {}",
+                            function.name(),
+                            explain(function, &error)
+                        );
+                        continue;
+                    }
+                };
+            match probes.attach_function(function, &location.path, location.file_offset) {
+                Ok(links) => set.probes.push(ActiveProbe {
+                    function,
+                    path: location.path,
+                    file_offset: location.file_offset,
+                    links: Some(links),
+                    cycled: false,
+                    attached_total: Duration::ZERO,
+                    attached_since: Some(Instant::now()),
+                    hits_window: 0,
+                    attached_window: Duration::ZERO,
+                }),
+                Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
+            }
+        }
+        Ok(set)
+    }
+
+    /// Ends every probe's attached time now: call when the maps are read, before detaching,
+    /// so that all functions' counts cover the same period.
+    pub fn stop_clock(&mut self) {
+        let now = Instant::now();
+        for probe in &mut self.probes {
+            if let Some(since) = probe.attached_since.take() {
+                probe.attached_total += now - since;
+            }
+        }
+    }
+
+    /// Detaches every probe (the end of the trace; their maps stay readable).
+    pub fn detach_all(&mut self, probes: &mut OnCpuProbes) -> Result<()> {
+        self.stop_clock();
+        for probe in &mut self.probes {
+            if let Some(links) = probe.links.take() {
+                probes.detach_function(links)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Live view lines: calls per second of each probed function over the last second.
+    pub fn live_lines(&mut self) -> Vec<String> {
+        let now = Instant::now();
+        let seconds = self.live_since.map_or(0.0, |since| (now - since).as_secs_f64());
+        self.live_since = Some(now);
+        let mut lines = Vec::new();
+        for probe in &self.probes {
+            let index = probe.function as usize;
+            let calls = self.last_hits[index].saturating_sub(self.live_hits[index]);
+            if seconds > 0.0 {
+                let state = if probe.links.is_some() {
+                    ""
+                } else {
+                    " (detached: duty cycle)"
+                };
+                lines.push(format!(
+                    "  probe {:<24} {:>9.0} calls/s{state}",
+                    probe.function.name(),
+                    calls as f64 / seconds
+                ));
+            }
+        }
+        self.live_hits = self.last_hits;
+        lines
+    }
+
+    pub fn functions(&self) -> Vec<Function> {
+        self.probes.iter().map(|p| p.function).collect()
+    }
+
+    /// Advances by `elapsed`: accounts hits and attached time, re-plans once a second from the
+    /// instance's CPU use (`instance_cpu_ns_per_s`, from the on-CPU samples), and attaches or
+    /// detaches the hot probes when the shared window starts or ends.
+    pub fn tick(
+        &mut self,
+        probes: &mut OnCpuProbes,
+        elapsed: Duration,
+        instance_cpu_ns_per_s: f64,
+    ) -> Result<()> {
+        if self.probes.is_empty() {
+            return Ok(());
+        }
+        let hits = probes.function_hits()?;
+        for probe in &mut self.probes {
+            if probe.links.is_some() {
+                let index = probe.function as usize;
+                probe.hits_window += hits[index].saturating_sub(self.last_hits[index]);
+                probe.attached_window += elapsed;
+            }
+        }
+        self.last_hits = hits;
+
+        self.since_plan += elapsed;
+        if let Some(fraction) = self.budget.filter(|_| self.since_plan >= REPLAN_EVERY) {
+            self.since_plan = Duration::ZERO;
+            self.replan(fraction * instance_cpu_ns_per_s);
+        }
+
+        let switch = self.cycle.advance(elapsed);
+        for probe in &mut self.probes {
+            // Hot probes follow the shared window; the others stay attached.
+            let want = !probe.cycled || self.cycle.is_attached();
+            let result = match (want, probe.links.take()) {
+                (false, Some(links)) => {
+                    if let Some(since) = probe.attached_since.take() {
+                        probe.attached_total += since.elapsed();
+                    }
+                    probes.detach_function(links)
+                }
+                (true, None) => probes
+                    .attach_function(probe.function, &probe.path, probe.file_offset)
+                    .map(|links| {
+                        probe.links = Some(links);
+                        probe.attached_since = Some(Instant::now());
+                    }),
+                (_, links) => {
+                    probe.links = links;
+                    Ok(())
+                }
+            };
+            if let Err(error) = result {
+                warn!(
+                    "cannot switch probe {} ({switch:?}): {error:#}",
+                    probe.function.name()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Recomputes which probes are hot and the shared duty, from hit rates while attached.
+    fn replan(&mut self, budget_ns_per_s: f64) {
+        // A probe not attached since the last plan keeps its last known rate (as cost 0 here
+        // would make it cheap): only re-plan with every rate measured.
+        if self.probes.iter().any(|p| p.attached_window.is_zero()) {
+            return;
+        }
+        let costs: Vec<f64> = self
+            .probes
+            .iter()
+            .map(|p| p.hits_window as f64 / p.attached_window.as_secs_f64() * self.ns_per_hit)
+            .collect();
+        let (duty, hot) = plan_shared_duty(&costs, budget_ns_per_s);
+        self.cycle.set_duty(duty);
+        for (probe, hot) in self.probes.iter_mut().zip(hot) {
+            probe.cycled = hot && duty < 1.0;
+            probe.hits_window = 0;
+            probe.attached_window = Duration::ZERO;
+        }
+    }
+
+    /// Per function: the factor from measured to estimated counts, whether that is an
+    /// extrapolation, and the share of the trace the probe was attached.
+    pub fn extrapolations(&self, trace: Duration) -> BTreeMap<Function, Extrapolation> {
+        self.probes
+            .iter()
+            .map(|p| {
+                let attached = p.attached_total.as_secs_f64();
+                let total = trace.as_secs_f64().max(1e-9);
+                let factor = if attached > 0.0 {
+                    (total / attached).max(1.0)
+                } else {
+                    1.0
+                };
+                let extrapolated = factor > 1.01;
+                (
+                    p.function,
+                    Extrapolation {
+                        factor,
+                        extrapolated,
+                        attached_share: (attached / total).min(1.0),
+                    },
+                )
+            })
+            .collect()
+    }
+}
