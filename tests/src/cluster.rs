@@ -59,6 +59,16 @@ impl PgCluster {
     }
 
     /// Like [`PgCluster::start`], with extra `postgresql.conf` settings (they win over defaults).
+    /// A cluster with pg_stat_statements preloaded (so queryids are computed) and created in
+    /// database `postgres`, plus `settings`.
+    pub fn start_with_pg_stat_statements(install: &PgInstall, settings: &[(&str, &str)]) -> Result<Self> {
+        let mut all = vec![("shared_preload_libraries", "pg_stat_statements")];
+        all.extend_from_slice(settings);
+        let cluster = Self::start_with(install, &all)?;
+        cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+        Ok(cluster)
+    }
+
     pub fn start_with(install: &PgInstall, settings: &[(&str, &str)]) -> Result<Self> {
         let lock = ClusterLock::acquire()?;
         let user = ensure_test_user()?;

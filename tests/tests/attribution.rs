@@ -64,11 +64,7 @@ const SCRIPT: [Statement; 3] = [
 #[test]
 fn queryid_labels_match_pg_stat_statements() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("burn.sql");
     let mut text = String::from("\\set n random(1, 1000)\n");

@@ -7,8 +7,6 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::summary::CallStats;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
 
-const PGSS: (&str, &str) = ("shared_preload_libraries", "pg_stat_statements");
-
 /// pgbench's `-S` statement as pg_stat_statements shows it under `-M prepared`.
 const PGBENCH_SELECT: &str = "SELECT abalance FROM pgbench_accounts WHERE aid = $1";
 
@@ -43,8 +41,8 @@ fn generic_plan_locks_every_partition() -> Result<()> {
 /// One cluster with `pgbench_accounts` split into `partitions`, traced while `pgbench -S -M
 /// prepared` runs; returns LockRelationOid calls per execution of the select.
 fn locks_per_execution(install: &PgInstall, partitions: u32) -> Result<f64> {
-    let cluster = PgCluster::start_with(install, &[PGSS, ("plan_cache_mode", "force_generic_plan")])?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(install, &[("plan_cache_mode", "force_generic_plan")])?;
     cluster.pgbench(&["-i", "-q", "-s", "1", &format!("--partitions={partitions}")])?;
     let partition_oids: BTreeSet<u32> = cluster
         .psql("SELECT inhrelid FROM pg_inherits WHERE inhparent = 'pgbench_accounts'::regclass")?
@@ -147,10 +145,9 @@ const RUNS: u64 = 4;
 #[test]
 fn btree_root_descents_in_a_nested_loop() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
+    let cluster = PgCluster::start_with_pg_stat_statements(
         &PgInstall::distro()?,
         &[
-            PGSS,
             ("enable_hashjoin", "off"),
             ("enable_mergejoin", "off"),
             ("enable_material", "off"),
@@ -159,7 +156,6 @@ fn btree_root_descents_in_a_nested_loop() -> Result<()> {
             ("enable_memoize", "off"),
         ],
     )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
     cluster.psql("CREATE TABLE small(id int PRIMARY KEY)")?;
     cluster.psql(&format!(
         "INSERT INTO small SELECT generate_series(0, {})",

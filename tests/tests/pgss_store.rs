@@ -11,14 +11,10 @@ const STATEMENTS: u64 = 60;
 
 fn stores_per_kind(track_planning: &str) -> Result<(u64, u64)> {
     let install = PgInstall::no_frame_pointers()?;
-    let cluster = PgCluster::start_with(
+    let cluster = PgCluster::start_with_pg_stat_statements(
         &install,
-        &[
-            ("shared_preload_libraries", "pg_stat_statements"),
-            ("pg_stat_statements.track_planning", track_planning),
-        ],
+        &[("pg_stat_statements.track_planning", track_planning)],
     )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
     let mut connection = cluster.connect()?;
     // Warm this backend's catalog caches outside the trace.
     connection.query("SELECT 1")?;
@@ -84,11 +80,7 @@ fn one_exec_store_per_statement_and_a_plan_store_with_track_planning() -> Result
 #[test]
 fn distro_build_without_debug_file_says_what_to_install() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let session = cluster.spawn_session(pgscope_tests::workload::CPU_BOUND)?;
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");

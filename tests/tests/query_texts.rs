@@ -23,11 +23,7 @@ const SCRIPT: &str = "SELECT count(*) FROM generate_series(1, 300000) g WHERE g 
 #[test]
 fn busiest_query_is_named_by_its_normalized_text() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("burn.sql");
     std::fs::write(&script, SCRIPT)?;
@@ -76,11 +72,7 @@ fn busiest_query_is_named_by_its_normalized_text() -> Result<()> {
 #[test]
 fn unreachable_instance_is_reported_and_the_trace_still_succeeds() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let session = cluster.spawn_session(CPU_BOUND)?;
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
