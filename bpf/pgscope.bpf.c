@@ -271,20 +271,6 @@ int on_fork(struct trace_event_raw_sched_process_fork *ctx)
 	return 0;
 }
 
-/* Keep the filter map to live processes: a recycled PID must not be profiled by accident. */
-SEC("tracepoint/sched/sched_process_exit")
-int on_process_exit(void *ctx)
-{
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tgid = pid_tgid >> 32;
-
-	if ((__u32)pid_tgid == tgid) {
-		bpf_map_delete_elem(&targets, &tgid);
-		bpf_map_delete_elem(&pg_layouts, &tgid);
-	}
-	return 0;
-}
-
 /* Postgres forks shells for archive_command and friends: after exec the process is no longer
  * Postgres, and the inherited layout would point into another program. */
 SEC("tracepoint/sched/sched_process_exec")
@@ -311,10 +297,9 @@ struct call_entry {
 };
 
 /* In-flight calls by (thread, function). A nested call of the same function in the same thread
- * (rare: planning a query from inside GetCachedPlan) overwrites the outer entry. Keyed by thread
- * and function, so a return missed (probe detached mid-call) leaves no more than one stale slot
- * per thread and function. Not an LRU hash: measured, it evicts live entries under this load
- * (15k returns of 800k lost). */
+ * (rare: planning a query from inside GetCachedPlan) overwrites the outer entry. A return missed
+ * (probe detached mid-call) leaves one stale slot per thread and function, which the thread's
+ * next call overwrites; slots of exiting threads are removed in on_process_exit. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 16384);
@@ -396,22 +381,23 @@ int on_function_entry(struct pt_regs *ctx)
 
 	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
 		return 0;
-	count(PGSCOPE_CNT_PROBE_HITS);
 	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
 	__u64 *hits = bpf_map_lookup_elem(&function_hits, &function);
 	if (hits)
 		*hits += 1;
-	struct call_entry entry = { .query_id = current_query_id(tgid) };
+	struct call_entry entry = {};
 
-	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
-		count_relation_lock(ctx, tgid, entry.query_id);
 	if (function == PGSCOPE_FN_PGSS_STORE) {
 		/* pgss_store(query, queryId, location, len, kind, …): the queryid it stores is the
 		 * statement's own (also for nested statements), the kind tells text/plan/exec apart.
 		 * PG14-17 (PG18 changes the queryid's type, not its register). */
 		entry.query_id = PT_REGS_PARM2(ctx);
 		entry.detail = (__u32)((int)PT_REGS_PARM5(ctx) + 2) & 0xff;
+	} else {
+		entry.query_id = current_query_id(tgid);
 	}
+	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
+		count_relation_lock(ctx, tgid, entry.query_id);
 	__u64 key = (pid_tgid << 32) | function;
 	entry.start_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&calls_in_flight, &key, &entry, BPF_ANY) != 0)
@@ -463,6 +449,27 @@ int on_function_return(struct pt_regs *ctx)
 	if (elapsed > stats->max_ns)
 		stats->max_ns = elapsed;
 	stats->hist[bucket] += 1;
+	return 0;
+}
+
+/* Keep the filter map to live processes: a recycled PID must not be profiled by accident; and
+ * drop the in-flight call slots of every exiting thread of a target. */
+SEC("tracepoint/sched/sched_process_exit")
+int on_process_exit(void *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+
+	if (!bpf_map_lookup_elem(&targets, &tgid))
+		return 0;
+	for (__u32 function = 0; function < PGSCOPE_FN_MAX; function++) {
+		__u64 key = (pid_tgid << 32) | function;
+		bpf_map_delete_elem(&calls_in_flight, &key);
+	}
+	if ((__u32)pid_tgid == tgid) {
+		bpf_map_delete_elem(&targets, &tgid);
+		bpf_map_delete_elem(&pg_layouts, &tgid);
+	}
 	return 0;
 }
 

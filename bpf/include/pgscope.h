@@ -42,10 +42,9 @@ enum pgscope_counter {
 	PGSCOPE_CNT_FORKS_FOLLOWED = 7,	     /* children added to the target map */
 	PGSCOPE_CNT_TARGETS_FULL = 8,	     /* lost: a child could not be added, map full */
 	PGSCOPE_CNT_ATTRIBUTION_FAULT = 9,   /* degraded: backend state unreadable at sample time */
-	PGSCOPE_CNT_PROBE_HITS = 10,	     /* function probe entries in target processes */
-	PGSCOPE_CNT_PROBE_NO_ENTRY = 11,     /* lost: a return without its recorded entry */
-	PGSCOPE_CNT_PROBE_MAP_FULL = 12,     /* lost: a per-call statistic had no map room */
-	PGSCOPE_CNT_MAX = 13,
+	PGSCOPE_CNT_PROBE_NO_ENTRY = 10,     /* lost: a return without its recorded entry */
+	PGSCOPE_CNT_PROBE_MAP_FULL = 11,     /* lost: a per-call statistic had no map room */
+	PGSCOPE_CNT_MAX = 12,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */

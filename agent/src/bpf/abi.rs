@@ -27,13 +27,12 @@ pub enum Counter {
     ForksFollowed = 7,
     TargetsFull = 8,
     AttributionFault = 9,
-    ProbeHits = 10,
-    ProbeNoEntry = 11,
-    ProbeMapFull = 12,
+    ProbeNoEntry = 10,
+    ProbeMapFull = 11,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 13] = [
+    pub const ALL: [Counter; 12] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -44,7 +43,6 @@ impl Counter {
         Counter::ForksFollowed,
         Counter::TargetsFull,
         Counter::AttributionFault,
-        Counter::ProbeHits,
         Counter::ProbeNoEntry,
         Counter::ProbeMapFull,
     ];
@@ -62,7 +60,6 @@ impl Counter {
             Counter::ForksFollowed => "forks_followed",
             Counter::TargetsFull => "lost_targets_full",
             Counter::AttributionFault => "attribution_unreadable",
-            Counter::ProbeHits => "probe_hits",
             Counter::ProbeNoEntry => "probe_return_without_entry",
             Counter::ProbeMapFull => "lost_probe_map_full",
         }
