@@ -91,7 +91,8 @@ pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Result<Option<ExitS
     }
 }
 
-fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> Option<thread::JoinHandle<Vec<u8>>> {
+/// Reads a child's pipe to its end on a thread of its own, so that a full pipe never blocks it.
+pub(crate) fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> Option<thread::JoinHandle<Vec<u8>>> {
     pipe.map(|mut pipe| {
         thread::spawn(move || {
             let mut buf = Vec::new();
@@ -101,7 +102,8 @@ fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> Option<thread::JoinHandle
     })
 }
 
-fn join(handle: Option<thread::JoinHandle<Vec<u8>>>) -> Vec<u8> {
+/// What [`drain`] read (empty when the thread or pipe was missing).
+pub(crate) fn join(handle: Option<thread::JoinHandle<Vec<u8>>>) -> Vec<u8> {
     handle.and_then(|h| h.join().ok()).unwrap_or_default()
 }
 

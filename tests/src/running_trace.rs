@@ -1,7 +1,7 @@
 //! A `pgscope trace` running in the background while the test drives the workload, ended with
 //! SIGINT: pgscope stops early on it and still writes every output.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use crate::pgscope::{pgscope_command, Trace, TraceOutput, RUN_TIMEOUT};
-use crate::process::{describe, wait_for, wait_timeout};
+use crate::process::{describe, drain, join, wait_for, wait_timeout};
 
 /// What pgscope prints on stderr once its probes are attached and sampling runs.
 const PROFILING: &str = "pgscope: profiling ";
@@ -39,13 +39,7 @@ impl Trace {
             .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot start `{line}`"))?;
-        let stdout = child.stdout.take().map(|mut pipe| {
-            thread::spawn(move || {
-                let mut buf = Vec::new();
-                let _ = pipe.read_to_end(&mut buf);
-                buf
-            })
-        });
+        let stdout = drain(child.stdout.take());
         let stderr = Arc::new(Mutex::new(String::new()));
         let stderr_thread = child.stderr.take().map(|pipe| {
             let sink = Arc::clone(&stderr);
@@ -83,7 +77,7 @@ impl RunningTrace {
         let Some(status) = wait_timeout(&mut self.child, RUN_TIMEOUT)? else {
             bail!("`{}` did not exit within {RUN_TIMEOUT:?} of SIGINT", self.line);
         };
-        let stdout = self.stdout.take().and_then(|t| t.join().ok()).unwrap_or_default();
+        let stdout = join(self.stdout.take());
         if let Some(t) = self.stderr_thread.take() {
             let _ = t.join();
         }

@@ -73,14 +73,6 @@ pub struct DutyCycle {
     in_state: Duration,
 }
 
-/// What the schedule wants done with a probe now.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Switch {
-    Attach,
-    Detach,
-    Keep,
-}
-
 impl DutyCycle {
     /// A probe that starts attached (its first window measures its hit rate).
     pub fn new() -> Self {
@@ -100,24 +92,22 @@ impl DutyCycle {
         self.duty = duty.clamp(MIN_DUTY, 1.0);
     }
 
-    /// Advances the schedule by `elapsed` and says whether to switch.
-    pub fn advance(&mut self, elapsed: Duration) -> Switch {
+    /// Advances the schedule by `elapsed`; [`DutyCycle::is_attached`] then says whether the
+    /// hot probes should be attached.
+    pub fn advance(&mut self, elapsed: Duration) {
         self.in_state += elapsed;
-        if self.attached {
-            if self.duty < 1.0 && self.in_state >= WINDOW {
-                self.attached = false;
-                self.in_state = Duration::ZERO;
-                return Switch::Detach;
+        let limit = if self.attached {
+            if self.duty >= 1.0 {
+                return;
             }
+            WINDOW
         } else {
-            let off = WINDOW.mul_f64((1.0 - self.duty) / self.duty);
-            if self.in_state >= off {
-                self.attached = true;
-                self.in_state = Duration::ZERO;
-                return Switch::Attach;
-            }
+            WINDOW.mul_f64((1.0 - self.duty) / self.duty)
+        };
+        if self.in_state >= limit {
+            self.attached = !self.attached;
+            self.in_state = Duration::ZERO;
         }
-        Switch::Keep
     }
 }
 
@@ -159,10 +149,12 @@ mod tests {
         let tick = Duration::from_millis(10);
         let (mut attached, mut switches) = (Duration::ZERO, 0);
         for _ in 0..4000 {
-            if cycle.is_attached() {
+            let before = cycle.is_attached();
+            if before {
                 attached += tick;
             }
-            if cycle.advance(tick) != Switch::Keep {
+            cycle.advance(tick);
+            if cycle.is_attached() != before {
                 switches += 1;
             }
         }
@@ -175,7 +167,7 @@ mod tests {
     fn full_duty_never_detaches() {
         let mut cycle = DutyCycle::new();
         for _ in 0..100 {
-            assert_eq!(cycle.advance(Duration::from_millis(50)), Switch::Keep);
+            cycle.advance(Duration::from_millis(50));
             assert!(cycle.is_attached());
         }
     }

@@ -218,7 +218,7 @@ impl ProbeSet {
             self.replan(fraction * instance_cpu_ns_per_s);
         }
 
-        let switch = self.cycle.advance(elapsed);
+        self.cycle.advance(elapsed);
         for probe in &mut self.probes {
             // Hot probes follow the shared window; the others stay attached.
             let want = !probe.cycled || self.cycle.is_attached();
@@ -242,7 +242,7 @@ impl ProbeSet {
             };
             if let Err(error) = result {
                 warn!(
-                    "cannot switch probe {} ({switch:?}): {error:#}",
+                    "cannot switch probe {} on or off: {error:#}",
                     probe.function.name()
                 );
             }
