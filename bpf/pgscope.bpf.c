@@ -292,8 +292,10 @@ int on_process_exec(void *ctx)
 struct call_entry {
 	__u64 start_ns;
 	__u64 query_id;
-	__u32 detail; /* see PGSCOPE_CALL_DETAIL_SHIFT */
+	__u32 detail; /* see PGSCOPE_CALL_DETAIL_SHIFT; s_lock: the call site's line */
 	__u32 _pad;
+	__u64 file; /* s_lock only: the call site's __FILE__ and __func__ */
+	__u64 func;
 };
 
 /* In-flight calls by (thread, function). A nested call of the same function in the same thread
@@ -320,6 +322,13 @@ struct {
 	__type(key, struct pgscope_relation_lock_key);
 	__type(value, __u64);
 } relation_locks SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct pgscope_spin_site_key);
+	__type(value, struct pgscope_spin_site_stats);
+} spin_sites SEC(".maps");
 
 /* Entries per function, for the duty cycle's hit-rate measurement (user space reads deltas). */
 struct {
@@ -372,6 +381,29 @@ static __always_inline void count_relation_lock(struct pt_regs *ctx, __u32 tgid,
 		count(PGSCOPE_CNT_PROBE_MAP_FULL);
 }
 
+static __always_inline void count_spin_site(__u32 tgid, struct call_entry *entry, __u64 elapsed)
+{
+	struct pgscope_spin_site_key key = {
+		.tgid = tgid,
+		.line = entry->detail,
+		.query_id = entry->query_id,
+		.file = entry->file,
+		.func = entry->func,
+	};
+	struct pgscope_spin_site_stats *stats = bpf_map_lookup_elem(&spin_sites, &key);
+
+	if (!stats) {
+		struct pgscope_spin_site_stats first = { .calls = 1, .total_ns = elapsed, .max_ns = elapsed };
+		if (bpf_map_update_elem(&spin_sites, &key, &first, BPF_NOEXIST) != 0)
+			count(PGSCOPE_CNT_PROBE_MAP_FULL);
+		return;
+	}
+	stats->calls += 1;
+	stats->total_ns += elapsed;
+	if (elapsed > stats->max_ns)
+		stats->max_ns = elapsed;
+}
+
 SEC("uprobe")
 int on_function_entry(struct pt_regs *ctx)
 {
@@ -398,6 +430,14 @@ int on_function_entry(struct pt_regs *ctx)
 	}
 	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
 		count_relation_lock(ctx, tgid, entry.query_id);
+	if (function == PGSCOPE_FN_S_LOCK) {
+		/* s_lock(lock, file, line, func): only the pointers are kept; reading the strings
+		 * here would cost every spin. The site goes in the return's key, not the call key,
+		 * so that s_lock's own statistics stay one row per queryid. */
+		entry.file = PT_REGS_PARM2(ctx);
+		entry.detail = (__u32)PT_REGS_PARM3(ctx);
+		entry.func = PT_REGS_PARM4(ctx);
+	}
 	__u64 key = (pid_tgid << 32) | function;
 	entry.start_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&calls_in_flight, &key, &entry, BPF_ANY) != 0)
@@ -422,11 +462,14 @@ int on_function_return(struct pt_regs *ctx)
 		return 0;
 	}
 	__u64 elapsed = now - entry->start_ns;
+	__u32 detail = function == PGSCOPE_FN_S_LOCK ? 0 : entry->detail;
 	struct pgscope_call_key stats_key = {
 		.tgid = tgid,
-		.function = function | (entry->detail << PGSCOPE_CALL_DETAIL_SHIFT),
+		.function = function | (detail << PGSCOPE_CALL_DETAIL_SHIFT),
 		.query_id = entry->query_id,
 	};
+	if (function == PGSCOPE_FN_S_LOCK)
+		count_spin_site(tgid, entry, elapsed);
 	bpf_map_delete_elem(&calls_in_flight, &key);
 
 	struct pgscope_call_stats *stats = bpf_map_lookup_elem(&call_stats, &stats_key);

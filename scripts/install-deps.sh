@@ -9,6 +9,7 @@ packages=(
   build-essential pkg-config          # C fixtures of the symbolizer tests, Rust build scripts
   binutils elfutils file              # strip/objcopy/readelf for fixtures and the debug-file split
   linux-perf                          # the perf agreement test
+  gdb                                 # the s_lock call-site test calls s_lock in a backend
   postgresql-15 postgresql-contrib    # the distro Postgres profiled by demo and tests
   postgresql-server-dev-15            # server headers: tests check offsets and enum values
   dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build

@@ -64,6 +64,14 @@ pub enum Target {
 }
 
 impl Target {
+    /// The traced backend, or the instance's postmaster.
+    pub fn pid(&self) -> u32 {
+        match self {
+            Target::Backend(process) => process.pid,
+            Target::Instance { postmaster } => postmaster.pid,
+        }
+    }
+
     /// A short description for headers and titles.
     pub fn describe(&self) -> String {
         match self {

@@ -90,9 +90,28 @@ struct pgscope_relation_lock_key {
 	__u32 _pad;
 };
 
+/* s_lock(lock, file, line, func) calls per (backend, queryid, call site): which spinlock
+ * acquisition spins. file and func point to string literals in the caller's file (the
+ * postgres executable or an extension library); user space reads them from the process. */
+struct pgscope_spin_site_key {
+	__u32 tgid;
+	__u32 line;
+	__u64 query_id;
+	__u64 file; /* const char *, address in process tgid */
+	__u64 func; /* const char *, address in process tgid */
+};
+
+struct pgscope_spin_site_stats {
+	__u64 calls;
+	__u64 total_ns; /* time spent in s_lock: spinning and sleeping until the lock was taken */
+	__u64 max_ns;
+};
+
 _Static_assert(sizeof(struct pgscope_call_key) == 16, "mirrored in agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_call_stats) == 24 + 8 * PGSCOPE_HIST_BUCKETS, "mirrored in agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_relation_lock_key) == 24, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_spin_site_key) == 32, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_spin_site_stats) == 24, "mirrored in agent/src/bpf/abi.rs");
 
 /* Where one Postgres process keeps the state pg_stat_activity shows, so that a sample can read
  * it from the backend's own memory at no per-statement cost. Addresses are of the exported

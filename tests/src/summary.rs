@@ -35,6 +35,17 @@ pub struct RelationLock {
     pub calls: u64,
 }
 
+/// One `spin_sites[]` row: s_lock calls from one call site under one query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpinSite {
+    pub queryid: String,
+    pub file: String,
+    pub line: u32,
+    pub function: String,
+    pub calls: u64,
+    pub total_ns: u64,
+}
+
 impl TraceSummary {
     /// Parses `path` and checks its `schema`.
     pub fn read(path: &Path) -> Result<Self> {
@@ -124,6 +135,24 @@ impl TraceSummary {
             });
         }
         Ok(locks)
+    }
+
+    /// Every `spin_sites[]` row.
+    pub fn spin_sites(&self) -> Result<Vec<SpinSite>> {
+        self.array("spin_sites")?
+            .iter()
+            .map(|row| {
+                let line = u64_field(row, "line")?;
+                Ok(SpinSite {
+                    queryid: string_field(row, "queryid")?,
+                    file: string_field(row, "file")?,
+                    line: u32::try_from(line).with_context(|| format!("line {line} out of range"))?,
+                    function: string_field(row, "function")?,
+                    calls: u64_field(row, "calls")?,
+                    total_ns: u64_field(row, "total_ns")?,
+                })
+            })
+            .collect()
     }
 
     fn array(&self, key: &str) -> Result<&Vec<Value>> {

@@ -348,16 +348,51 @@ pub struct RelationLockKey {
     pub _pad: u32,
 }
 
+/// `struct pgscope_spin_site_key`: an `s_lock` call site in one backend under one queryid.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SpinSiteKey {
+    pub tgid: u32,
+    pub line: u32,
+    pub query_id: u64,
+    /// Address of the call site's `__FILE__` string in process `tgid`.
+    pub file: u64,
+    /// Address of the call site's `__func__` string in process `tgid`.
+    pub func: u64,
+}
+
+/// `struct pgscope_spin_site_stats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpinSiteStats {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+}
+
+impl SpinSiteStats {
+    pub fn merge(&mut self, other: &SpinSiteStats) {
+        self.calls += other.calls;
+        self.total_ns += other.total_ns;
+        self.max_ns = self.max_ns.max(other.max_ns);
+    }
+}
+
 const _: () = assert!(size_of::<CallKey>() == 16);
+const _: () = assert!(size_of::<SpinSiteKey>() == 32);
+const _: () = assert!(offset_of!(SpinSiteKey, func) == 24);
+const _: () = assert!(size_of::<SpinSiteStats>() == 24);
 const _: () = assert!(size_of::<CallStats>() == 24 + 8 * HIST_BUCKETS);
 const _: () = assert!(size_of::<RelationLockKey>() == 24);
 const _: () = assert!(offset_of!(RelationLockKey, lockmode) == 16);
 
-// SAFETY: all three are repr(C) plain old data without padding (sizes asserted above; the
+// SAFETY: all five are repr(C) plain old data without padding (sizes asserted above; the
 // explicit _pad field fills RelationLockKey's tail).
 unsafe impl aya::Pod for CallKey {}
 unsafe impl aya::Pod for CallStats {}
 unsafe impl aya::Pod for RelationLockKey {}
+unsafe impl aya::Pod for SpinSiteKey {}
+unsafe impl aya::Pod for SpinSiteStats {}
 
 #[cfg(test)]
 mod call_stats_tests {

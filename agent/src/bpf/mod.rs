@@ -14,7 +14,7 @@ use aya::programs::{PerfEvent, TracePoint, UProbe};
 use aya::util::online_cpus;
 use aya::Ebpf;
 
-use abi::{CallKey, CallStats, Counter, Function, PgLayout, RelationLockKey};
+use abi::{CallKey, CallStats, Counter, Function, PgLayout, RelationLockKey, SpinSiteKey, SpinSiteStats};
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
@@ -247,6 +247,15 @@ impl OnCpuProbes {
     /// LockRelationOid calls per (backend, queryid, relation, lock mode), summed over CPUs.
     pub fn relation_locks(&self) -> Result<Vec<(RelationLockKey, u64)>> {
         self.sum_per_cpu_hash("relation_locks", |per_cpu: &[u64]| per_cpu.iter().sum())
+    }
+
+    /// s_lock calls per (backend, queryid, call site), summed over CPUs.
+    pub fn spin_sites(&self) -> Result<Vec<(SpinSiteKey, SpinSiteStats)>> {
+        self.sum_per_cpu_hash("spin_sites", |per_cpu: &[SpinSiteStats]| {
+            let mut total = SpinSiteStats::default();
+            per_cpu.iter().for_each(|cpu| total.merge(cpu));
+            total
+        })
     }
 
     /// Every entry of a per-CPU hash map, its per-CPU values folded into one.

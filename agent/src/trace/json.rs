@@ -36,6 +36,8 @@ pub struct Summary {
     pub probes_by_query: Vec<ProbeByQueryJson>,
     /// LockRelationOid calls per (queryid, relation, lock mode).
     pub relation_locks: Vec<RelationLockJson>,
+    /// s_lock calls per (queryid, call site): which spinlock acquisitions had to spin.
+    pub spin_sites: Vec<SpinSiteJson>,
 }
 
 #[derive(Serialize)]
@@ -90,6 +92,21 @@ pub struct RelationLockJson {
     pub lockmode: &'static str,
     pub calls: u64,
     /// Whether `calls` is an estimate (LockRelationOid was duty-cycled).
+    pub extrapolated: bool,
+}
+
+#[derive(Serialize)]
+pub struct SpinSiteJson {
+    pub queryid: String,
+    /// The call site's `__FILE__`, `__LINE__` and `__func__` as passed to s_lock.
+    pub file: String,
+    pub line: u32,
+    pub function: String,
+    pub calls: u64,
+    /// Time in s_lock (spinning, then sleeping between spins) until the lock was taken.
+    pub total_ns: u64,
+    pub max_ns: u64,
+    /// Whether calls and total_ns are estimates (s_lock was duty-cycled).
     pub extrapolated: bool,
 }
 
@@ -262,6 +279,21 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     .probes
                     .extrapolation(Function::LockRelationOid)
                     .extrapolated,
+            })
+            .collect(),
+        spin_sites: inputs
+            .probes
+            .spin_sites
+            .iter()
+            .map(|site| SpinSiteJson {
+                queryid: site.query_id.to_string(),
+                file: site.file.clone(),
+                line: site.line,
+                function: site.function.clone(),
+                calls: site.stats.calls,
+                total_ns: site.stats.total_ns,
+                max_ns: site.stats.max_ns,
+                extrapolated: inputs.probes.extrapolation(Function::SLock).extrapolated,
             })
             .collect(),
     }

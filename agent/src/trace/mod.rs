@@ -10,6 +10,7 @@ mod probes;
 mod progress;
 mod queries;
 mod report;
+mod spin_sites;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -63,10 +64,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
 
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
-    let layout_source = match &target {
-        Target::Backend(process) => process.pid,
-        Target::Instance { postmaster } => postmaster.pid,
-    };
+    let layout_source = target.pid();
     // Attribution is best effort: without it stacks are still right, only unlabelled.
     let version_table = match postgres::resolve_layout(layout_source) {
         Ok((layout, table)) => {
@@ -195,7 +193,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     // kernel grace period per probe, during which functions detached later would count on.
     probe_set.stop_clock();
     let counters = probes.counters()?;
-    let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed)?;
+    let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
     probe_set.detach_all(&mut probes)?;
     // Kernel symbols while pgscope's own BPF programs are still loaded: they name its frames.
     let kernel = match KernelSymbols::load() {

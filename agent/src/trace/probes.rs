@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 
 use super::probe_set::ProbeSet;
+use super::spin_sites::{self, SpinSite};
 use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall, RelationLockKey};
 use crate::bpf::OnCpuProbes;
 
@@ -74,20 +75,30 @@ pub struct ProbeResults {
     pub attached: Vec<Function>,
     pub calls: Vec<(CallKey, CallStats)>,
     pub relation_locks: Vec<(RelationLockKey, u64)>,
+    /// s_lock call sites per queryid, named and scaled like the calls.
+    pub spin_sites: Vec<SpinSite>,
     pub extrapolations: BTreeMap<Function, Extrapolation>,
 }
 
 impl ProbeResults {
-    pub fn collect(probes: &OnCpuProbes, set: &ProbeSet, trace: Duration) -> Result<Self> {
+    /// Reads the probes' maps; s_lock call-site strings are read from the calling backends,
+    /// or from `target_pid` (the traced backend or postmaster) for backends gone since.
+    pub fn collect(probes: &OnCpuProbes, set: &ProbeSet, trace: Duration, target_pid: u32) -> Result<Self> {
         let attached = set.functions();
         if attached.is_empty() {
             return Ok(Self::default());
+        }
+        let extrapolations = set.extrapolations(trace);
+        let mut spin_sites = spin_sites::resolve(&probes.spin_sites()?, target_pid);
+        if let Some(extrapolation) = extrapolations.get(&Function::SLock) {
+            spin_sites::scale(&mut spin_sites, extrapolation.factor);
         }
         Ok(Self {
             attached,
             calls: probes.call_stats()?,
             relation_locks: probes.relation_locks()?,
-            extrapolations: set.extrapolations(trace),
+            spin_sites,
+            extrapolations,
         })
     }
 
@@ -262,6 +273,7 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
             );
         }
     }
+    spin_sites::render(&results.spin_sites, limit, &mut out);
     out
 }
 
@@ -301,6 +313,7 @@ mod tests {
                 (key(2, 7), stats(4)),
                 (key(1, 9), stats(1)),
             ],
+            spin_sites: Vec::new(),
             relation_locks: vec![
                 (
                     RelationLockKey {
@@ -372,6 +385,7 @@ mod tests {
         let results = ProbeResults {
             attached: vec![Function::LockRelationOid],
             calls: vec![(key, measured)],
+            spin_sites: Vec::new(),
             relation_locks: vec![(
                 RelationLockKey {
                     tgid: 1,
