@@ -5,7 +5,8 @@
 #   - pg_stat_statements.track_planning = on vs off, the only per-statement phase timing
 #     Postgres itself offers;
 #   - each function probe alone (every call measured): TPS ratio, calls/s and the cost per call
-#     in situ, next to `pgscope calibrate`'s floor (a uprobe running an empty program).
+#     in situ, next to `pgscope calibrate`'s floor (a uprobe running an empty program);
+#   - every probe at once under the default overhead budget (2% of the instance's CPU).
 # A benchmark, not a test: it asserts nothing.
 #
 # Usage: bench/probes.sh [ROUNDS] [SECONDS_PER_RUN]   (needs root; builds pgscope in release)
@@ -55,6 +56,7 @@ declare -A tps
 for ((r = 1; r <= rounds; r++)); do
   tps[base]+=" $(run_pgbench)"
   tps[default]+=" $(run_traced | cut -d' ' -f1)"
+  tps[budget]+=" $(run_traced --probes all | cut -d' ' -f1)"
   set_track_planning on
   tps[track_planning]+=" $(run_pgbench)"
   set_track_planning off
@@ -76,6 +78,7 @@ base = st.mean(runs["base"])
 print(f"pgbench -S -M prepared, {clients} clients: {base:.0f} TPS without pgscope")
 print(f"default trace (99 Hz sampling + attribution + phases): ratio {st.mean(runs['default']) / base:.3f}")
 print(f"pg_stat_statements.track_planning = on (no pgscope):    ratio {st.mean(runs['track_planning']) / base:.3f}")
+print(f"--probes all under the default budget (2% of CPU):       ratio {st.mean(runs['budget']) / base:.3f}")
 print("function probes, every call measured (cost per call in situ = lost TPS share x CPU time / calls):")
 for p in probes:
     ratio = st.mean(runs[p]) / base

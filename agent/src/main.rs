@@ -75,11 +75,11 @@ struct TraceArgs {
     /// _bt_getroot. Each call costs a uprobe trap (1-3 µs): opt in for the functions you need.
     #[arg(long, value_delimiter = ',', value_name = "FUNCTIONS")]
     probes: Vec<String>,
-    /// Overhead budget of the probes, in percent of the instance's CPU time (e.g. 2), or
-    /// `none` to measure every call (the default). Under a budget the hot probes are attached
-    /// part of the time; their counts are then estimates, marked "est.", within about ±25% in
-    /// our measurements (the probes slow the workload while attached).
-    #[arg(long, default_value = "none", value_name = "PERCENT|none", value_parser = parse_budget)]
+    /// Overhead budget of the probes, in percent of the instance's CPU time, or `none` to
+    /// measure every call. Under a budget the hot probes are attached part of the time and
+    /// their counts are estimates, marked "est.": calls while attached, scaled by all the
+    /// statements the instance ran over those it ran while they were attached.
+    #[arg(long, default_value = "2", value_name = "PERCENT|none", value_parser = parse_budget)]
     probe_budget: Budget,
     /// Connection for reading query texts from pg_stat_statements at the end, libpq style
     /// (e.g. "host=/var/run/postgresql user=postgres dbname=postgres"). Default: the instance's

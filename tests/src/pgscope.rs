@@ -144,6 +144,12 @@ impl Trace {
         self.arg("--probes", functions)
     }
 
+    /// `--probe-budget <percent|none>`: `none` measures every call (exact counts); the
+    /// default budget duty-cycles hot probes and estimates their counts.
+    pub fn probe_budget(self, budget: &str) -> Self {
+        self.arg("--probe-budget", budget)
+    }
+
     /// `--queryid <queryid>`: keep only samples of that query.
     pub fn queryid(self, query_id: i64) -> Self {
         self.arg("--queryid", query_id.to_string())

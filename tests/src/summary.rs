@@ -88,6 +88,28 @@ impl TraceSummary {
         Ok(None)
     }
 
+    /// `probes[].attached_share` of `function`: the share of the trace it was attached.
+    pub fn attached_share(&self, function: &str) -> Result<f64> {
+        self.probe_field(function, "attached_share")?
+            .as_f64()
+            .with_context(|| format!("`attached_share` of {function} is not a number"))
+    }
+
+    /// `probes[].extrapolated` of `function`: whether its counts are estimates.
+    pub fn extrapolated(&self, function: &str) -> Result<bool> {
+        self.probe_field(function, "extrapolated")?
+            .as_bool()
+            .with_context(|| format!("`extrapolated` of {function} is not a boolean"))
+    }
+
+    fn probe_field(&self, function: &str, key: &str) -> Result<&Value> {
+        self.array("probes")?
+            .iter()
+            .find(|row| row.get("function").and_then(Value::as_str) == Some(function))
+            .and_then(|row| row.get(key))
+            .with_context(|| format!("no `{key}` of {function} in probes[]"))
+    }
+
     /// Every `probes[]` row as (function, stats).
     pub fn probes(&self) -> Result<Vec<(String, CallStats)>> {
         self.array("probes")?

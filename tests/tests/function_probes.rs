@@ -62,6 +62,7 @@ fn locks_per_execution(install: &PgInstall, partitions: u32) -> Result<f64> {
     let mut pgbench = cluster.spawn_pgbench(&["-n", "-S", "-M", "prepared", "-c", "1", "-T", "600"], 1)?;
     Trace::instance(cluster.data_dir())
         .probes("LockRelationOid,GetCachedPlan,PortalStart")
+        .probe_budget("none")
         .duration_secs(4)
         .json(&json)
         .output()?;
@@ -175,6 +176,7 @@ fn btree_root_descents_in_a_nested_loop() -> Result<()> {
     // Ended by SIGINT once the runs are done; the duration is only an upper bound.
     let trace = Trace::pid(connection.pid())
         .probes("_bt_getroot")
+        .probe_budget("none")
         .duration_secs(600)
         .json(&json)
         .spawn()?;
@@ -266,6 +268,7 @@ fn stacks_stay_complete_while_probes_fire() -> Result<()> {
     let mut pgbench = cluster.spawn_pgbench(&["-n", "-S", "-M", "prepared", "-c", "2", "-T", "600"], 2)?;
     let output = Trace::instance(cluster.data_dir())
         .probes("all")
+        .probe_budget("none")
         .duration_secs(5)
         .json(&json)
         .output()?;

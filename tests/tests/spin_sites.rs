@@ -44,6 +44,7 @@ fn call_sites_are_named_from_the_arguments() -> Result<()> {
     let json = dir.path().join("summary.json");
     let trace = Trace::pid(pid)
         .probes("s_lock")
+        .probe_budget("none")
         .duration_secs(600)
         .json(&json)
         .spawn()?;
@@ -83,6 +84,7 @@ fn contended_spinlocks_under_pgbench_are_source_locations() -> Result<()> {
     let json = dir.path().join("summary.json");
     let trace = Trace::instance(postmaster.to_string())
         .probes("s_lock")
+        .probe_budget("none")
         .duration_secs(600)
         .json(&json)
         .spawn()?;

@@ -114,6 +114,16 @@ impl OnCpuProbes {
             .with_context(|| format!("removing PID {tgid} from the target map"))
     }
 
+    /// Every process in the in-kernel filter: the traced backend, or an instance's postmaster
+    /// and every child followed so far.
+    pub fn target_pids(&self) -> Result<Vec<u32>> {
+        let targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(self.map("targets")?)?;
+        targets
+            .keys()
+            .collect::<Result<Vec<u32>, _>>()
+            .context("listing the target map")
+    }
+
     /// Tells the sampler where process `tgid` keeps its pg_stat_activity state.
     pub fn set_layout(&mut self, tgid: u32, layout: PgLayout) -> Result<()> {
         let map = self.map_mut("pg_layouts")?;

@@ -6,6 +6,21 @@ use std::os::unix::fs::FileExt;
 
 use anyhow::{bail, Context, Result};
 
+/// `buf.len()` bytes at `address` in process `pid`.
+fn read_exact(pid: u32, address: u64, buf: &mut [u8]) -> Result<()> {
+    let path = format!("/proc/{pid}/mem");
+    let mem = File::open(&path).with_context(|| format!("cannot open {path}"))?;
+    mem.read_exact_at(buf, address)
+        .with_context(|| format!("cannot read {} bytes of {path} at {address:#x}", buf.len()))
+}
+
+/// The native-endian `u64` (e.g. a pointer) at `address` in process `pid`.
+pub fn read_u64(pid: u32, address: u64) -> Result<u64> {
+    let mut bytes = [0u8; 8];
+    read_exact(pid, address, &mut bytes)?;
+    Ok(u64::from_ne_bytes(bytes))
+}
+
 /// The NUL-terminated string at `address` in process `pid`, at most `max_len` bytes long.
 /// Invalid UTF-8 is replaced rather than refused: the caller shows it to a person.
 pub fn read_c_string(pid: u32, address: u64, max_len: usize) -> Result<String> {
@@ -41,6 +56,17 @@ mod tests {
         let text = c"pgscope memory test";
         let read = read_c_string(std::process::id(), text.as_ptr() as u64, 256).expect("readable");
         assert_eq!(read, "pgscope memory test");
+    }
+
+    #[test]
+    fn reads_a_pointer_of_this_process() {
+        let value: u64 = 0x0123_4567_89ab_cdef;
+        let pid = std::process::id();
+        assert_eq!(
+            read_u64(pid, &value as *const u64 as u64).expect("readable"),
+            value
+        );
+        assert!(read_u64(pid, 8).is_err());
     }
 
     #[test]

@@ -22,6 +22,9 @@ pub type WaitEventDecoder = fn(u32) -> Option<(&'static str, std::borrow::Cow<'s
 #[derive(Debug)]
 pub struct VersionTable {
     pub major: u32,
+    /// `offsetof(PgBackendStatus, st_changecount)`: bumped by every write of the backend's
+    /// status (each statement's start and end), so its growth counts statements.
+    pub st_changecount_offset: u32,
     /// `offsetof(PgBackendStatus, st_state)`.
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.

@@ -4,8 +4,8 @@
 //! that their estimated cost, `hits/s × ns/hit`, fits what the budget leaves. One shared window
 //! keeps ratios between hot functions right (a probe attached makes the workload slower while it
 //! is, so probes measured in different windows would see different workloads). Counts measured
-//! while attached are scaled by `trace time / attached time` and marked as extrapolated; they
-//! are biased low by the probes' own overhead during the windows.
+//! while attached are scaled by the statements the instance ran over those it ran while the
+//! probe was attached (`statement_clock`), and marked as extrapolated.
 
 use std::time::Duration;
 

@@ -11,6 +11,7 @@ mod progress;
 mod queries;
 mod report;
 mod spin_sites;
+mod statement_clock;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -145,6 +146,15 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             ns_per_hit,
         )?
     };
+    if let Some((layout, table)) = &version_table {
+        probe_set.count_statements(
+            &probes,
+            statement_clock::CounterLayout {
+                my_be_entry: layout.my_be_entry,
+                st_changecount_offset: table.st_changecount_offset,
+            },
+        );
+    }
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -191,7 +201,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let elapsed = started.elapsed();
     // All probe counts are read at one instant, and attached time ends there: detaching takes a
     // kernel grace period per probe, during which functions detached later would count on.
-    probe_set.stop_clock();
+    probe_set.stop_clock(&probes);
     let counters = probes.counters()?;
     let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
     probe_set.detach_all(&mut probes)?;

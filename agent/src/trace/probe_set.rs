@@ -1,5 +1,6 @@
 //! The probed functions of a trace: found with the symbolizer, attached, and switched on and off
-//! by the shared duty cycle under `--probe-budget`.
+//! by the shared duty cycle under `--probe-budget`. Counts of duty-cycled probes are scaled by
+//! the statements the instance ran while they were attached (see `statement_clock`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use tracing::warn;
 
 use super::duty::{plan_shared_duty, DutyCycle};
 use super::probes::Extrapolation;
+use super::statement_clock::{CounterLayout, StatementClock};
 use crate::bpf::abi::Function;
 use crate::bpf::{FunctionLinks, OnCpuProbes};
 
@@ -55,6 +57,8 @@ struct ActiveProbe {
     /// Hits and attached time since the last re-plan: the hit rate while attached.
     hits_window: u64,
     attached_window: Duration,
+    /// Statements the instance ran while this probe was attached.
+    statements_attached: u64,
 }
 
 /// The probed functions of a trace and their duty cycle.
@@ -69,6 +73,11 @@ pub struct ProbeSet {
     /// Hit counters and time of the last live-view line.
     live_hits: [u64; Function::ALL.len()],
     live_since: Option<Instant>,
+    /// The instance's statement count, read at every switch; None without attribution.
+    statements: Option<StatementClock>,
+    statements_total: u64,
+    /// Set once the counts are read: nothing is accounted after.
+    stopped: bool,
 }
 
 /// How often the duty cycle is re-planned from the measured hit rates.
@@ -95,6 +104,9 @@ impl ProbeSet {
             since_plan: Duration::ZERO,
             live_hits: [0; Function::ALL.len()],
             live_since: None,
+            statements: None,
+            statements_total: 0,
+            stopped: false,
         };
         if functions.is_empty() {
             return Ok(set);
@@ -131,6 +143,7 @@ impl ProbeSet {
                     attached_since: Some(Instant::now()),
                     hits_window: 0,
                     attached_window: Duration::ZERO,
+                    statements_attached: 0,
                 }),
                 Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
@@ -138,9 +151,41 @@ impl ProbeSet {
         Ok(set)
     }
 
+    /// Counts statements from now on (at every switch of the duty cycle), so that duty-cycled
+    /// counts are scaled by statements rather than time. Without it they are scaled by time.
+    pub fn count_statements(&mut self, probes: &OnCpuProbes, layout: CounterLayout) {
+        if self.probes.is_empty() {
+            return;
+        }
+        self.statements = Some(StatementClock::new(layout));
+        self.account_statements(probes);
+    }
+
+    /// Credits the statements run since the last call to every probe attached meanwhile.
+    /// Called before each switch, so each interval had one attach state.
+    fn account_statements(&mut self, probes: &OnCpuProbes) {
+        let Some(clock) = self.statements.as_mut() else {
+            return;
+        };
+        let pids = probes.target_pids().unwrap_or_else(|error| {
+            warn!("cannot list the traced processes to count statements: {error:#}");
+            Vec::new()
+        });
+        let progress = clock.advance(&pids);
+        self.statements_total += progress;
+        for probe in self.probes.iter_mut().filter(|p| p.links.is_some()) {
+            probe.statements_attached += progress;
+        }
+    }
+
     /// Ends every probe's attached time now: call when the maps are read, before detaching,
     /// so that all functions' counts cover the same period.
-    pub fn stop_clock(&mut self) {
+    pub fn stop_clock(&mut self, probes: &OnCpuProbes) {
+        if self.stopped {
+            return;
+        }
+        self.account_statements(probes);
+        self.stopped = true;
         let now = Instant::now();
         for probe in &mut self.probes {
             if let Some(since) = probe.attached_since.take() {
@@ -151,7 +196,7 @@ impl ProbeSet {
 
     /// Detaches every probe (the end of the trace; their maps stay readable).
     pub fn detach_all(&mut self, probes: &mut OnCpuProbes) -> Result<()> {
-        self.stop_clock();
+        self.stop_clock(probes);
         for probe in &mut self.probes {
             if let Some(links) = probe.links.take() {
                 probes.detach_function(links)?;
@@ -218,32 +263,46 @@ impl ProbeSet {
             self.replan(fraction * instance_cpu_ns_per_s);
         }
 
+        // Every tick, so that a new backend's statements count from its first tick on.
+        if self.budget.is_some() {
+            self.account_statements(probes);
+        }
         self.cycle.advance(elapsed);
-        for probe in &mut self.probes {
+        let window_open = self.cycle.is_attached();
+        for index in 0..self.probes.len() {
             // Hot probes follow the shared window; the others stay attached.
-            let want = !probe.cycled || self.cycle.is_attached();
-            let result = match (want, probe.links.take()) {
-                (false, Some(links)) => {
+            let want = !self.probes[index].cycled || window_open;
+            if want == self.probes[index].links.is_some() {
+                continue;
+            }
+            // Statements are credited to a probe only between its own attach completing and
+            // its detach starting: switching one probe takes a kernel grace period, during
+            // which the others are still in their previous state.
+            self.account_statements(probes);
+            let probe = &mut self.probes[index];
+            let result = match probe.links.take() {
+                Some(links) => {
                     if let Some(since) = probe.attached_since.take() {
                         probe.attached_total += since.elapsed();
                     }
                     probes.detach_function(links)
                 }
-                (true, None) => probes
-                    .attach_function(probe.function, &probe.path, probe.file_offset)
-                    .map(|links| {
+                None => match probes.attach_function(probe.function, &probe.path, probe.file_offset) {
+                    Ok(links) => {
+                        // The attach itself counts as detached time.
+                        self.account_statements(probes);
+                        let probe = &mut self.probes[index];
                         probe.links = Some(links);
                         probe.attached_since = Some(Instant::now());
-                    }),
-                (_, links) => {
-                    probe.links = links;
-                    Ok(())
-                }
+                        Ok(())
+                    }
+                    Err(error) => Err(error),
+                },
             };
             if let Err(error) = result {
                 warn!(
                     "cannot switch probe {} on or off: {error:#}",
-                    probe.function.name()
+                    self.probes[index].function.name()
                 );
             }
         }
@@ -272,14 +331,26 @@ impl ProbeSet {
     }
 
     /// Per function: the factor from measured to estimated counts, whether that is an
-    /// extrapolation, and the share of the trace the probe was attached.
+    /// extrapolation, and the share of the trace the probe was attached. The factor is all
+    /// statements over statements while attached when statements were counted, else trace
+    /// time over attached time.
     pub fn extrapolations(&self, trace: Duration) -> BTreeMap<Function, Extrapolation> {
         self.probes
             .iter()
             .map(|p| {
+                tracing::debug!(
+                    function = p.function.name(),
+                    statements_attached = p.statements_attached,
+                    statements_total = self.statements_total,
+                    attached = ?p.attached_total,
+                    ?trace,
+                    "probe extrapolation"
+                );
                 let attached = p.attached_total.as_secs_f64();
                 let total = trace.as_secs_f64().max(1e-9);
-                let factor = if attached > 0.0 {
+                let factor = if p.statements_attached > 0 {
+                    (self.statements_total as f64 / p.statements_attached as f64).max(1.0)
+                } else if attached > 0.0 {
                     (total / attached).max(1.0)
                 } else {
                     1.0

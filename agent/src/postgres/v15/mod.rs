@@ -9,6 +9,7 @@ use super::VersionTable;
 
 pub static TABLE: VersionTable = VersionTable {
     major: 15,
+    st_changecount_offset: 0,
     st_state_offset: 232,
     st_query_id_offset: 424,
     backend_type_name: names::backend_type,
@@ -37,7 +38,8 @@ mod tests {
 
 int main(void)
 {
-    printf("%zu %zu\n", offsetof(PgBackendStatus, st_state), offsetof(PgBackendStatus, st_query_id));
+    printf("%zu %zu %zu\n", offsetof(PgBackendStatus, st_changecount), offsetof(PgBackendStatus, st_state),
+           offsetof(PgBackendStatus, st_query_id));
     return 0;
 }
 "#;
@@ -98,8 +100,13 @@ int main(void)
             .collect();
         assert_eq!(
             offsets,
-            [TABLE.st_state_offset, TABLE.st_query_id_offset],
-            "offsetof(PgBackendStatus, st_state / st_query_id) in the server headers vs. v15::TABLE"
+            [
+                TABLE.st_changecount_offset,
+                TABLE.st_state_offset,
+                TABLE.st_query_id_offset
+            ],
+            "offsetof(PgBackendStatus, st_changecount / st_state / st_query_id) in the server headers \
+             vs. v15::TABLE"
         );
     }
 }
