@@ -3,6 +3,7 @@
 //! majors lives in one module per major (`v15`); this module picks one or refuses.
 
 pub mod attribution;
+pub mod pgss_hooks;
 pub mod phase;
 pub mod sql;
 pub mod v15;
