@@ -213,6 +213,31 @@ impl ElfData {
         Some(map_start.wrapping_sub(svma_at_start))
     }
 
+    /// The executable load segment whose file bytes hold `svma`.
+    fn exec_segment(&self, svma: u64) -> Option<&Segment> {
+        self.segments
+            .iter()
+            .find(|s| s.exec && svma >= s.vaddr && svma - s.vaddr < s.filesz)
+    }
+
+    /// Offset in the file of the code at `svma`: what a uprobe attaches to.
+    pub fn code_file_offset(&self, svma: u64) -> Option<u64> {
+        let segment = self.exec_segment(svma)?;
+        Some(svma - segment.vaddr + segment.offset)
+    }
+
+    /// The file bytes of the code at `svma`, when all of it lies in one executable segment.
+    pub fn code_bytes(&self, svma: &Range<u64>) -> Option<&[u8]> {
+        let segment = self.exec_segment(svma.start)?;
+        let end_in_segment = svma.end.checked_sub(segment.vaddr)?;
+        if svma.end < svma.start || end_in_segment > segment.filesz {
+            return None;
+        }
+        let start = usize::try_from(self.code_file_offset(svma.start)?).ok()?;
+        let len = usize::try_from(svma.end - svma.start).ok()?;
+        self.data().get(start..start.checked_add(len)?)
+    }
+
     /// Hex build-id, for display.
     pub fn build_id_hex(&self) -> Option<String> {
         self.build_id.as_deref().map(hex)

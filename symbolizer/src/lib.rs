@@ -48,6 +48,7 @@
 //! read then); [`Symbolizer::unwind_as`] covers short-lived forked children.
 
 mod cache;
+mod callees;
 mod debuginfo;
 mod elf;
 mod error;
@@ -68,6 +69,7 @@ use std::time::Duration;
 
 use framehop::x86_64::CacheX86_64;
 
+pub use callees::{Callees, CalleesError};
 pub use error::Error;
 pub use globals::executable_globals;
 pub use kernel::KernelSymbols;
@@ -347,11 +349,58 @@ impl Symbolizer {
                 path: data.path.clone(),
                 function: function.to_string(),
             })?;
-        let relative = data.path.strip_prefix("/").unwrap_or(&data.path);
         Ok(FunctionLocation {
-            path: PathBuf::from(format!("/proc/{pid}/root")).join(relative),
+            path: path_in_process(pid, &data.path),
             file_offset,
             debug_file: data.summary().debug_file,
+        })
+    }
+
+    /// The functions that the function containing `addr` calls directly, read from its machine
+    /// code; `addr` is an address in process `pid`, such as a function pointer read from its
+    /// memory. The function's extent comes from its `.eh_frame` FDE, so this needs no symbol
+    /// and works on stripped files.
+    pub fn direct_callees(&mut self, pid: u32, addr: u64) -> Result<Callees, CalleesError> {
+        if !self.ensure_process(pid) {
+            return Err(CalleesError::NoProcess { pid });
+        }
+        let state = self.processes.get(&pid).ok_or(CalleesError::NoProcess { pid })?;
+        let no_file = || CalleesError::NoFile { pid, addr };
+        let placed = state.module_for(addr).ok_or_else(no_file)?;
+        // The path this process maps the file at: a module is shared by build-id with other
+        // processes, whose path may be another container's.
+        let mapped_path = state
+            .mapping_for(addr)
+            .and_then(MapEntry::file_path)
+            .ok_or_else(no_file)?;
+        let data = &placed.module;
+        let elf = data.elf.as_ref().ok_or_else(|| CalleesError::Unreadable {
+            path: data.path.clone(),
+        })?;
+        let svma = addr.wrapping_sub(placed.bias);
+        let function = data
+            .functions()
+            .lookup(svma)
+            .ok_or_else(|| CalleesError::NoExtent {
+                path: data.path.clone(),
+                svma,
+            })?;
+        let targets = callees::in_elf(elf, &function)?;
+        // Both lie in `.text`, inside an executable segment (checked when decoding).
+        let function_offset =
+            elf.code_file_offset(function.start)
+                .ok_or_else(|| CalleesError::CodeNotInFile {
+                    path: data.path.clone(),
+                    start: function.start,
+                    end: function.end,
+                })?;
+        Ok(Callees {
+            path: path_in_process(pid, mapped_path),
+            function_offset,
+            callees: targets
+                .into_iter()
+                .filter_map(|target| elf.code_file_offset(target))
+                .collect(),
         })
     }
 
@@ -375,6 +424,13 @@ const _: () = {
     assert_send::<Symbolizer>();
     assert_send::<KernelSymbols>();
 };
+
+/// `path` (as process `pid` sees it) reached through `/proc/PID/root`, so that files of other
+/// mount namespaces (containers) are reached.
+fn path_in_process(pid: u32, path: &Path) -> PathBuf {
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    PathBuf::from(format!("/proc/{pid}/root")).join(relative)
+}
 
 fn live_source(pid: u32) -> FileSource {
     FileSource {

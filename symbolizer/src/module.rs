@@ -146,11 +146,7 @@ impl ModuleData {
     /// uprobe attaches to.
     pub fn function_file_offset(&self, name: &str) -> Option<u64> {
         let svma = self.symbols().address_of(name)?;
-        let elf = self.elf.as_ref()?;
-        elf.segments
-            .iter()
-            .find(|s| s.exec && s.vaddr <= svma && svma < s.vaddr + s.filesz)
-            .map(|s| svma - s.vaddr + s.offset)
+        self.elf.as_ref()?.code_file_offset(svma)
     }
 
     /// The name of the function containing `svma` (see the crate docs for the rules).

@@ -1,29 +1,47 @@
-//! `--probes pgss_store`: pg_stat_statements' static store function, found through separate
-//! debug files (the no-frame-pointer source build ships its libraries stripped, with a
-//! build-id debug tree), counted per kind: one `exec` store per executed statement, plus one
-//! `plan` store when `pg_stat_statements.track_planning` is on.
+//! `--probes pgss_store`: pg_stat_statements' static store function, counted per kind: one
+//! `exec` store per executed statement, plus one `plan` store when
+//! `pg_stat_statements.track_planning` is on. It is found by name through a debug file when
+//! one is found (the no-frame-pointer source build has a build-id debug tree), else through
+//! pg_stat_statements' hook functions (the distro build ships the library stripped, with no
+//! debug file).
 
-use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use object::{Object, ObjectSection, ObjectSymbol};
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
 
 /// Statements executed while traced.
 const STATEMENTS: u64 = 60;
 
-fn stores_per_kind(track_planning: &str) -> Result<(u64, u64)> {
-    let install = PgInstall::no_frame_pointers()?;
-    let cluster = PgCluster::start_with_pg_stat_statements(
-        &install,
-        &[("pg_stat_statements.track_planning", track_planning)],
-    )?;
+/// What pgscope says when it found pgss_store through the hook functions.
+const FOUND_THROUGH_HOOKS: &str = "pgscope: pgss_store found through pg_stat_statements' hook functions";
+
+/// What a trace of [`STATEMENTS`] statements in one backend counted and printed.
+struct Traced {
+    exec: u64,
+    plan: u64,
+    portal_start: Option<u64>,
+    stderr: String,
+    /// The backend's pg_stat_statements.so, as it maps it.
+    library: PathBuf,
+}
+
+/// Traces one backend of `cluster` with `probes` (and `--debug-dir` when given) while it runs
+/// [`STATEMENTS`] statements.
+fn trace_statements(cluster: &PgCluster, probes: &str, debug_dir: Option<&Path>) -> Result<Traced> {
     let mut connection = cluster.connect()?;
     // Warm this backend's catalog caches outside the trace.
     connection.query("SELECT 1")?;
+    let library = mapped_library(connection.pid(), "pg_stat_statements.so")?;
 
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
+    // Every call measured: the counts are compared exactly.
     let trace = Trace::pid(connection.pid())
-        .probes("pgss_store")
-        .debug_dir(install.debug_dir.as_deref())
+        .probes(probes)
+        .probe_budget("none")
+        .debug_dir(debug_dir)
         .duration_secs(600)
         .json(&json)
         .spawn()?;
@@ -33,73 +51,189 @@ fn stores_per_kind(track_planning: &str) -> Result<(u64, u64)> {
     }
     let output = trace.interrupt()?;
     ensure!(
-        !output.stderr.contains("probe pgss_store not attached"),
-        "pgss_store did not attach on the build with debug files:\n{}",
+        !output.stderr.contains("not attached"),
+        "a probe did not attach:\n{}",
         output.stderr
     );
     connection.close()?;
 
     let summary = TraceSummary::read(&json)?;
-    let calls = |kind: &str| -> Result<u64> {
-        Ok(summary
-            .probe(&format!("pgss_store({kind})"))?
-            .map_or(0, |stats| stats.calls))
+    let calls = |function: &str| -> Result<Option<u64>> { Ok(summary.probe(function)?.map(|s| s.calls)) };
+    let traced = Traced {
+        exec: calls("pgss_store(exec)")?.unwrap_or(0),
+        plan: calls("pgss_store(plan)")?.unwrap_or(0),
+        portal_start: calls("PortalStart")?,
+        stderr: output.stderr,
+        library,
     };
-    let (exec, plan) = (calls("exec")?, calls("plan")?);
-    eprintln!("track_planning={track_planning}: pgss_store(exec) {exec}, pgss_store(plan) {plan} for {STATEMENTS} statements");
-    Ok((exec, plan))
+    eprintln!(
+        "{}: pgss_store(exec) {}, pgss_store(plan) {}, PortalStart {:?} for {STATEMENTS} statements",
+        cluster.install().label,
+        traced.exec,
+        traced.plan,
+        traced.portal_start
+    );
+    Ok(traced)
+}
+
+/// The file `basename` as process `pid` maps it.
+fn mapped_library(pid: u32, basename: &str) -> Result<PathBuf> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .with_context(|| format!("cannot read the maps of PID {pid}"))?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .map(PathBuf::from)
+        .find(|path| path.file_name().is_some_and(|name| name == basename))
+        .with_context(|| format!("PID {pid} maps no {basename}"))
+}
+
+/// The file offset pgscope printed when it found pgss_store through the hook functions.
+fn offset_found_through_hooks(stderr: &str) -> Result<u64> {
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with(FOUND_THROUGH_HOOKS))
+        .with_context(|| format!("pgscope did not say it found pgss_store through the hooks:\n{stderr}"))?;
+    let hex = line
+        .split("at file offset 0x")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .with_context(|| format!("no file offset in `{line}`"))?;
+    u64::from_str_radix(hex, 16).with_context(|| format!("bad file offset in `{line}`"))
+}
+
+/// The file offset of `pgss_store` in `library`, by name, from its debug file in the build-id
+/// tree `debug_dir`: what a uprobe by name attaches to.
+fn offset_by_name(library: &Path, debug_dir: &Path) -> Result<u64> {
+    let bytes = std::fs::read(library).with_context(|| format!("cannot read `{}`", library.display()))?;
+    let file =
+        object::File::parse(&*bytes).with_context(|| format!("cannot parse `{}`", library.display()))?;
+    let id = file
+        .build_id()?
+        .with_context(|| format!("`{}` has no build-id", library.display()))?;
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let debug_path = debug_dir
+        .join(".build-id")
+        .join(&hex[..2])
+        .join(format!("{}.debug", &hex[2..]));
+    let debug_bytes =
+        std::fs::read(&debug_path).with_context(|| format!("cannot read `{}`", debug_path.display()))?;
+    let debug = object::File::parse(&*debug_bytes)
+        .with_context(|| format!("cannot parse `{}`", debug_path.display()))?;
+    let svma = debug
+        .symbols()
+        .find(|s| s.name() == Ok("pgss_store"))
+        .with_context(|| format!("`{}` has no symbol pgss_store", debug_path.display()))?
+        .address();
+    let text = file
+        .section_by_name(".text")
+        .with_context(|| format!("`{}` has no .text", library.display()))?;
+    let (text_offset, _) = text.file_range().context(".text has no file bytes")?;
+    if !(text.address()..text.address() + text.size()).contains(&svma) {
+        bail!(
+            "pgss_store at {svma:#x} is outside .text of `{}`",
+            library.display()
+        );
+    }
+    Ok(svma - text.address() + text_offset)
 }
 
 #[test]
 fn one_exec_store_per_statement_and_a_plan_store_with_track_planning() -> Result<()> {
     require_root_and_bpf();
-    let (exec, plan) = stores_per_kind("off").context("track_planning = off")?;
-    ensure!(
-        exec == STATEMENTS,
-        "pgss_store(exec) counted {exec} times for {STATEMENTS} statements"
-    );
-    ensure!(
-        plan == 0,
-        "pgss_store(plan) counted {plan} times with track_planning off"
-    );
+    let install = PgInstall::no_frame_pointers()?;
+    for (track_planning, plans) in [("off", 0), ("on", STATEMENTS)] {
+        let cluster = PgCluster::start_with_pg_stat_statements(
+            &install,
+            &[("pg_stat_statements.track_planning", track_planning)],
+        )?;
+        let traced = trace_statements(&cluster, "pgss_store", install.debug_dir.as_deref())
+            .with_context(|| format!("track_planning = {track_planning}"))?;
+        ensure!(
+            !traced.stderr.contains(FOUND_THROUGH_HOOKS),
+            "with --debug-dir pgss_store must be found by name, not through the hooks:\n{}",
+            traced.stderr
+        );
+        ensure!(
+            traced.exec == STATEMENTS,
+            "track_planning = {track_planning}: pgss_store(exec) counted {} times for {STATEMENTS} statements",
+            traced.exec
+        );
+        ensure!(
+            traced.plan == plans,
+            "track_planning = {track_planning}: pgss_store(plan) counted {} times, expected {plans}",
+            traced.plan
+        );
+    }
+    Ok(())
+}
 
-    let (exec, plan) = stores_per_kind("on").context("track_planning = on")?;
+/// On the source build, without `--debug-dir` (its debug files lie in a tree pgscope does not
+/// search by itself), pgss_store is found through the hook functions, at exactly the offset its
+/// debug file names.
+#[test]
+fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::no_frame_pointers()?;
+    let debug_dir = install
+        .debug_dir
+        .as_deref()
+        .context("the nofp build has a debug tree")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
+    let traced = trace_statements(&cluster, "pgss_store", None)?;
+    let through_hooks = offset_found_through_hooks(&traced.stderr)?;
+    let by_name = offset_by_name(&traced.library, debug_dir)?;
+    eprintln!("pgss_store: file offset {through_hooks:#x} through the hooks, {by_name:#x} by name");
     ensure!(
-        exec == STATEMENTS,
-        "pgss_store(exec) counted {exec} times for {STATEMENTS} statements"
+        through_hooks == by_name,
+        "the hooks led to {through_hooks:#x}, the debug file names pgss_store at {by_name:#x}"
     );
     ensure!(
-        plan == STATEMENTS,
-        "pgss_store(plan) counted {plan} times for {STATEMENTS} planned statements"
+        traced.exec == STATEMENTS,
+        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
+        traced.exec
     );
     Ok(())
 }
 
 /// The distro build ships pg_stat_statements.so stripped and no debug file is installed here:
-/// the probe is refused with what to install, and the other probes still run.
+/// pgss_store is found through the hook functions and counts like on the source build, next to
+/// another probe.
 #[test]
-fn distro_build_without_debug_file_says_what_to_install() -> Result<()> {
+fn distro_build_without_debug_file_finds_pgss_store_through_the_hooks() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    let session = cluster.spawn_session(pgscope_tests::workload::CPU_BOUND)?;
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    let output = Trace::pid(session.pid())
-        .probes("pgss_store,PortalStart")
-        .duration_secs(2)
-        .json(&json)
-        .output()?;
+    let traced = trace_statements(&cluster, "pgss_store,PortalStart", None)?;
+    offset_found_through_hooks(&traced.stderr)?;
     ensure!(
-        output.stderr.contains("probe pgss_store not attached")
-            && output.stderr.contains("dbgsym")
-            && output.stderr.contains("--debug-dir"),
-        "expected the message naming the debug package and --debug-dir:\n{}",
-        output.stderr
+        traced.exec == STATEMENTS,
+        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
+        traced.exec
     );
-    let summary = TraceSummary::read(&json)?;
     ensure!(
-        summary.probe("PortalStart")?.is_some(),
-        "the other probe was not attached"
+        traced.portal_start == Some(STATEMENTS),
+        "PortalStart counted {:?} times for {STATEMENTS} simple-protocol statements",
+        traced.portal_start
+    );
+    Ok(())
+}
+
+/// auto_explain, loaded after pg_stat_statements, chains its ExecutorEnd hook in front of
+/// pg_stat_statements': that hook variable points elsewhere and is skipped, the other three still
+/// single out pgss_store.
+#[test]
+fn a_hook_chained_in_front_by_another_extension_is_skipped() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &PgInstall::distro()?,
+        &[("shared_preload_libraries", "pg_stat_statements,auto_explain")],
+    )?;
+    mapped_library(cluster.postmaster_pid()?, "auto_explain.so")?;
+    let traced = trace_statements(&cluster, "pgss_store", None)?;
+    offset_found_through_hooks(&traced.stderr)?;
+    ensure!(
+        traced.exec == STATEMENTS,
+        "pgss_store(exec) counted {} times for {STATEMENTS} statements behind auto_explain",
+        traced.exec
     );
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 pub mod attribution;
 pub mod memory;
+pub mod pgss_hooks;
 pub mod phase;
 pub mod sql;
 pub mod v15;

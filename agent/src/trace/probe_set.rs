@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use symbolizer::{FindFunctionError, Symbolizer};
+use symbolizer::{FindFunctionError, FunctionLocation, Symbolizer};
 use tracing::warn;
 
 use super::duty::{plan_shared_duty, DutyCycle};
@@ -15,6 +15,7 @@ use super::probes::Extrapolation;
 use super::statement_clock::{CounterLayout, StatementClock};
 use crate::bpf::abi::Function;
 use crate::bpf::{FunctionLinks, OnCpuProbes};
+use crate::postgres::pgss_hooks;
 
 /// The file a function lives in: pg_stat_statements' functions in its library, the others in
 /// the postgres executable.
@@ -38,6 +39,41 @@ fn explain(function: Function, error: &FindFunctionError) -> String {
             path.display()
         ),
         (_, error) => error.to_string(),
+    }
+}
+
+/// Where `function` is in process `pid`, or why it cannot be probed (one sentence).
+fn locate(
+    symbolizer: &mut Symbolizer,
+    function: Function,
+    pid: u32,
+    executable: &str,
+) -> Result<FunctionLocation, String> {
+    let error = match symbolizer.find_function(pid, &module_of(function, executable), function.name()) {
+        Ok(location) => return Ok(location),
+        Err(error) => error,
+    };
+    // Stripped and no debug file: pgss_store is still the one function all of
+    // pg_stat_statements' hook functions call.
+    if !matches!(
+        (function, &error),
+        (Function::PgssStore, FindFunctionError::NoSymbol { .. })
+    ) {
+        return Err(explain(function, &error));
+    }
+    match pgss_hooks::find_pgss_store(symbolizer, pid) {
+        Ok(location) => {
+            eprintln!(
+                "pgscope: pgss_store found through pg_stat_statements' hook functions at file offset {:#x} \
+                 of pg_stat_statements.so (no debug file needed)",
+                location.file_offset
+            );
+            Ok(location)
+        }
+        Err(hooks_error) => Err(format!(
+            "{}; nor could it be found through pg_stat_statements' hook functions: {hooks_error:#}",
+            explain(function, &error)
+        )),
     }
 }
 
@@ -86,7 +122,8 @@ const REPLAN_EVERY: Duration = Duration::from_secs(1);
 impl ProbeSet {
     /// Attaches what can be attached and says, per function, what could not and why; the
     /// trace goes on with the others. Functions are found with the symbolizer's symbol tables,
-    /// so static functions of stripped files count when their debug file is installed.
+    /// so static functions of stripped files count when their debug file is installed;
+    /// `pgss_store` without one is found through pg_stat_statements' hook functions.
     pub fn attach(
         probes: &mut OnCpuProbes,
         symbolizer: &mut Symbolizer,
@@ -120,18 +157,13 @@ impl ProbeSet {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         for &function in functions {
-            let location =
-                match symbolizer.find_function(pid, &module_of(function, &executable), function.name()) {
-                    Ok(location) => location,
-                    Err(error) => {
-                        eprintln!(
-                            "pgscope: probe {} not attached: {}",
-                            function.name(),
-                            explain(function, &error)
-                        );
-                        continue;
-                    }
-                };
+            let location = match locate(symbolizer, function, pid, &executable) {
+                Ok(location) => location,
+                Err(reason) => {
+                    eprintln!("pgscope: probe {} not attached: {reason}", function.name());
+                    continue;
+                }
+            };
             match probes.attach_function(function, &location.path, location.file_offset) {
                 Ok(links) => set.probes.push(ActiveProbe {
                     function,
