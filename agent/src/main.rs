@@ -75,6 +75,11 @@ struct TraceArgs {
     /// _bt_getroot. Each call costs a uprobe trap (1-3 µs): opt in for the functions you need.
     #[arg(long, value_delimiter = ',', value_name = "FUNCTIONS")]
     probes: Vec<String>,
+    /// Probe a function at a location you give, in files where pgscope cannot find its name
+    /// (e.g. pgss_store=/usr/lib/postgresql/15/lib/pg_stat_statements.so:0x4d80, the offset
+    /// of its first instruction in the file). Repeatable; implies --probes for it.
+    #[arg(long = "probe", value_name = "FUNCTION=PATH:OFFSET", value_parser = parse_explicit_probe)]
+    explicit_probes: Vec<trace::ExplicitProbe>,
     /// Overhead budget of the probes, in percent of the instance's CPU time, or `none` to
     /// measure every call. Under a budget the hot probes are attached part of the time and
     /// their counts are estimates, marked "est.": calls while attached, scaled by all the
@@ -89,6 +94,10 @@ struct TraceArgs {
     /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).
     #[arg(long = "queryid", value_name = "QUERYID", allow_negative_numbers = true)]
     query_id: Option<i64>,
+}
+
+fn parse_explicit_probe(text: &str) -> Result<trace::ExplicitProbe, String> {
+    trace::parse_explicit_probe(text).map_err(|error| format!("{error:#}"))
 }
 
 /// `--probe-budget`: a fraction of the instance's CPU, or no budget.
@@ -143,6 +152,7 @@ fn main() -> ExitCode {
                     query_id: args.query_id,
                     json: args.json,
                     probes: args.probes,
+                    explicit_probes: args.explicit_probes,
                     probe_budget: args.probe_budget.0,
                     conninfo: args.conninfo,
                 })

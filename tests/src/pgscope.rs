@@ -144,6 +144,11 @@ impl Trace {
         self.arg("--probes", functions)
     }
 
+    /// `--probe FUNCTION=PATH:OFFSET`: probe a function at a location given by hand.
+    pub fn explicit_probe(self, spec: &str) -> Self {
+        self.arg("--probe", spec)
+    }
+
     /// `--probe-budget <percent|none>`: `none` measures every call (exact counts); the
     /// default budget duty-cycles hot probes and estimates their counts.
     pub fn probe_budget(self, budget: &str) -> Self {

@@ -30,6 +30,11 @@ struct Traced {
 /// Traces one backend of `cluster` with `probes` (and `--debug-dir` when given) while it runs
 /// [`STATEMENTS`] statements.
 fn trace_statements(cluster: &PgCluster, probes: &str, debug_dir: Option<&Path>) -> Result<Traced> {
+    trace_statements_with(cluster, |trace| trace.probes(probes).debug_dir(debug_dir))
+}
+
+/// Like [`trace_statements`], with the probe arguments `probe_args` adds.
+fn trace_statements_with(cluster: &PgCluster, probe_args: impl FnOnce(Trace) -> Trace) -> Result<Traced> {
     let mut connection = cluster.connect()?;
     // Warm this backend's catalog caches outside the trace.
     connection.query("SELECT 1")?;
@@ -38,10 +43,8 @@ fn trace_statements(cluster: &PgCluster, probes: &str, debug_dir: Option<&Path>)
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
     // Every call measured: the counts are compared exactly.
-    let trace = Trace::pid(connection.pid())
-        .probes(probes)
+    let trace = probe_args(Trace::pid(connection.pid()))
         .probe_budget("none")
-        .debug_dir(debug_dir)
         .duration_secs(600)
         .json(&json)
         .spawn()?;
@@ -191,6 +194,51 @@ fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
         traced.exec == STATEMENTS,
         "pgss_store(exec) counted {} times for {STATEMENTS} statements",
         traced.exec
+    );
+    Ok(())
+}
+
+/// `--probe pgss_store=PATH:OFFSET` attaches where it is told, before any lookup: on the source
+/// build without `--debug-dir`, at the offset its debug file names, it counts like by name.
+#[test]
+fn an_explicit_location_is_used_as_given() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::no_frame_pointers()?;
+    let debug_dir = install
+        .debug_dir
+        .as_deref()
+        .context("the nofp build has a debug tree")?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
+    let library = mapped_library(cluster.postmaster_pid()?, "pg_stat_statements.so")?;
+    let spec = format!(
+        "pgss_store={}:{:#x}",
+        library.display(),
+        offset_by_name(&library, debug_dir)?
+    );
+    let traced = trace_statements_with(&cluster, |trace| trace.explicit_probe(&spec))?;
+    ensure!(
+        !traced.stderr.contains(FOUND_THROUGH_HOOKS),
+        "--probe {spec} was not used as given:
+{}",
+        traced.stderr
+    );
+    ensure!(
+        traced.exec == STATEMENTS,
+        "--probe {spec}: pgss_store(exec) counted {} times for {STATEMENTS} statements",
+        traced.exec
+    );
+
+    // A file the backend does not map: refused with the reason, the trace goes on.
+    let stranger = install.bin("psql");
+    let output = Trace::pid(cluster.postmaster_pid()?)
+        .explicit_probe(&format!("pgss_store={}:0x10", stranger.display()))
+        .duration_secs(1)
+        .output()?;
+    ensure!(
+        output.stderr.contains("probe pgss_store not attached") && output.stderr.contains("does not map"),
+        "a location in a file the process does not map was not refused clearly:
+{}",
+        output.stderr
     );
     Ok(())
 }

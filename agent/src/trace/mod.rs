@@ -31,6 +31,7 @@ use crate::postgres::{self, attribution::Attribution, sql, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
 use probe_set::ProbeSet;
+pub use probes::{parse_explicit_probe, ExplicitProbe};
 use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions, UserRegs};
 
 /// Options of one trace session (parsed from the command line in `main.rs`).
@@ -49,6 +50,8 @@ pub struct TraceOptions {
     pub json: Option<PathBuf>,
     /// `--probes` items as given (function names or `all`).
     pub probes: Vec<String>,
+    /// `--probe FUNCTION=PATH:OFFSET`: functions at locations the user gives.
+    pub explicit_probes: Vec<ExplicitProbe>,
     /// Budget of the probes as a fraction of the instance's CPU; None: no duty cycling.
     pub probe_budget: Option<f64>,
     /// `--conninfo`: how to reach the instance for query texts.
@@ -102,6 +105,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         debug_dirs: options.debug_dirs.clone(),
     });
     let mut functions = probes::parse_probe_list(&options.probes)?;
+    functions.extend(options.explicit_probes.iter().map(|p| p.function));
+    functions.sort();
+    functions.dedup();
     if !functions.is_empty() {
         // Probes read arguments whose types and registers are checked per major (e.g.
         // pgss_store's queryid is int64 in 18, _bt_getroot gained an argument in 16).
@@ -117,7 +123,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         }
     }
     let mut probe_set = if functions.is_empty() {
-        ProbeSet::attach(&mut probes, &mut symbolizer, &[], layout_source, None, 0.0)?
+        ProbeSet::attach(&mut probes, &mut symbolizer, &[], &[], layout_source, None, 0.0)?
     } else {
         let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
             Ok(ns) => ns,
@@ -141,6 +147,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             &mut probes,
             &mut symbolizer,
             &functions,
+            &options.explicit_probes,
             layout_source,
             options.probe_budget,
             ns_per_hit,

@@ -11,7 +11,7 @@ use symbolizer::{FindFunctionError, FunctionLocation, Symbolizer};
 use tracing::warn;
 
 use super::duty::{plan_shared_duty, DutyCycle};
-use super::probes::Extrapolation;
+use super::probes::{ExplicitProbe, Extrapolation};
 use super::statement_clock::{CounterLayout, StatementClock};
 use crate::bpf::abi::Function;
 use crate::bpf::{FunctionLinks, OnCpuProbes};
@@ -42,13 +42,56 @@ fn explain(function: Function, error: &FindFunctionError) -> String {
     }
 }
 
+/// A location given with `--probe`: the file must exist, hold the offset, and be mapped by the
+/// traced process (a uprobe on a file it does not map would never fire).
+fn explicit_location(explicit: &ExplicitProbe, pid: u32) -> Result<FunctionLocation, String> {
+    let path = &explicit.path;
+    let size = std::fs::metadata(path)
+        .map_err(|error| format!("--probe names `{}`: {error}", path.display()))?
+        .len();
+    if explicit.file_offset >= size {
+        return Err(format!(
+            "--probe offset {:#x} is beyond the end of `{}` ({size} bytes)",
+            explicit.file_offset,
+            path.display()
+        ));
+    }
+    let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+    let maps =
+        symbolizer::read_maps(pid).map_err(|error| format!("reading the maps of PID {pid}: {error}"))?;
+    // The process may live in another mount namespace: compare through its root too.
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let maps_it = |m: &symbolizer::MapEntry| {
+        m.file_path().is_some_and(|mapped| {
+            mapped == canonical
+                || std::fs::canonicalize(root.join(mapped.strip_prefix("/").unwrap_or(mapped)))
+                    .is_ok_and(|seen| seen == canonical)
+        })
+    };
+    if !maps.iter().any(maps_it) {
+        return Err(format!(
+            "PID {pid} does not map `{}` (is it the file the instance loaded?)",
+            path.display()
+        ));
+    }
+    Ok(FunctionLocation {
+        path: path.clone(),
+        file_offset: explicit.file_offset,
+        debug_file: None,
+    })
+}
+
 /// Where `function` is in process `pid`, or why it cannot be probed (one sentence).
 fn locate(
     symbolizer: &mut Symbolizer,
     function: Function,
     pid: u32,
     executable: &str,
+    explicit: &[ExplicitProbe],
 ) -> Result<FunctionLocation, String> {
+    if let Some(given) = explicit.iter().find(|p| p.function == function) {
+        return explicit_location(given, pid);
+    }
     let error = match symbolizer.find_function(pid, &module_of(function, executable), function.name()) {
         Ok(location) => return Ok(location),
         Err(error) => error,
@@ -128,6 +171,7 @@ impl ProbeSet {
         probes: &mut OnCpuProbes,
         symbolizer: &mut Symbolizer,
         functions: &[Function],
+        explicit: &[ExplicitProbe],
         pid: u32,
         budget: Option<f64>,
         ns_per_hit: f64,
@@ -157,7 +201,7 @@ impl ProbeSet {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         for &function in functions {
-            let location = match locate(symbolizer, function, pid, &executable) {
+            let location = match locate(symbolizer, function, pid, &executable, explicit) {
                 Ok(location) => location,
                 Err(reason) => {
                     eprintln!("pgscope: probe {} not attached: {reason}", function.name());

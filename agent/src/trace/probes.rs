@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
 
 use super::probe_set::ProbeSet;
 use super::spin_sites::{self, SpinSite};
@@ -35,6 +37,42 @@ pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {
     functions.sort();
     functions.dedup();
     Ok(functions)
+}
+
+/// `--probe FUNCTION=PATH:OFFSET`: where a function is, given by the user (e.g. from `nm` on a
+/// debug file kept elsewhere, or a disassembly), for files pgscope cannot name it in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExplicitProbe {
+    pub function: Function,
+    pub path: PathBuf,
+    /// Offset of the function's first instruction in the file (not its virtual address).
+    pub file_offset: u64,
+}
+
+/// Parses `FUNCTION=PATH:OFFSET`; the offset is hexadecimal with `0x`, else decimal.
+pub fn parse_explicit_probe(text: &str) -> Result<ExplicitProbe> {
+    let (name, location) = text
+        .split_once('=')
+        .context("expected FUNCTION=PATH:OFFSET, e.g. pgss_store=/usr/lib/postgresql/15/lib/pg_stat_statements.so:0x4d80")?;
+    let [function] = parse_probe_list(&[name.to_string()])?[..] else {
+        bail!("`{name}` names more than one function; give one per --probe");
+    };
+    let (path, offset) = location
+        .rsplit_once(':')
+        .with_context(|| format!("`{location}` has no `:OFFSET`"))?;
+    let file_offset = match offset.strip_prefix("0x").or_else(|| offset.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => offset.parse(),
+    }
+    .with_context(|| format!("`{offset}` is not a file offset (hexadecimal with 0x, or decimal)"))?;
+    if path.is_empty() {
+        bail!("`{text}` has an empty path");
+    }
+    Ok(ExplicitProbe {
+        function,
+        path: PathBuf::from(path),
+        file_offset,
+    })
 }
 
 /// How a function's measured counts relate to the whole trace.
@@ -291,6 +329,36 @@ mod tests {
         );
         let err = parse_probe_list(&["LockRelation".into()]).expect_err("unknown");
         assert!(err.to_string().contains("LockRelationOid"), "{err}");
+    }
+
+    #[test]
+    fn explicit_probes_name_a_function_a_file_and_an_offset() {
+        let probe =
+            parse_explicit_probe("pgss_store=/usr/lib/x:y/pg_stat_statements.so:0x4d80").expect("valid");
+        assert_eq!(
+            probe,
+            ExplicitProbe {
+                function: Function::PgssStore,
+                path: PathBuf::from("/usr/lib/x:y/pg_stat_statements.so"),
+                file_offset: 0x4d80
+            }
+        );
+        assert_eq!(
+            parse_explicit_probe("s_lock=/bin/postgres:4096")
+                .expect("valid")
+                .file_offset,
+            4096
+        );
+        for bad in [
+            "pgss_store",
+            "pgss_store=/x.so",
+            "pgss_store=/x.so:zz",
+            "all=/x.so:0x10",
+            "nosuch=/x.so:0x10",
+            "pgss_store=:0x10",
+        ] {
+            assert!(parse_explicit_probe(bad).is_err(), "{bad} accepted");
+        }
     }
 
     #[test]
