@@ -50,6 +50,15 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
+/* Off-CPU state per thread (see the off-CPU programs at the end). */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PGSCOPE_MAX_TARGETS);
+	__type(key, __u32); /* tid */
+	__type(value, struct pgscope_off_cpu_task);
+} off_cpu_tasks SEC(".maps");
+
 static __always_inline void count(__u32 counter)
 {
 	__u64 *value = bpf_map_lookup_elem(&counters, &counter);
@@ -132,7 +141,7 @@ static __always_inline long read_query_id(struct pgscope_pg_layout *layout, __u6
 /* Reads what pg_stat_activity shows for the sampled backend, from the backend's own memory.
  * Each read is one bpf_probe_read_user of a word: globals and the shared-memory status entry are
  * resident in any running backend. A fault leaves the field out (its flag unset) and is counted. */
-static __always_inline void read_attribution(struct pgscope_sample *s, __u32 tgid)
+static __always_inline void read_attribution(struct pgscope_attribution *s, __u32 tgid)
 {
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
 	__u32 flags = 0;
@@ -143,7 +152,8 @@ static __always_inline void read_attribution(struct pgscope_sample *s, __u32 tgi
 	s->backend_type = 0;
 	s->database_id = 0;
 	s->backend_state = 0;
-	s->attribution = 0;
+	s->flags = 0;
+	s->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
 	if (!layout)
 		return;
 
@@ -179,33 +189,19 @@ static __always_inline void read_attribution(struct pgscope_sample *s, __u32 tgi
 		else
 			faults++;
 	}
-	s->attribution = flags;
+	s->flags = flags;
 	if (faults)
 		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
 }
 
-SEC("perf_event")
-int on_cpu_sample(struct bpf_perf_event_data *ctx)
+/* Fills in the current task's identity, kernel stack, user registers and user stack copy, and
+ * sends the record. The attribution fields are the caller's. */
+static __always_inline void send_stacks(void *ctx, struct pgscope_sample *s, __u64 pid_tgid, bool kernel)
 {
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tgid = pid_tgid >> 32;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
-		return 0;
-	count(PGSCOPE_CNT_SAMPLES);
-
-	__u32 zero = 0;
-	struct pgscope_sample *s = bpf_map_lookup_elem(&scratch, &zero);
-	if (!s) {
-		count(PGSCOPE_CNT_NO_SCRATCH);
-		return 0;
-	}
-
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
 
-	s->tgid = tgid;
+	s->tgid = pid_tgid >> 32;
 	s->tid = (__u32)pid_tgid;
 	s->time_ns = bpf_ktime_get_ns();
 	s->cpu = bpf_get_smp_processor_id();
@@ -214,14 +210,15 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 	s->user_sp = BPF_CORE_READ(regs, sp);
 	s->user_bp = BPF_CORE_READ(regs, bp);
 
-	long kernel_bytes = bpf_get_stack(ctx, s->kernel_stack, sizeof(s->kernel_stack), 0);
-	if (kernel_bytes < 0) {
-		count(PGSCOPE_CNT_KERNEL_STACK_FAULT);
-		kernel_bytes = 0;
+	long kernel_bytes = 0;
+	if (kernel) {
+		kernel_bytes = bpf_get_stack(ctx, s->kernel_stack, sizeof(s->kernel_stack), 0);
+		if (kernel_bytes < 0) {
+			count(PGSCOPE_CNT_KERNEL_STACK_FAULT);
+			kernel_bytes = 0;
+		}
 	}
 	s->kernel_frames = kernel_bytes / 8;
-
-	read_attribution(s, tgid);
 
 	/* A thread trapped on a uprobe breakpoint is sampled with its ip one byte past the int3 at
 	 * the probed function's entry, where the unwind tables describe a prologue that has not run:
@@ -244,6 +241,30 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		count(PGSCOPE_CNT_RINGBUF_FULL);
 	else
 		count(PGSCOPE_CNT_SENT);
+}
+
+SEC("perf_event")
+int on_cpu_sample(struct bpf_perf_event_data *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		return 0;
+	count(PGSCOPE_CNT_SAMPLES);
+
+	__u32 zero = 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		return 0;
+	}
+
+	read_attribution(&s->attr, tgid);
+	s->off_cpu_ns = 0;
+	s->off_cpu_syscall = 0;
+	send_stacks(ctx, s, pid_tgid, true);
 	return 0;
 }
 
@@ -509,6 +530,8 @@ int on_process_exit(void *ctx)
 		__u64 key = (pid_tgid << 32) | function;
 		bpf_map_delete_elem(&calls_in_flight, &key);
 	}
+	__u32 tid = (__u32)pid_tgid;
+	bpf_map_delete_elem(&off_cpu_tasks, &tid);
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);
@@ -527,5 +550,202 @@ int empty_entry(struct pt_regs *ctx)
 SEC("uretprobe")
 int empty_return(struct pt_regs *ctx)
 {
+	return 0;
+}
+
+/*
+ * Off-CPU time of Postgres processes. When a target task is switched out (sched_switch runs in
+ * its context) the time, the reason and what pg_stat_activity shows — the wait event in force —
+ * are kept per task (not per CPU: it may resume elsewhere). When it is switched back in the
+ * blocked time is known: short waits, preemptions and idle client waits only add to exact
+ * per-(process, attribution) totals; a long wait in a blocking syscall is kept pending until
+ * the syscall returns (sys_exit runs in the task's context), where its user stack — unchanged
+ * since it blocked — is sent, weighted by the blocked nanoseconds. No kprobe is needed (not
+ * every kernel has them); the kernel side of the stack is the syscall.
+ */
+
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_off_cpu_key);
+	__type(value, struct pgscope_off_cpu_total);
+} off_cpu_totals SEC(".maps");
+
+/* Index 0: waits at least this long (ns) are sent with their stacks. Set by user space. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} off_cpu_config SEC(".maps");
+
+/* Its own record buffer: the on-CPU sampler's could be in use on this CPU. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pgscope_sample);
+} off_cpu_scratch SEC(".maps");
+
+/* Task states (include/linux/sched.h; #defines, so not in vmlinux.h). */
+#define TASK_RUNNING_STATE 0x0000
+#define TASK_UNINTERRUPTIBLE_STATE 0x0002
+#define TASK_DEAD_STATE 0x0080
+
+/* x86-64 syscall numbers that block for the reasons the classes name. */
+static __always_inline __u32 class_of_syscall(long nr, unsigned int state)
+{
+	switch (nr) {
+	case 202: /* futex */
+	case 449: /* futex_waitv */
+		return PGSCOPE_OFF_CPU_FUTEX;
+	case 7:	  /* poll */
+	case 23:  /* select */
+	case 232: /* epoll_wait */
+	case 270: /* pselect6 */
+	case 271: /* ppoll */
+	case 281: /* epoll_pwait */
+	case 441: /* epoll_pwait2 */
+		return PGSCOPE_OFF_CPU_LATCH;
+	case 0:	  /* read */
+	case 1:	  /* write */
+	case 17:  /* pread64 */
+	case 18:  /* pwrite64 */
+	case 19:  /* readv */
+	case 20:  /* writev */
+	case 74:  /* fsync */
+	case 75:  /* fdatasync */
+	case 277: /* sync_file_range */
+	case 295: /* preadv */
+	case 296: /* pwritev */
+	case 327: /* preadv2 */
+	case 328: /* pwritev2 */
+		return PGSCOPE_OFF_CPU_IO;
+	}
+	/* Uninterruptible sleep outside those (page faults on file mappings, …) is I/O too. */
+	return (state & TASK_UNINTERRUPTIBLE_STATE) ? PGSCOPE_OFF_CPU_IO : PGSCOPE_OFF_CPU_OTHER;
+}
+
+#define PG_WAIT_CLIENT_READ 0x06000000 /* WAIT_EVENT_CLIENT_READ, stable since PG 10 */
+#define PG_WAIT_CLASS_MASK 0xFF000000
+#define PG_WAIT_ACTIVITY 0x05000000    /* a background process idle in its main loop */
+#define PG_STATE_IDLE 1		       /* STATE_IDLE of BackendState */
+
+static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribution *attr, __u64 ns)
+{
+	struct pgscope_off_cpu_key key = {
+		.tgid = tgid,
+		.attr = *attr,
+	};
+	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&off_cpu_totals, &key);
+
+	if (total) {
+		total->ns += ns;
+		total->waits += 1;
+		return;
+	}
+	struct pgscope_off_cpu_total first = { .ns = ns, .waits = 1 };
+	if (bpf_map_update_elem(&off_cpu_totals, &key, &first, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+}
+
+/* prev is switched out, in its own context: remember when, why and in which wait. */
+static __always_inline void switch_out(struct task_struct *prev, bool preempt, unsigned int prev_state)
+{
+	__u32 tgid = BPF_CORE_READ(prev, tgid);
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+
+	/* An exiting task's last switch: it never comes back. */
+	if (!flags || !(*flags & PGSCOPE_TARGET_OFF_CPU) || (prev_state & TASK_DEAD_STATE))
+		return;
+	__u32 tid = BPF_CORE_READ(prev, pid);
+	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+	if (!task) {
+		struct pgscope_off_cpu_task fresh = {};
+		bpf_map_update_elem(&off_cpu_tasks, &tid, &fresh, BPF_NOEXIST);
+		task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+		if (!task) {
+			count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+			return;
+		}
+	}
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(prev);
+	long syscall = BPF_CORE_READ(regs, orig_ax);
+
+	read_attribution(&task->attr, tgid);
+	if (preempt || prev_state == TASK_RUNNING_STATE)
+		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_PREEMPTED;
+	else
+		task->attr.off_cpu_class = class_of_syscall(syscall, prev_state);
+	/* Waiting for work, not in it: a backend between statements (pg_stat_activity's idle,
+	 * ClientRead), a background process in its main loop (wait events of class Activity). */
+	bool waits_for_client = task->attr.wait_event_info == PG_WAIT_CLIENT_READ &&
+				task->attr.backend_state == PG_STATE_IDLE && (task->attr.flags & PGSCOPE_ATTR_STATUS);
+	bool main_loop = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
+	if (task->attr.off_cpu_class == PGSCOPE_OFF_CPU_LATCH && (waits_for_client || main_loop))
+		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_IDLE;
+	task->syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
+	task->tgid = tgid;
+	task->start_ns = bpf_ktime_get_ns();
+}
+
+/* next is switched in (still in prev's context): its blocked time is known now. */
+static __always_inline void switch_in(struct task_struct *next)
+{
+	__u32 tid = BPF_CORE_READ(next, pid);
+	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+
+	if (!task || !task->start_ns)
+		return;
+	__u64 now = bpf_ktime_get_ns();
+	__u64 blocked = now > task->start_ns ? now - task->start_ns : 0;
+	task->start_ns = 0;
+
+	__u32 zero = 0;
+	__u64 *min_stack_ns = bpf_map_lookup_elem(&off_cpu_config, &zero);
+	__u32 class = task->attr.off_cpu_class;
+	/* Only waits inside a syscall get a stack: sys_exit is where it is taken. */
+	bool stack = min_stack_ns && blocked >= *min_stack_ns && task->syscall != (__u32)-1 &&
+		     class != PGSCOPE_OFF_CPU_IDLE && class != PGSCOPE_OFF_CPU_PREEMPTED;
+	if (stack)
+		task->pending_ns += blocked;
+	else
+		add_off_cpu_total(BPF_CORE_READ(next, tgid), &task->attr, blocked);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
+	     unsigned int prev_state)
+{
+	switch_out(prev, preempt, prev_state);
+	switch_in(next);
+	return 0;
+}
+
+/* The syscall a long wait happened in returns, in the task's context: send its stacks. */
+SEC("tp_btf/sys_exit")
+int BPF_PROG(on_syscall_exit, struct pt_regs *regs, long ret)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pid_tgid;
+	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+
+	if (!task || !task->pending_ns)
+		return 0;
+	__u32 zero = 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&off_cpu_scratch, &zero);
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		add_off_cpu_total(pid_tgid >> 32, &task->attr, task->pending_ns);
+		task->pending_ns = 0;
+		return 0;
+	}
+	s->attr = task->attr;
+	s->off_cpu_ns = task->pending_ns;
+	s->off_cpu_syscall = task->syscall;
+	task->pending_ns = 0;
+	count(PGSCOPE_CNT_OFF_CPU_STACKS);
+	send_stacks(ctx, s, pid_tgid, false);
 	return 0;
 }

@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::bpf::abi::OffCpuClass;
 use crate::postgres::attribution::Attribution;
 use crate::postgres::phase::Phase;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
@@ -18,6 +19,12 @@ pub const INCOMPLETE_STACK_FRAME: &str = "[incomplete stack]";
 struct StackKey {
     pid: u32,
     attribution: Attribution,
+    /// Off-CPU stacks: why the process was off CPU.
+    off_cpu: Option<OffCpuClass>,
+    /// A frame standing for time measured without a stack (e.g. waits too short to get one).
+    placeholder: Option<&'static str>,
+    /// A kernel frame below the leaf: the syscall an off-CPU wait blocked in.
+    kernel_leaf: Option<&'static str>,
     /// Leaf first.
     kernel: Box<[u64]>,
     /// Leaf first.
@@ -62,7 +69,8 @@ impl UnwindStats {
     }
 }
 
-/// Aggregated on-CPU samples of one trace session.
+/// Aggregated samples of one trace session: on-CPU samples (weight 1 each), or off-CPU waits
+/// (weight: nanoseconds off CPU).
 #[derive(Default)]
 pub struct StackAggregator {
     stacks: HashMap<StackKey, u64>,
@@ -71,16 +79,79 @@ pub struct StackAggregator {
 
 impl StackAggregator {
     pub fn add(&mut self, pid: u32, attribution: Attribution, kernel_stack: &[u64], user: UnwoundStack) {
+        self.add_weighted(pid, attribution, None, kernel_stack, user, 1);
+    }
+
+    /// Adds an off-CPU wait of `weight` nanoseconds, blocked in `syscall` (shown as the leaf).
+    pub fn add_off_cpu(
+        &mut self,
+        pid: u32,
+        attribution: Attribution,
+        class: OffCpuClass,
+        syscall: &'static str,
+        user: UnwoundStack,
+        weight: u64,
+    ) {
         self.stats.record(&user);
         let complete = user.end == UnwindEnd::ReachedRoot && !user.frames.is_empty();
         let key = StackKey {
             pid,
             attribution,
+            off_cpu: Some(class),
+            placeholder: None,
+            kernel_leaf: Some(syscall),
+            kernel: Box::new([]),
+            user: user.frames.into_boxed_slice(),
+            complete,
+        };
+        *self.stacks.entry(key).or_insert(0) += weight;
+    }
+
+    /// Adds a sample of weight `weight`.
+    fn add_weighted(
+        &mut self,
+        pid: u32,
+        attribution: Attribution,
+        off_cpu: Option<OffCpuClass>,
+        kernel_stack: &[u64],
+        user: UnwoundStack,
+        weight: u64,
+    ) {
+        self.stats.record(&user);
+        let complete = user.end == UnwindEnd::ReachedRoot && !user.frames.is_empty();
+        let key = StackKey {
+            pid,
+            attribution,
+            off_cpu,
+            placeholder: None,
+            kernel_leaf: None,
             kernel: kernel_stack.into(),
             user: user.frames.into_boxed_slice(),
             complete,
         };
-        *self.stacks.entry(key).or_insert(0) += 1;
+        *self.stacks.entry(key).or_insert(0) += weight;
+    }
+
+    /// Adds time measured without a stack, shown as the single frame `placeholder`.
+    pub fn add_without_stack(
+        &mut self,
+        pid: u32,
+        attribution: Attribution,
+        off_cpu: Option<OffCpuClass>,
+        placeholder: &'static str,
+        weight: u64,
+    ) {
+        let key = StackKey {
+            pid,
+            attribution,
+            off_cpu,
+            placeholder: Some(placeholder),
+            kernel_leaf: None,
+            kernel: Box::new([]),
+            user: Box::new([]),
+            complete: true,
+        };
+        *self.stacks.entry(key).or_insert(0) += weight;
     }
 
     pub fn stats(&self) -> UnwindStats {
@@ -129,6 +200,12 @@ impl StackAggregator {
         let mut samples = Vec::with_capacity(self.stacks.len());
         for (key, &count) in &self.stacks {
             let mut frames = Vec::with_capacity(key.user.len() + key.kernel.len() + 1);
+            if let Some(placeholder) = key.placeholder {
+                frames.push(Frame {
+                    name: Arc::from(placeholder),
+                    kind: FrameKind::User,
+                });
+            }
             if !key.complete {
                 frames.push(Frame {
                     name: incomplete.clone(),
@@ -157,8 +234,17 @@ impl StackAggregator {
                     kind: FrameKind::Kernel,
                 });
             }
+            if let Some(syscall) = key.kernel_leaf {
+                frames.push(Frame {
+                    name: Arc::from(syscall),
+                    kind: FrameKind::Kernel,
+                });
+            }
             let mut labels = vec![("pid".to_string(), key.pid.to_string())];
             key.attribution.push_labels(&mut labels);
+            if let Some(class) = key.off_cpu {
+                labels.push(("off_cpu".to_string(), class.name().to_string()));
+            }
             let user_names = frames
                 .iter()
                 .filter(|f| f.kind == FrameKind::User)

@@ -91,6 +91,18 @@ struct TraceArgs {
     /// Unix socket, as the OS user that owns the data directory (peer authentication).
     #[arg(long, value_name = "CONNINFO")]
     conninfo: Option<String>,
+    /// Do not measure time off CPU (on by default: where backends wait, weighted by blocked
+    /// time, labelled with the wait event in force when they blocked).
+    #[arg(long)]
+    no_off_cpu: bool,
+    /// Off-CPU waits at least this long are recorded with their stacks; shorter ones are
+    /// counted (time, wait event, queryid) without one.
+    #[arg(long, default_value = "100us", value_parser = parse_duration, value_name = "DURATION")]
+    off_cpu_min_stack: Duration,
+    /// Keep idle client waits (Client:ClientRead between statements) in the off-CPU flamegraphs
+    /// and profiles; they are always in the summary's totals.
+    #[arg(long)]
+    off_cpu_idle: bool,
     /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).
     #[arg(long = "queryid", value_name = "QUERYID", allow_negative_numbers = true)]
     query_id: Option<i64>,
@@ -155,6 +167,9 @@ fn main() -> ExitCode {
                     explicit_probes: args.explicit_probes,
                     probe_budget: args.probe_budget.0,
                     conninfo: args.conninfo,
+                    off_cpu: !args.no_off_cpu,
+                    off_cpu_min_stack: args.off_cpu_min_stack,
+                    off_cpu_idle: args.off_cpu_idle,
                 })
                 .await
             }

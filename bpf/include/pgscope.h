@@ -27,6 +27,7 @@ typedef uint64_t __u64;
 enum pgscope_target_flags {
 	PGSCOPE_TARGET_PROFILE = 1,	  /* sample this process */
 	PGSCOPE_TARGET_FOLLOW_FORKS = 2, /* children inherit this entry (postmaster → backends) */
+	PGSCOPE_TARGET_OFF_CPU = 4,	  /* also measure the time it spends off CPU */
 };
 
 /* Per-CPU counters, indexed by this enum: samples seen and every reason a sample was lost or
@@ -44,7 +45,9 @@ enum pgscope_counter {
 	PGSCOPE_CNT_ATTRIBUTION_FAULT = 9,   /* degraded: backend state unreadable at sample time */
 	PGSCOPE_CNT_PROBE_NO_ENTRY = 10,     /* lost: a return without its recorded entry */
 	PGSCOPE_CNT_PROBE_MAP_FULL = 11,     /* lost: a per-call statistic had no map room */
-	PGSCOPE_CNT_MAX = 12,
+	PGSCOPE_CNT_OFF_CPU_STACKS = 12,     /* off-CPU waits sent with their stacks */
+	PGSCOPE_CNT_OFF_CPU_MAP_FULL = 13,   /* lost: an off-CPU total had no map room */
+	PGSCOPE_CNT_MAX = 14,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -128,6 +131,21 @@ struct pgscope_pg_layout {
 
 _Static_assert(sizeof(struct pgscope_pg_layout) == 40, "mirrored in agent/src/bpf/abi.rs");
 
+/* Why a process was off CPU, from the scheduler's and the syscall's point of view. Postgres'
+ * own view (the wait event in force) comes with it. */
+enum pgscope_off_cpu_class {
+	PGSCOPE_OFF_CPU_NONE = 0,	/* an on-CPU sample */
+	PGSCOPE_OFF_CPU_FUTEX = 1,	/* futex: LWLocks (PGSemaphoreLock → sem_wait), glibc locks */
+	PGSCOPE_OFF_CPU_LATCH = 2,	/* epoll/poll/select: latches, heavyweight locks, client I/O */
+	PGSCOPE_OFF_CPU_IO = 3,		/* blocked in a file I/O syscall, or uninterruptible (D) */
+	PGSCOPE_OFF_CPU_PREEMPTED = 4,	/* runnable but descheduled: run-queue delay */
+	PGSCOPE_OFF_CPU_OTHER = 5,	/* any other blocking syscall (nanosleep, …) */
+	PGSCOPE_OFF_CPU_IDLE = 6,	/* waiting for work: ClientRead while idle, Activity:* main loops */
+	PGSCOPE_OFF_CPU_CLASS_MAX = 7,
+};
+
+
+
 /* Which attribution fields of a sample were read (a bit set). */
 enum pgscope_attribution_flags {
 	PGSCOPE_ATTR_BACKEND_TYPE = 1,
@@ -136,8 +154,50 @@ enum pgscope_attribution_flags {
 	PGSCOPE_ATTR_WAIT_EVENT = 8,
 };
 
-/* One on-CPU sample. Only the used prefix of user_stack is sent through the ring buffer:
- * the record length is offsetof(user_stack) + user_stack_len. */
+/* What pg_stat_activity would show for a backend at one instant (see pgscope_pg_layout). */
+struct pgscope_attribution {
+	__u64 query_id;		/* st_query_id: pg_stat_statements.queryid, 0 when not computed yet */
+	__u32 wait_event_info;	/* *my_wait_event_info: class in the top byte */
+	__u32 backend_type;	/* MyBackendType */
+	__u32 database_id;	/* MyDatabaseId */
+	__u32 backend_state;	/* st_state */
+	__u32 flags;		/* enum pgscope_attribution_flags: which fields were read */
+	__u32 off_cpu_class;	/* enum pgscope_off_cpu_class */
+};
+
+/* Off-CPU time of waits too short for a stack (below the configured threshold) or without one
+ * (idle client waits), per process and attribution at the time it blocked: totals stay exact. */
+struct pgscope_off_cpu_key {
+	__u32 tgid;
+	__u32 _pad;
+	struct pgscope_attribution attr;
+};
+
+struct pgscope_off_cpu_total {
+	__u64 ns;
+	__u64 waits;
+};
+
+_Static_assert(sizeof(struct pgscope_off_cpu_key) == 40, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_total) == 16, "mirrored in agent/src/bpf/abi.rs");
+
+/* A traced thread's off-CPU state (map off_cpu_tasks, by tid): user space reads the waits still
+ * open when a trace ends. */
+struct pgscope_off_cpu_task {
+	__u64 start_ns;	  /* when it was switched out (bpf_ktime_get_ns); 0 while it runs */
+	__u64 pending_ns; /* long waits in the current syscall, not sent yet */
+	__u32 syscall;	  /* the blocking syscall's number */
+	__u32 tgid;
+	struct pgscope_attribution attr;
+};
+
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 56, "mirrored in agent/src/bpf/abi.rs");
+
+/* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU
+ * record's attribution is the one in force when the process blocked, its stacks are those it
+ * blocked in (a blocked task's stacks do not change; they are taken when it resumes). Only the
+ * used prefix of user_stack is sent through the ring buffer: the record length is
+ * offsetof(user_stack) + user_stack_len. */
 struct pgscope_sample {
 	__u32 tgid;		/* process (backend) id */
 	__u32 tid;
@@ -148,19 +208,15 @@ struct pgscope_sample {
 	__u64 user_sp;
 	__u64 user_bp;
 	__u64 user_stack_len;	/* bytes valid in user_stack, copied from user_sp upwards */
-	/* What pg_stat_activity would show for this backend at the sample (see pgscope_pg_layout). */
-	__u64 query_id;		/* st_query_id: pg_stat_statements.queryid, 0 when not computed yet */
-	__u32 wait_event_info;	/* *my_wait_event_info: class in the top byte */
-	__u32 backend_type;	/* MyBackendType */
-	__u32 database_id;	/* MyDatabaseId */
-	__u32 backend_state;	/* st_state */
-	__u32 attribution;	/* enum pgscope_attribution_flags */
+	struct pgscope_attribution attr;
+	__u64 off_cpu_ns;	/* off-CPU records: how long the process was off CPU */
+	__u32 off_cpu_syscall;	/* off-CPU records: the syscall it blocked in (x86-64 number) */
 	__u32 _pad;
 	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
 	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
 };
 
-#define PGSCOPE_SAMPLE_HEADER_SIZE 88
+#define PGSCOPE_SAMPLE_HEADER_SIZE 104
 #define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
 
 _Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,

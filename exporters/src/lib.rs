@@ -88,6 +88,20 @@ impl ProfileMeta {
             duration_nanos,
         }
     }
+
+    /// Off-CPU time: each sample's count is nanoseconds spent off CPU (sample and period type
+    /// `offcpu`/`nanoseconds`, period 1, as Grafana Alloy names off-CPU profiles).
+    pub fn off_cpu(start_unix_nanos: u64, duration_nanos: u64) -> Self {
+        ProfileMeta {
+            sample_type: "offcpu".to_string(),
+            unit: "nanoseconds".to_string(),
+            period_type: "offcpu".to_string(),
+            period_unit: "nanoseconds".to_string(),
+            period: 1,
+            start_unix_nanos,
+            duration_nanos,
+        }
+    }
 }
 
 /// Aggregated stacks plus what they measure.

@@ -46,6 +46,26 @@ pub struct SpinSite {
     pub total_ns: u64,
 }
 
+/// One `off_cpu.by_wait[]` row: off-CPU time of one backend type in one wait event and class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffCpuWait {
+    pub backend_type: String,
+    pub wait_event: String,
+    pub off_cpu: String,
+    pub ns: u64,
+}
+
+/// One wait of one query in `off_cpu.by_query[]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffCpuQueryWait {
+    pub queryid: String,
+    pub wait_event: String,
+    pub off_cpu: String,
+    pub ns: u64,
+    /// Innermost user frames of its longest stack, innermost first, joined by ` ← `.
+    pub stack: String,
+}
+
 impl TraceSummary {
     /// Parses `path` and checks its `schema`.
     pub fn read(path: &Path) -> Result<Self> {
@@ -175,6 +195,50 @@ impl TraceSummary {
                 })
             })
             .collect()
+    }
+
+    /// `off_cpu.by_wait[]`; an error when off-CPU time was not measured.
+    pub fn off_cpu_by_wait(&self) -> Result<Vec<OffCpuWait>> {
+        self.off_cpu_array("by_wait")?
+            .iter()
+            .map(|row| {
+                Ok(OffCpuWait {
+                    backend_type: string_field(row, "backend_type")?,
+                    wait_event: string_field(row, "wait_event")?,
+                    off_cpu: string_field(row, "off_cpu")?,
+                    ns: u64_field(row, "ns")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Every wait of every query in `off_cpu.by_query[]`.
+    pub fn off_cpu_by_query(&self) -> Result<Vec<OffCpuQueryWait>> {
+        let mut waits = Vec::new();
+        for query in self.off_cpu_array("by_query")? {
+            let queryid = string_field(query, "queryid")?;
+            let rows = query
+                .get("waits")
+                .and_then(Value::as_array)
+                .with_context(|| format!("no array `waits` in {query}"))?;
+            for row in rows {
+                waits.push(OffCpuQueryWait {
+                    queryid: queryid.clone(),
+                    wait_event: string_field(row, "wait_event")?,
+                    off_cpu: string_field(row, "off_cpu")?,
+                    ns: u64_field(row, "ns")?,
+                    stack: string_field(row, "stack")?,
+                });
+            }
+        }
+        Ok(waits)
+    }
+
+    fn off_cpu_array(&self, key: &str) -> Result<&Vec<Value>> {
+        self.json
+            .pointer(&format!("/off_cpu/{key}"))
+            .and_then(Value::as_array)
+            .with_context(|| format!("the summary has no array `off_cpu.{key}` (off-CPU not measured?)"))
     }
 
     fn array(&self, key: &str) -> Result<&Vec<Value>> {

@@ -5,13 +5,14 @@ use std::mem::{offset_of, size_of};
 
 pub const USER_STACK_MAX: usize = 16384;
 pub const KERNEL_FRAMES_MAX: usize = 127;
-const SAMPLE_HEADER_SIZE: usize = 88;
+const SAMPLE_HEADER_SIZE: usize = 104;
 /// Offset of the user stack bytes in a sample record.
 pub const SAMPLE_STACK_OFFSET: usize = SAMPLE_HEADER_SIZE + 8 * KERNEL_FRAMES_MAX;
 
 /// `enum pgscope_target_flags`.
 pub const TARGET_PROFILE: u8 = 1;
 pub const TARGET_FOLLOW_FORKS: u8 = 2;
+pub const TARGET_OFF_CPU: u8 = 4;
 
 /// `enum pgscope_counter`, in the header's order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,10 +30,12 @@ pub enum Counter {
     AttributionFault = 9,
     ProbeNoEntry = 10,
     ProbeMapFull = 11,
+    OffCpuStacks = 12,
+    OffCpuMapFull = 13,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 12] = [
+    pub const ALL: [Counter; 14] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -45,6 +48,8 @@ impl Counter {
         Counter::AttributionFault,
         Counter::ProbeNoEntry,
         Counter::ProbeMapFull,
+        Counter::OffCpuStacks,
+        Counter::OffCpuMapFull,
     ];
 
     /// Name used in progress lines and metrics.
@@ -62,6 +67,8 @@ impl Counter {
             Counter::AttributionFault => "attribution_unreadable",
             Counter::ProbeNoEntry => "probe_return_without_entry",
             Counter::ProbeMapFull => "lost_probe_map_full",
+            Counter::OffCpuStacks => "off_cpu_stacks",
+            Counter::OffCpuMapFull => "lost_off_cpu_map_full",
         }
     }
 }
@@ -85,6 +92,12 @@ pub struct SampleHeader {
     pub database_id: u32,
     pub backend_state: u32,
     pub attribution: u32,
+    /// `enum pgscope_off_cpu_class`: 0 for on-CPU samples.
+    pub off_cpu_class: u32,
+    /// Off-CPU records: nanoseconds the process was off CPU.
+    pub off_cpu_ns: u64,
+    /// Off-CPU records: the x86-64 number of the syscall it blocked in.
+    pub off_cpu_syscall: u32,
     pub _pad: u32,
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
@@ -93,7 +106,128 @@ const _: () = assert!(offset_of!(SampleHeader, kernel_stack) == SAMPLE_HEADER_SI
 const _: () = assert!(offset_of!(SampleHeader, user_stack_len) == 48);
 const _: () = assert!(offset_of!(SampleHeader, query_id) == 56);
 const _: () = assert!(offset_of!(SampleHeader, attribution) == 80);
+const _: () = assert!(offset_of!(SampleHeader, off_cpu_ns) == 88);
+
+/// `enum pgscope_off_cpu_class`: why a process was off CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum OffCpuClass {
+    Futex = 1,
+    Latch = 2,
+    Io = 3,
+    Preempted = 4,
+    Other = 5,
+    Idle = 6,
+}
+
+impl OffCpuClass {
+    pub fn from_raw(value: u32) -> Option<OffCpuClass> {
+        Some(match value {
+            1 => OffCpuClass::Futex,
+            2 => OffCpuClass::Latch,
+            3 => OffCpuClass::Io,
+            4 => OffCpuClass::Preempted,
+            5 => OffCpuClass::Other,
+            6 => OffCpuClass::Idle,
+            _ => return None,
+        })
+    }
+
+    /// The `off_cpu` label value.
+    pub fn name(self) -> &'static str {
+        match self {
+            OffCpuClass::Futex => "futex",
+            OffCpuClass::Latch => "latch",
+            OffCpuClass::Io => "io",
+            OffCpuClass::Preempted => "preempted",
+            OffCpuClass::Other => "other",
+            OffCpuClass::Idle => "idle",
+        }
+    }
+}
+
+/// `struct pgscope_attribution`: what pg_stat_activity showed for a process at one instant.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RawAttribution {
+    pub query_id: u64,
+    pub wait_event_info: u32,
+    pub backend_type: u32,
+    pub database_id: u32,
+    pub backend_state: u32,
+    pub flags: u32,
+    pub off_cpu_class: u32,
+}
+
+/// `struct pgscope_off_cpu_key`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OffCpuKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub attr: RawAttribution,
+}
+
+/// `struct pgscope_off_cpu_total`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuTotal {
+    pub ns: u64,
+    pub waits: u64,
+}
+
+/// `struct pgscope_off_cpu_task`: one traced thread's off-CPU state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffCpuTask {
+    /// When it was switched out (`bpf_ktime_get_ns`, CLOCK_MONOTONIC); 0 while it runs.
+    pub start_ns: u64,
+    pub pending_ns: u64,
+    pub syscall: u32,
+    pub tgid: u32,
+    pub attr: RawAttribution,
+}
+
+const _: () = assert!(size_of::<OffCpuTask>() == 56);
+const _: () = assert!(size_of::<RawAttribution>() == 32);
+const _: () = assert!(size_of::<OffCpuKey>() == 40);
+const _: () = assert!(size_of::<OffCpuTotal>() == 16);
+
+// SAFETY: both are repr(C) plain old data without padding (sizes asserted above).
+unsafe impl aya::Pod for OffCpuKey {}
+unsafe impl aya::Pod for OffCpuTotal {}
+// SAFETY: repr(C) plain old data without padding (size asserted above).
+unsafe impl aya::Pod for OffCpuTask {}
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
+
+impl SampleHeader {
+    /// A header carrying only a process and an attribution (for time measured without a
+    /// stack), so that it decodes like any sample.
+    pub fn with_attribution(tgid: u32, attr: &RawAttribution) -> Self {
+        SampleHeader {
+            tgid,
+            tid: tgid,
+            time_ns: 0,
+            cpu: 0,
+            kernel_frames: 0,
+            user_ip: 0,
+            user_sp: 0,
+            user_bp: 0,
+            user_stack_len: 0,
+            query_id: attr.query_id,
+            wait_event_info: attr.wait_event_info,
+            backend_type: attr.backend_type,
+            database_id: attr.database_id,
+            backend_state: attr.backend_state,
+            attribution: attr.flags,
+            off_cpu_class: attr.off_cpu_class,
+            off_cpu_ns: 0,
+            off_cpu_syscall: 0,
+            _pad: 0,
+            kernel_stack: [0; KERNEL_FRAMES_MAX],
+        }
+    }
+}
 
 /// `enum pgscope_attribution_flags`.
 pub const ATTR_BACKEND_TYPE: u32 = 1;

@@ -10,11 +10,15 @@ use std::path::Path;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
-use aya::programs::{PerfEvent, TracePoint, UProbe};
+use aya::programs::{BtfTracePoint, PerfEvent, TracePoint, UProbe};
 use aya::util::online_cpus;
+use aya::Btf;
 use aya::Ebpf;
 
-use abi::{CallKey, CallStats, Counter, Function, PgLayout, RelationLockKey, SpinSiteKey, SpinSiteStats};
+use abi::{
+    CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, RelationLockKey, SpinSiteKey,
+    SpinSiteStats,
+};
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
@@ -94,6 +98,68 @@ impl OnCpuProbes {
                 .with_context(|| format!("attaching to tracepoint sched/{event}"))?;
         }
         Ok(())
+    }
+
+    /// Measures the time targets flagged [`abi::TARGET_OFF_CPU`] spend off CPU: BTF
+    /// tracepoints on `sched_switch` (switch out and in) and `sys_exit` (where a long wait's
+    /// stack is taken, in the task's context). Waits in a syscall of at least `min_stack_ns`
+    /// are sent with their stacks; every other wait adds to exact totals.
+    pub fn attach_off_cpu(&mut self, min_stack_ns: u64) -> Result<()> {
+        {
+            let map = self.map_mut("off_cpu_config")?;
+            let mut config: aya::maps::Array<_, u64> = aya::maps::Array::try_from(map)?;
+            config
+                .set(0, min_stack_ns, 0)
+                .context("setting the off-CPU stack threshold")?;
+        }
+        let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
+        for (program_name, tracepoint) in [("on_switch", "sched_switch"), ("on_syscall_exit", "sys_exit")] {
+            let program: &mut BtfTracePoint = self
+                .ebpf
+                .program_mut(program_name)
+                .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
+                .try_into()?;
+            program
+                .load(tracepoint, &btf)
+                .with_context(|| format!("loading `{program_name}`"))?;
+            program
+                .attach()
+                .with_context(|| format!("attaching to the {tracepoint} BTF tracepoint"))?;
+        }
+        Ok(())
+    }
+
+    /// Waits still open now: (process, attribution when it blocked, nanoseconds so far) of
+    /// every traced thread switched out and not back in, plus long waits not sent yet.
+    pub fn open_off_cpu_waits(&self) -> Result<Vec<(u32, abi::RawAttribution, u64)>> {
+        let tasks: BpfHashMap<_, u32, abi::OffCpuTask> = BpfHashMap::try_from(self.map("off_cpu_tasks")?)?;
+        let now = monotonic_ns();
+        let mut open = Vec::new();
+        for entry in tasks.iter() {
+            let (_, task) = entry.context("reading `off_cpu_tasks`")?;
+            let running = if task.start_ns == 0 {
+                0
+            } else {
+                now.saturating_sub(task.start_ns)
+            };
+            let ns = running + task.pending_ns;
+            if ns > 0 {
+                open.push((task.tgid, task.attr, ns));
+            }
+        }
+        Ok(open)
+    }
+
+    /// Off-CPU time of waits without a stack, per (process, class, wait event, queryid, state).
+    pub fn off_cpu_totals(&self) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
+        self.sum_per_cpu_hash("off_cpu_totals", |per_cpu: &[OffCpuTotal]| {
+            per_cpu
+                .iter()
+                .fold(OffCpuTotal::default(), |sum, cpu| OffCpuTotal {
+                    ns: sum.ns + cpu.ns,
+                    waits: sum.waits + cpu.waits,
+                })
+        })
     }
 
     /// Adds a process to the in-kernel filter.
@@ -355,4 +421,15 @@ impl Counters {
         .filter(|&(_, n)| n > 0)
         .collect()
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }

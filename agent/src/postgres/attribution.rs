@@ -88,6 +88,9 @@ mod tests {
             database_id: 16384,
             backend_state: 2,
             attribution,
+            off_cpu_class: 0,
+            off_cpu_ns: 0,
+            off_cpu_syscall: 0,
             _pad: 0,
             kernel_stack: [0; KERNEL_FRAMES_MAX],
         }

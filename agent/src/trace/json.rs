@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
+use super::off_cpu;
 use super::probes::{lock_mode_name, Extrapolation, ProbeResults};
 use super::queries::QuerySummary;
 use crate::aggregate::UnwindStats;
@@ -38,6 +39,45 @@ pub struct Summary {
     pub relation_locks: Vec<RelationLockJson>,
     /// s_lock calls per (queryid, call site): which spinlock acquisitions had to spin.
     pub spin_sites: Vec<SpinSiteJson>,
+    /// Time off CPU; null when it was not measured (--no-off-cpu, or the kernel refused).
+    pub off_cpu: Option<OffCpuJson>,
+}
+
+#[derive(Serialize)]
+pub struct OffCpuJson {
+    /// Waits at least this long were recorded with their stacks; shorter ones without.
+    pub min_stack_ns: u64,
+    /// Every nanosecond the traced processes spent off CPU, idle waits included.
+    pub total_ns: u64,
+    /// Per (backend type, wait event in force when it blocked, class), longest first.
+    pub by_wait: Vec<OffCpuWaitJson>,
+    /// Per queryid: its waits, longest first, with where in Postgres it waited.
+    pub by_query: Vec<OffCpuQueryJson>,
+}
+
+#[derive(Serialize)]
+pub struct OffCpuWaitJson {
+    pub backend_type: String,
+    /// `Type:Name` as pg_stat_activity shows it, or `(no wait event)`.
+    pub wait_event: String,
+    /// futex, latch, io, preempted, other, idle.
+    pub off_cpu: String,
+    pub ns: u64,
+}
+
+#[derive(Serialize)]
+pub struct OffCpuQueryJson {
+    pub queryid: String,
+    pub waits: Vec<OffCpuQueryWaitJson>,
+}
+
+#[derive(Serialize)]
+pub struct OffCpuQueryWaitJson {
+    pub wait_event: String,
+    pub off_cpu: String,
+    pub ns: u64,
+    /// Innermost user frames of its longest stack, innermost first, joined by ` ← `.
+    pub stack: String,
 }
 
 #[derive(Serialize)]
@@ -180,6 +220,8 @@ pub struct SummaryInputs<'a> {
     pub queries: &'a [QuerySummary],
     pub probes: &'a ProbeResults,
     pub query_texts: &'a std::collections::HashMap<i64, String>,
+    /// The off-CPU profile (idle waits included) and its stack threshold in ns.
+    pub off_cpu: Option<(&'a Profile, u64)>,
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -294,6 +336,40 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                 total_ns: site.stats.total_ns,
                 max_ns: site.stats.max_ns,
                 extrapolated: inputs.probes.extrapolation(Function::SLock).extrapolated,
+            })
+            .collect(),
+        off_cpu: inputs
+            .off_cpu
+            .map(|(profile, min_stack_ns)| off_cpu_json(profile, min_stack_ns)),
+    }
+}
+
+fn off_cpu_json(profile: &Profile, min_stack_ns: u64) -> OffCpuJson {
+    OffCpuJson {
+        min_stack_ns,
+        total_ns: profile.samples.iter().map(|s| s.count).sum(),
+        by_wait: off_cpu::by_wait(profile)
+            .into_iter()
+            .map(|row| OffCpuWaitJson {
+                backend_type: row.backend_type,
+                wait_event: row.wait,
+                off_cpu: row.class,
+                ns: row.ns,
+            })
+            .collect(),
+        by_query: off_cpu::by_query(profile)
+            .into_iter()
+            .map(|(query_id, rows)| OffCpuQueryJson {
+                queryid: query_id.to_string(),
+                waits: rows
+                    .into_iter()
+                    .map(|row| OffCpuQueryWaitJson {
+                        wait_event: row.wait,
+                        off_cpu: row.class,
+                        ns: row.ns,
+                        stack: row.stack,
+                    })
+                    .collect(),
             })
             .collect(),
     }

@@ -5,6 +5,7 @@ pub mod calibrate;
 mod duty;
 mod json;
 mod live;
+mod off_cpu;
 mod probe_set;
 mod probes;
 mod progress;
@@ -25,7 +26,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{debug, warn};
 
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{Counter, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
+use crate::bpf::abi::{
+    Counter, OffCpuClass, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_OFF_CPU, TARGET_PROFILE,
+};
 use crate::bpf::OnCpuProbes;
 use crate::postgres::{self, attribution::Attribution, sql, VersionTable};
 use crate::preflight;
@@ -56,6 +59,12 @@ pub struct TraceOptions {
     pub probe_budget: Option<f64>,
     /// `--conninfo`: how to reach the instance for query texts.
     pub conninfo: Option<String>,
+    /// Measure time off CPU too (`--no-off-cpu` turns it off).
+    pub off_cpu: bool,
+    /// Off-CPU waits at least this long get their stacks; shorter ones only count.
+    pub off_cpu_min_stack: Duration,
+    /// Keep idle client waits in the off-CPU flamegraphs and profiles.
+    pub off_cpu_idle: bool,
 }
 
 pub async fn run(options: TraceOptions) -> Result<()> {
@@ -80,12 +89,24 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             None
         }
     };
+    // Off-CPU programs go in before the targets: they only act on processes flagged for them.
+    let off_cpu_flag = if options.off_cpu {
+        match probes.attach_off_cpu(options.off_cpu_min_stack.as_nanos() as u64) {
+            Ok(()) => TARGET_OFF_CPU,
+            Err(error) => {
+                eprintln!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
+                0
+            }
+        }
+    } else {
+        0
+    };
     match &target {
-        Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE)?,
+        Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE | off_cpu_flag)?,
         Target::Instance { postmaster } => {
             // The postmaster goes in first: a backend forked from now on is caught by the fork
             // tracepoint, one forked earlier by the /proc scan that follows.
-            let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS;
+            let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS | off_cpu_flag;
             probes.add_target(postmaster.pid, flags)?;
             let children = target::children_of(postmaster.pid);
             for child in &children {
@@ -179,6 +200,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             debug_dirs: options.debug_dirs.clone(),
         }),
         aggregator: StackAggregator::default(),
+        off_cpu: StackAggregator::default(),
+        off_cpu_measured: off_cpu_flag != 0,
         malformed: 0,
         layout_pid,
         live_pids: HashSet::new(),
@@ -210,6 +233,19 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     // kernel grace period per probe, during which functions detached later would count on.
     probe_set.stop_clock(&probes);
     let counters = probes.counters()?;
+    let (off_cpu_totals, open_waits) = if session.off_cpu_measured {
+        let totals = probes.off_cpu_totals().unwrap_or_else(|error| {
+            warn!("cannot read the off-CPU totals: {error:#}");
+            Vec::new()
+        });
+        let open = probes.open_off_cpu_waits().unwrap_or_else(|error| {
+            warn!("cannot read the off-CPU waits still open: {error:#}");
+            Vec::new()
+        });
+        (totals, open)
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
     probe_set.detach_all(&mut probes)?;
     // Kernel symbols while pgscope's own BPF programs are still loaded: they name its frames.
@@ -226,6 +262,18 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
     let query_texts = fetch_query_texts(&options, layout_source, &session, &probe_results).await;
+    off_cpu::add_totals(
+        &mut session.off_cpu,
+        &off_cpu_totals,
+        session.version,
+        session.layout_pid,
+    );
+    off_cpu::add_open_waits(
+        &mut session.off_cpu,
+        &open_waits,
+        session.version,
+        session.layout_pid,
+    );
     let measured = report::Measured {
         counters,
         probe_results,
@@ -309,6 +357,10 @@ pub(crate) struct Session {
     layout_pid: Option<u32>,
     /// Processes the symbolizer holds state for.
     live_pids: HashSet<u32>,
+    /// Off-CPU waits, weighted by nanoseconds.
+    off_cpu: StackAggregator,
+    /// Whether off-CPU time was measured (the programs attached).
+    off_cpu_measured: bool,
     /// How to decode attribution, when the layout could be resolved.
     version: Option<&'static VersionTable>,
     /// `--queryid`: keep only samples of this query.
@@ -354,9 +406,29 @@ impl Session {
             None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
         };
         self.live_pids.insert(header.tgid);
-        self.live.record(&attribution);
-        self.aggregator
-            .add(header.tgid, attribution, record.kernel_stack(), user);
+        let class = OffCpuClass::from_raw(header.off_cpu_class).map(|class| {
+            // The postmaster's only waits are for connections and children: idle.
+            if self.layout_pid == Some(header.tgid) && class == OffCpuClass::Latch {
+                OffCpuClass::Idle
+            } else {
+                class
+            }
+        });
+        match class {
+            Some(class) => self.off_cpu.add_off_cpu(
+                header.tgid,
+                attribution,
+                class,
+                off_cpu::syscall_frame(header.off_cpu_syscall),
+                user,
+                header.off_cpu_ns,
+            ),
+            None => {
+                self.live.record(&attribution);
+                self.aggregator
+                    .add(header.tgid, attribution, record.kernel_stack(), user);
+            }
+        }
     }
 
     /// The major version attribution is decoded for.

@@ -85,6 +85,26 @@ pub(super) fn finish(
             super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)
         );
     }
+    let off_cpu_profile = session.off_cpu_measured.then(|| {
+        let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
+        session
+            .off_cpu
+            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta)
+    });
+    if let Some(off_cpu) = &off_cpu_profile {
+        println!(
+            "{}",
+            super::off_cpu::render(off_cpu, options.off_cpu_min_stack, options.top)
+        );
+    }
+    // What the off-CPU files show: idle client waits only on request.
+    let off_cpu_output = off_cpu_profile.as_ref().map(|profile| {
+        if options.off_cpu_idle {
+            profile.clone()
+        } else {
+            super::off_cpu::without_idle(profile)
+        }
+    });
     if session.filtered_out > 0 {
         println!(
             "{} samples of other queries left out (--queryid)",
@@ -103,6 +123,19 @@ pub(super) fn finish(
             )
         })?;
         println!("wrote folded stacks to {}", path.display());
+        if let Some(off_cpu) = &off_cpu_output {
+            let path = super::off_cpu::beside(path);
+            write_file(&path, |w| {
+                exporters::write_folded(
+                    off_cpu,
+                    &FoldedOptions {
+                        root_labels: root_labels.clone(),
+                    },
+                    w,
+                )
+            })?;
+            println!("wrote off-CPU folded stacks (nanoseconds) to {}", path.display());
+        }
     }
     if let Some(path) = &options.svg {
         let svg_options = SvgOptions {
@@ -117,6 +150,26 @@ pub(super) fn finish(
         };
         write_file(path, |w| exporters::write_svg(&profile, &svg_options, w))?;
         println!("wrote flamegraph to {}", path.display());
+        if let Some(off_cpu) = &off_cpu_output {
+            let path = super::off_cpu::beside(path);
+            let total_ns: u64 = off_cpu.samples.iter().map(|s| s.count).sum();
+            let svg_options = SvgOptions {
+                title: format!("pgscope: {} (off-CPU)", target.describe()),
+                subtitle: Some(format!(
+                    "off-CPU · widths are blocked time · {:.1} ms in {:.0} s{}",
+                    total_ns as f64 / 1e6,
+                    elapsed.as_secs_f64(),
+                    if options.off_cpu_idle {
+                        ""
+                    } else {
+                        " · idle client waits left out"
+                    }
+                )),
+                root_labels: root_labels.clone(),
+            };
+            write_file(&path, |w| exporters::write_svg(off_cpu, &svg_options, w))?;
+            println!("wrote off-CPU flamegraph to {}", path.display());
+        }
     }
     if let Some(path) = &options.json {
         let summary = super::json::build(&super::json::SummaryInputs {
@@ -132,6 +185,9 @@ pub(super) fn finish(
             queries: &queries,
             probes: &probe_results,
             query_texts: &query_texts,
+            off_cpu: off_cpu_profile
+                .as_ref()
+                .map(|p| (p, options.off_cpu_min_stack.as_nanos() as u64)),
         });
         write_file(path, |w| serde_json::to_writer_pretty(w, &summary))?;
         println!("wrote the JSON summary to {}", path.display());
@@ -139,6 +195,11 @@ pub(super) fn finish(
     if let Some(path) = &options.pprof {
         write_pprof(path, &profile)?;
         println!("wrote pprof profile to {}", path.display());
+        if let Some(off_cpu) = &off_cpu_output {
+            let path = super::off_cpu::beside(path);
+            write_pprof(&path, off_cpu)?;
+            println!("wrote off-CPU pprof profile (nanoseconds) to {}", path.display());
+        }
     }
     Ok(())
 }

@@ -1,0 +1,129 @@
+//! Off-CPU time (on by default in `pgscope trace`): where backends wait, weighted by blocked time,
+//! labelled with the wait event in force when they blocked, checked against waits the tests
+//! cause and time themselves.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+use pgscope_tests::summary::{OffCpuQueryWait, OffCpuWait};
+use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, Trace, TraceSummary};
+
+/// How long session A holds the row lock once B waits for it.
+const HOLD: Duration = Duration::from_secs(3);
+
+fn waits_named<'a>(waits: &'a [OffCpuWait], wait_event: &str) -> impl Iterator<Item = &'a OffCpuWait> + 'a {
+    let wait_event = wait_event.to_owned();
+    waits.iter().filter(move |w| w.wait_event == wait_event)
+}
+
+/// Session A updates a row and holds the lock; session B updates the same row and waits for A's
+/// transaction (`Lock:transactionid`, heavyweight lock: ProcSleep → WaitLatch → epoll_wait) until
+/// A commits, `HOLD` later.
+#[test]
+fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE held (id int PRIMARY KEY, v int); INSERT INTO held VALUES (1, 0)")?;
+    let mut holder = cluster.connect()?;
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
+    let trace = Trace::instance(cluster.data_dir())
+        .duration_secs(600)
+        .json(&json)
+        .spawn()?;
+
+    holder.query("BEGIN")?;
+    holder.query("UPDATE held SET v = v + 1 WHERE id = 1")?;
+    let waiter = cluster.spawn_session("UPDATE held SET v = v + 10 WHERE id = 1")?;
+    let waiter_pid = waiter.pid();
+    wait_for(
+        "the second update to wait for the row lock",
+        Duration::from_secs(30),
+        || {
+            let event = cluster.psql(&format!(
+                "SELECT coalesce(wait_event_type || ':' || wait_event, '') FROM pg_stat_activity \
+                 WHERE pid = {waiter_pid}"
+            ))?;
+            Ok((event == "Lock:transactionid").then_some(()))
+        },
+    )?;
+    let blocked = Instant::now();
+    std::thread::sleep(HOLD);
+    holder.query("COMMIT")?;
+    let held = blocked.elapsed();
+    wait_for("the second update to finish", Duration::from_secs(30), || {
+        Ok((!waiter.is_active()?).then_some(()))
+    })?;
+    drop(waiter);
+    holder.close()?;
+    trace.interrupt()?;
+
+    let summary = TraceSummary::read(&json)?;
+    let waits = summary.off_cpu_by_wait()?;
+    let lock_ns: u64 = waits_named(&waits, "Lock:transactionid")
+        .filter(|w| w.off_cpu == "latch")
+        .map(|w| w.ns)
+        .sum();
+    let measured = Duration::from_nanos(lock_ns);
+    eprintln!(
+        "Lock:transactionid: {measured:?} off CPU in latch waits, {held:?} between the wait being seen \
+         and the holder's commit"
+    );
+    // B blocked a little before the test saw it wait (psql polls), and wakes a little after the
+    // commit: both are milliseconds against seconds.
+    let ratio = measured.as_secs_f64() / held.as_secs_f64();
+    ensure!(
+        (0.9..=1.1).contains(&ratio),
+        "Lock:transactionid off-CPU time {measured:?} is not within 10% of the {held:?} the lock was \
+         held: {waits:?}"
+    );
+    let stacks: Vec<OffCpuQueryWait> = summary
+        .off_cpu_by_query()?
+        .into_iter()
+        .filter(|w| w.wait_event == "Lock:transactionid" && w.off_cpu == "latch")
+        .collect();
+    ensure!(
+        stacks
+            .iter()
+            .any(|w| w.stack.contains("WaitLatch") && w.stack.contains("ProcSleep")),
+        "no Lock:transactionid wait with a stack through ProcSleep → WaitLatch: {stacks:?}"
+    );
+    Ok(())
+}
+
+/// Small transactions with synchronous_commit = on wait for their WAL flush: the commit's
+/// fdatasync shows as an I/O wait with the wait event `IO:WALSync`.
+#[test]
+fn wal_flushes_show_as_io_waits() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(
+        &PgInstall::distro()?,
+        &[
+            // The test clusters run with fsync off, for speed.
+            ("fsync", "on"),
+            ("synchronous_commit", "on"),
+            ("wal_sync_method", "fdatasync"),
+        ],
+    )?;
+    cluster.pgbench(&["-i", "-q", "-s", "1"])?;
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
+    let trace = Trace::instance(cluster.data_dir())
+        .duration_secs(600)
+        .json(&json)
+        .spawn()?;
+    cluster.pgbench(&["-n", "-N", "-c", "4", "-j", "2", "-T", "4"])?;
+    trace.interrupt()?;
+    let waits = TraceSummary::read(&json)?.off_cpu_by_wait()?;
+    let wal_io: u64 = waits
+        .iter()
+        .filter(|w| w.wait_event.starts_with("IO:WAL") && w.off_cpu == "io")
+        .map(|w| w.ns)
+        .sum();
+    eprintln!("IO:WAL* waits in I/O: {:.1} ms", wal_io as f64 / 1e6);
+    ensure!(
+        wal_io > 0,
+        "no off-CPU time in IO:WAL* wait events under synchronous commits: {waits:?}"
+    );
+    Ok(())
+}
