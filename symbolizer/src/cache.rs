@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::debuginfo::{under_root, DebugSearch};
+use crate::debuginfod::{self, Debuginfod};
 use crate::elf::ElfData;
 use crate::maps::{MapEntry, MapPath};
 use crate::module::{ModuleData, ModuleId};
@@ -34,6 +35,7 @@ struct FileKey {
 #[derive(Default)]
 pub(crate) struct ModuleCache {
     debug_dirs: Vec<PathBuf>,
+    debuginfod: Option<&'static Debuginfod>,
     by_file: HashMap<FileKey, Arc<ModuleData>>,
     by_id: HashMap<ModuleId, Arc<ModuleData>>,
     /// The vDSO of this kernel, read from our own process (None inside: not available).
@@ -44,6 +46,7 @@ impl ModuleCache {
     pub fn new(debug_dirs: Vec<PathBuf>) -> ModuleCache {
         ModuleCache {
             debug_dirs,
+            debuginfod: debuginfod::from_env(),
             ..ModuleCache::default()
         }
     }
@@ -77,6 +80,7 @@ impl ModuleCache {
                             mapped_path: path,
                             root: &source.root,
                             debug_dirs: &self.debug_dirs,
+                            debuginfod: self.debuginfod,
                         };
                         Arc::new(ModuleData::new(elf, path, entry.inode, &search))
                     }
@@ -104,6 +108,8 @@ impl ModuleCache {
                     mapped_path: Path::new("[vdso]"),
                     root: Path::new("/"),
                     debug_dirs: &[],
+                    // The kernel's vDSO: named from its own dynamic symbols.
+                    debuginfod: None,
                 };
                 Some(Arc::new(ModuleData::new(elf, Path::new("[vdso]"), 0, &search)))
             })

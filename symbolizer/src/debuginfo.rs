@@ -1,8 +1,9 @@
-//! Finding a module's separate debug file (`.gnu_debuglink` or build-id tree) and checking
-//! that it belongs to exactly this build.
+//! Finding a module's separate debug file (`.gnu_debuglink` or build-id tree, then debuginfod)
+//! and checking that it belongs to exactly this build.
 
 use std::path::{Component, Path, PathBuf};
 
+use crate::debuginfod::Debuginfod;
 use crate::elf::{hex, ElfData};
 
 /// The system-wide debug root; always searched.
@@ -16,13 +17,30 @@ pub(crate) struct DebugSearch<'a> {
     pub root: &'a Path,
     /// Extra roots from [`crate::SymbolizerOptions::debug_dirs`] (host paths).
     pub debug_dirs: &'a [PathBuf],
+    /// The debuginfod client, when `DEBUGINFOD_URLS` is set.
+    pub debuginfod: Option<&'a Debuginfod>,
 }
 
 /// Find and open the debug file of `elf`. Build-id lookups come first (exact), then
-/// `.gnu_debuglink` names. A candidate is accepted only if it has a symbol table, and its
-/// build-id matches the module's (or, when either lacks one, its CRC32 matches the
-/// debuglink's).
+/// `.gnu_debuglink` names, then debuginfod servers. A candidate is accepted only if it has a
+/// symbol table, and its build-id matches the module's (or, when either lacks one, its CRC32
+/// matches the debuglink's).
 pub(crate) fn find_debug_file(elf: &ElfData, search: &DebugSearch<'_>) -> Option<ElfData> {
+    find_local_debug_file(elf, search).or_else(|| {
+        // A file with its own symbol table gets no names from a debug file: no download.
+        if elf.has_symtab {
+            return None;
+        }
+        let fetched = search.debuginfod?.debug_file(elf, search.mapped_path)?;
+        if !fetched.has_symtab {
+            tracing::debug!(debug_file = %fetched.path.display(), "debug file has no symbol table");
+            return None;
+        }
+        Some(fetched)
+    })
+}
+
+fn find_local_debug_file(elf: &ElfData, search: &DebugSearch<'_>) -> Option<ElfData> {
     let mut roots = vec![
         under_root(search.root, Path::new(SYSTEM_DEBUG_DIR)),
         PathBuf::from(SYSTEM_DEBUG_DIR),

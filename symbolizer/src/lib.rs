@@ -50,6 +50,7 @@
 mod cache;
 mod callees;
 mod debuginfo;
+mod debuginfod;
 mod elf;
 mod error;
 mod functions;
@@ -144,6 +145,10 @@ pub struct Frame {
     pub module: Arc<str>,
 }
 
+/// Where debug files are looked for. Besides these, when the environment variable
+/// `DEBUGINFOD_URLS` is set, the debug file of a stripped module found nowhere else is fetched
+/// from those debuginfod servers into the elfutils client's cache (`DEBUGINFOD_CACHE_PATH`,
+/// `DEBUGINFOD_TIMEOUT` and `DEBUGINFOD_MAXTIME` are honoured).
 #[derive(Clone, Debug, Default)]
 pub struct SymbolizerOptions {
     /// Extra roots holding `.build-id/xx/rest.debug` (and debuglink targets);

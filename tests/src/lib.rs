@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod compare;
 pub mod connection;
+pub mod debuginfod;
 pub mod install;
 pub mod perf;
 pub mod pgbench;
@@ -27,6 +28,7 @@ use std::path::{Path, PathBuf};
 pub use cluster::PgCluster;
 pub use compare::{compare_top, disagreements, format_comparison, FunctionDiff, SelfTable};
 pub use connection::Connection;
+pub use debuginfod::DebuginfodServer;
 pub use install::PgInstall;
 pub use perf::{perf_record, PerfRecording};
 pub use pgbench::BackgroundPgbench;

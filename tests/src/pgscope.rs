@@ -46,6 +46,9 @@ where
 {
     let mut cmd = Command::new(pgscope_bin()?);
     cmd.args(args);
+    // A developer's DEBUGINFOD_URLS (distros' elfutils profile scripts set one) would let pgscope
+    // fetch debug files the tests expect it not to have; tests that want one use `Trace::env`.
+    cmd.env_remove("DEBUGINFOD_URLS");
     Ok(cmd)
 }
 
@@ -66,7 +69,10 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
 {
-    let mut cmd = pgscope_command(args)?;
+    run_ok(pgscope_command(args)?)
+}
+
+fn run_ok(mut cmd: Command) -> Result<String> {
     let line = describe(&cmd);
     let out = output_with_timeout(&mut cmd, RUN_TIMEOUT)?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -86,6 +92,7 @@ where
 #[derive(Debug, Clone)]
 pub struct Trace {
     args: Vec<OsString>,
+    envs: Vec<(OsString, OsString)>,
 }
 
 impl Trace {
@@ -93,6 +100,7 @@ impl Trace {
     pub fn pid(pid: u32) -> Self {
         Trace {
             args: vec!["trace".into(), "--pid".into(), pid.to_string().into()],
+            envs: Vec::new(),
         }
     }
 
@@ -100,6 +108,7 @@ impl Trace {
     pub fn instance(target: impl AsRef<OsStr>) -> Self {
         Trace {
             args: vec!["trace".into(), "--instance".into(), target.as_ref().to_owned()],
+            envs: Vec::new(),
         }
     }
 
@@ -168,10 +177,17 @@ impl Trace {
         }
     }
 
+    /// Sets an environment variable of the pgscope process (e.g. `DEBUGINFOD_URLS`).
+    pub fn env(mut self, name: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> Self {
+        self.envs
+            .push((name.as_ref().to_owned(), value.as_ref().to_owned()));
+        self
+    }
+
     /// Runs it; fails on a non-zero exit. Returns stdout and stderr (where pgscope says what it
     /// could not do, e.g. a probe it did not attach), echoing both to the test's stderr.
     pub fn output(&self) -> Result<TraceOutput> {
-        let mut cmd = pgscope_command(&self.args)?;
+        let mut cmd = self.command()?;
         let line = describe(&cmd);
         TraceOutput::checked(&line, output_with_timeout(&mut cmd, RUN_TIMEOUT)?)
     }
@@ -181,9 +197,16 @@ impl Trace {
         &self.args
     }
 
+    /// The `pgscope` command with these arguments and environment variables.
+    pub fn command(&self) -> Result<Command> {
+        let mut cmd = pgscope_command(&self.args)?;
+        cmd.envs(self.envs.iter().map(|(name, value)| (name, value)));
+        Ok(cmd)
+    }
+
     /// Runs it; fails on a non-zero exit. Returns stdout.
     pub fn run(&self) -> Result<String> {
-        run_pgscope_ok(&self.args)
+        run_ok(self.command()?)
     }
 
     fn arg(mut self, flag: &str, value: impl AsRef<OsStr>) -> Self {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use crate::pgscope::{pgscope_command, Trace, TraceOutput, RUN_TIMEOUT};
+use crate::pgscope::{Trace, TraceOutput, RUN_TIMEOUT};
 use crate::process::{describe, drain, join, wait_for, wait_timeout};
 
 /// What pgscope prints on stderr once its probes are attached and sampling runs.
@@ -31,7 +31,7 @@ impl Trace {
     /// attached. Give it a `--duration` longer than what the test does meanwhile, and end it
     /// with [`RunningTrace::interrupt`].
     pub fn spawn(&self) -> Result<RunningTrace> {
-        let mut cmd = pgscope_command(self.args())?;
+        let mut cmd = self.command()?;
         let line = describe(&cmd);
         let mut child = cmd
             .stdin(Stdio::null())

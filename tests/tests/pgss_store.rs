@@ -3,13 +3,14 @@
 //! `pg_stat_statements.track_planning` is on. It is found by name through a debug file when
 //! one is found (the no-frame-pointer source build has a build-id debug tree), else through
 //! pg_stat_statements' hook functions (the distro build ships the library stripped, with no
-//! debug file).
+//! debug file). A debuginfod server (DEBUGINFOD_URLS) is the last place the debug file is looked
+//! for.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 use object::{Object, ObjectSection, ObjectSymbol};
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
+use pgscope_tests::{require_root_and_bpf, DebuginfodServer, PgCluster, PgInstall, Trace, TraceSummary};
 
 /// Statements executed while traced.
 const STATEMENTS: u64 = 60;
@@ -104,20 +105,31 @@ fn offset_found_through_hooks(stderr: &str) -> Result<u64> {
     u64::from_str_radix(hex, 16).with_context(|| format!("bad file offset in `{line}`"))
 }
 
+/// The lowercase hex build-id of the ELF file `path`.
+fn build_id_hex(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read `{}`", path.display()))?;
+    let file = object::File::parse(&*bytes).with_context(|| format!("cannot parse `{}`", path.display()))?;
+    let id = file
+        .build_id()?
+        .with_context(|| format!("`{}` has no build-id", path.display()))?;
+    Ok(id.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The debug file of build-id `hex` in the build-id tree `debug_dir`.
+fn debug_file_in_tree(debug_dir: &Path, hex: &str) -> PathBuf {
+    debug_dir
+        .join(".build-id")
+        .join(&hex[..2])
+        .join(format!("{}.debug", &hex[2..]))
+}
+
 /// The file offset of `pgss_store` in `library`, by name, from its debug file in the build-id
 /// tree `debug_dir`: what a uprobe by name attaches to.
 fn offset_by_name(library: &Path, debug_dir: &Path) -> Result<u64> {
     let bytes = std::fs::read(library).with_context(|| format!("cannot read `{}`", library.display()))?;
     let file =
         object::File::parse(&*bytes).with_context(|| format!("cannot parse `{}`", library.display()))?;
-    let id = file
-        .build_id()?
-        .with_context(|| format!("`{}` has no build-id", library.display()))?;
-    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-    let debug_path = debug_dir
-        .join(".build-id")
-        .join(&hex[..2])
-        .join(format!("{}.debug", &hex[2..]));
+    let debug_path = debug_file_in_tree(debug_dir, &build_id_hex(library)?);
     let debug_bytes =
         std::fs::read(&debug_path).with_context(|| format!("cannot read `{}`", debug_path.display()))?;
     let debug = object::File::parse(&*debug_bytes)
@@ -283,5 +295,117 @@ fn a_hook_chained_in_front_by_another_extension_is_skipped() -> Result<()> {
         "pgss_store(exec) counted {} times for {STATEMENTS} statements behind auto_explain",
         traced.exec
     );
+    Ok(())
+}
+
+/// Without --debug-dir, a debuginfod server serving the source build's debug tree provides
+/// pg_stat_statements' debug file: pgss_store is found by name, counts one exec store per
+/// statement, and the file lands in the elfutils-style cache as `<build-id>/debuginfo`.
+#[test]
+fn debuginfod_provides_the_debug_file_pgss_store_is_found_by_name_in() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::no_frame_pointers()?;
+    let debug_dir = install
+        .debug_dir
+        .as_deref()
+        .context("the nofp build has a debug tree")?;
+    let server = DebuginfodServer::serve(debug_dir)?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
+    let library = mapped_library(cluster.postmaster_pid()?, "pg_stat_statements.so")?;
+    let build_id = build_id_hex(&library)?;
+    let status = server.debuginfo_status(&build_id)?;
+    ensure!(
+        status == 200,
+        "debuginfod answers HTTP {status} for pg_stat_statements.so ({build_id}); its log:\n{}",
+        server.log()
+    );
+
+    let cache = tempfile::tempdir()?;
+    let traced = trace_statements_with(&cluster, |trace| {
+        trace
+            .probes("pgss_store")
+            .env("DEBUGINFOD_URLS", server.url())
+            .env("DEBUGINFOD_CACHE_PATH", cache.path())
+    })?;
+    ensure!(
+        !traced.stderr.contains(FOUND_THROUGH_HOOKS),
+        "with the debug file from debuginfod pgss_store must be found by name:\n{}",
+        traced.stderr
+    );
+    ensure!(
+        traced.exec == STATEMENTS,
+        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
+        traced.exec
+    );
+
+    let entry = cache.path().join(&build_id).join("debuginfo");
+    let cached = std::fs::read(&entry).with_context(|| {
+        format!(
+            "no cache entry `{}`; debuginfod's log:\n{}",
+            entry.display(),
+            server.log()
+        )
+    })?;
+    let served = std::fs::read(debug_file_in_tree(debug_dir, &build_id))?;
+    ensure!(
+        cached == served,
+        "`{}` differs from the debug file the server has",
+        entry.display()
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(entry.parent().context("entry has a parent")?)?
+        .filter_map(|e| e.ok().map(|e| e.file_name()))
+        .filter(|name| name != "debuginfo")
+        .collect();
+    ensure!(
+        leftovers.is_empty(),
+        "temporary files left in the cache: {leftovers:?}"
+    );
+    eprintln!(
+        "cache holds {} ({} bytes); debuginfod answered {} requests",
+        entry.display(),
+        cached.len(),
+        server.log().matches(" GET /buildid/").count()
+    );
+    Ok(())
+}
+
+/// A debuginfod server that is down costs nothing but a warning: the trace still finds
+/// pgss_store through the hook functions, counts the same, and nothing is cached.
+#[test]
+fn an_unreachable_debuginfod_falls_back_to_the_hook_functions() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::no_frame_pointers()?;
+    let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
+    // A port nothing listens on: bound, then released.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let url = format!("http://{closed}");
+    let cache = tempfile::tempdir()?;
+    let traced = trace_statements_with(&cluster, |trace| {
+        trace
+            .probes("pgss_store")
+            .env("DEBUGINFOD_URLS", &url)
+            .env("DEBUGINFOD_CACHE_PATH", cache.path())
+    })?;
+    offset_found_through_hooks(&traced.stderr)?;
+    ensure!(
+        traced.exec == STATEMENTS,
+        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
+        traced.exec
+    );
+    ensure!(
+        !traced.stderr.contains("panicked"),
+        "pgscope panicked:\n{}",
+        traced.stderr
+    );
+    // Told once, naming the server, not once per library.
+    let warnings = traced.stderr.matches("no debug file from debuginfod").count();
+    let gives_up = format!("not asking `{url}` again in this run");
+    ensure!(
+        warnings == 1 && traced.stderr.contains(&gives_up),
+        "expected one warning ending with `{gives_up}`, got {warnings}:\n{}",
+        traced.stderr
+    );
+    let cached: Vec<_> = std::fs::read_dir(cache.path())?.collect();
+    ensure!(cached.is_empty(), "the cache is not empty: {cached:?}");
     Ok(())
 }
