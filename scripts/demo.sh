@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make demo: start a throwaway Postgres 15 cluster in a temp dir on a free port, load it with
 # pgbench, profile the whole instance with pgscope for 15 s, print the top functions and write
-# a flamegraph. Everything is torn down at the end, also on Ctrl-C or error.
+# on-CPU and off-CPU flamegraphs. Everything is torn down at the end, also on Ctrl-C or error.
 set -euo pipefail
 source "$(dirname "$0")/lib/pgcluster.sh"
 
@@ -28,4 +28,5 @@ bench_pid=$!
 wait "$bench_pid" 2>/dev/null || true
 bench_pid=
 grep -E '^tps' "$PGC_WORK/pgbench.log" | head -1 | sed 's/^/demo: pgbench /' || true
-echo "demo: open $out_dir/pgscope-demo.svg in a browser to explore the flamegraph"
+echo "demo: open $out_dir/pgscope-demo.svg (on CPU) and $out_dir/pgscope-demo.offcpu.svg (where"
+echo "      backends waited, by wait event) in a browser to explore the flamegraphs"
