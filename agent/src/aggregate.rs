@@ -171,6 +171,15 @@ impl StackAggregator {
         sorted
     }
 
+    /// The databases samples were taken in (`MyDatabaseId`), 0 (no database) left out.
+    pub fn database_oids(&self) -> HashSet<u32> {
+        self.stacks
+            .keys()
+            .filter_map(|key| key.attribution.database_oid)
+            .filter(|&oid| oid != 0)
+            .collect()
+    }
+
     /// Every module some sampled frame lies in.
     pub fn modules(&self) -> HashSet<ModuleId> {
         let mut modules = HashSet::new();
@@ -187,12 +196,14 @@ impl StackAggregator {
     /// Names every frame and builds the profile: frames root first (user root … user leaf,
     /// then kernel entry … kernel leaf), labelled with the process id, what the backend's
     /// status showed (backend type, database, state, queryid, wait event) and the statement
-    /// phase its stack runs under.
+    /// phase its stack runs under. Databases are named from `database_names` (by OID) where it
+    /// has them.
     pub fn to_profile(
         &self,
         symbolizer: &mut Symbolizer,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
+        database_names: &HashMap<u32, String>,
     ) -> Profile {
         let incomplete: Arc<str> = Arc::from(INCOMPLETE_STACK_FRAME);
         let unknown_kernel: Arc<str> = Arc::from("[unknown]");
@@ -241,7 +252,7 @@ impl StackAggregator {
                 });
             }
             let mut labels = vec![("pid".to_string(), key.pid.to_string())];
-            key.attribution.push_labels(&mut labels);
+            key.attribution.push_labels(&mut labels, database_names);
             if let Some(class) = key.off_cpu {
                 labels.push(("off_cpu".to_string(), class.name().to_string()));
             }

@@ -4,6 +4,7 @@
 //! Tests need root (BPF, and `perf -p` on another user's process) and run one at a time:
 //! `cargo test -p pgscope-tests -- --test-threads=1`.
 
+pub mod activity;
 pub mod cluster;
 pub mod compare;
 pub mod connection;

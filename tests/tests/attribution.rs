@@ -9,13 +9,17 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
+use pgscope_tests::activity::{
+    has_labels, label_sets, trace_reading_activity, Activity, Labels, CLIENT_BACKEND,
+};
 use pgscope_tests::workload::{is_md5_frame, is_numeric_frame, CPU_BOUND, MD5_BOUND};
-use pgscope_tests::{require_root_and_bpf, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace};
+use pgscope_tests::{
+    require_root_and_bpf, wait_for, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace,
+};
 
 const FREQUENCY: u32 = 99;
 const AUXILIARY_FREQUENCY: u32 = 499;
 const TRACE_SECS: u64 = 5;
-const CLIENT_BACKEND: &str = "client backend";
 /// A queryid label needs this many samples before the test insists pg_stat_statements knows
 /// it: a statement still running when pgbench is stopped is never recorded there.
 const MIN_SAMPLES_PER_QUERYID: u64 = 3;
@@ -218,125 +222,6 @@ fn check_queryids(
     Ok(ids)
 }
 
-/// One `pg_stat_activity` row, the columns the labels mirror. Empty columns are NULL.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Activity {
-    pid: u32,
-    backend_type: String,
-    datid: Option<String>,
-    state: Option<String>,
-    query_id: Option<String>,
-    wait_event: Option<String>,
-}
-
-/// `backend_type` values of the processes core Postgres 15 starts (`GetBackendTypeDesc`); any
-/// other is a background worker's `bgw_type`.
-const CORE_BACKEND_TYPES: &[&str] = &[
-    "autovacuum launcher",
-    "autovacuum worker",
-    "archiver",
-    "background writer",
-    "checkpointer",
-    "client backend",
-    "logger",
-    "standalone backend",
-    "startup",
-    "walreceiver",
-    "walsender",
-    "walwriter",
-];
-
-impl Activity {
-    /// The rows of `pg_stat_activity`, or only the one of `pid`.
-    fn read(cluster: &PgCluster, pid: Option<u32>) -> Result<Vec<Activity>> {
-        let filter = pid.map_or(String::new(), |pid| format!(" WHERE pid = {pid}"));
-        let out = cluster.psql(&format!(
-            "SELECT pid, backend_type, coalesce(datid::text, ''), coalesce(state, ''), \
-             coalesce(query_id::text, ''), coalesce(wait_event_type || ':' || wait_event, '') \
-             FROM pg_stat_activity{filter} ORDER BY pid"
-        ))?;
-        out.lines()
-            .map(|line| {
-                let fields: Vec<&str> = line.split('|').collect();
-                ensure!(fields.len() == 6, "unexpected pg_stat_activity row `{line}`");
-                let column = |i: usize| (!fields[i].is_empty()).then(|| fields[i].to_owned());
-                Ok(Activity {
-                    pid: fields[0]
-                        .parse()
-                        .with_context(|| format!("bad pid in `{line}`"))?,
-                    backend_type: fields[1].to_owned(),
-                    datid: column(2),
-                    state: column(3),
-                    query_id: column(4),
-                    wait_event: column(5),
-                })
-            })
-            .collect()
-    }
-
-    /// The labels pgscope should put on this process's samples (wait event aside, which changes
-    /// too fast to compare with a read at another moment).
-    fn expected_labels(&self) -> BTreeMap<&'static str, Option<String>> {
-        let is_worker = !CORE_BACKEND_TYPES.contains(&self.backend_type.as_str());
-        // pgscope cannot read a worker's `bgw_type`; it names its BackendType.
-        let backend_type = if is_worker {
-            "background worker".to_owned()
-        } else {
-            self.backend_type.clone()
-        };
-        // pg_stat_activity shows a queryid of 0 as NULL.
-        let runs_queries = is_worker || self.backend_type == CLIENT_BACKEND;
-        let query_id = runs_queries.then(|| self.query_id.clone().unwrap_or_else(|| "0".into()));
-        BTreeMap::from([
-            ("backend_type", Some(backend_type)),
-            ("database", self.datid.clone().filter(|oid| oid != "0")),
-            ("state", self.state.clone()),
-            ("queryid", query_id),
-        ])
-    }
-}
-
-/// Whether `sample` carries exactly `expected` (a `None` value: no such label).
-fn has_labels(sample: &LabeledSample, expected: &BTreeMap<&'static str, Option<String>>) -> bool {
-    expected
-        .iter()
-        .all(|(key, value)| sample.label(key) == value.as_deref())
-}
-
-/// `label=value` pairs of the most frequent label sets among `pid`'s samples.
-fn label_sets(profile: &LabeledProfile, pid: u32, keys: &[&str]) -> String {
-    let mut sets: BTreeMap<String, u64> = BTreeMap::new();
-    for s in profile.samples.iter().filter(|s| s.pid() == Some(pid)) {
-        let set: Vec<String> = keys
-            .iter()
-            .map(|k| format!("{k}={}", s.label(k).unwrap_or("-")))
-            .collect();
-        *sets.entry(set.join(" ")).or_insert(0) += s.count;
-    }
-    let mut sets: Vec<(String, u64)> = sets.into_iter().collect();
-    sets.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
-    sets.iter()
-        .take(4)
-        .map(|(set, n)| format!("{n}× {set}"))
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-/// Runs `trace` while reading `pg_stat_activity` for `pid` over and over; returns every distinct
-/// row seen.
-fn trace_reading_activity(cluster: &PgCluster, trace: &Trace, pid: u32) -> Result<BTreeSet<Activity>> {
-    thread::scope(|scope| {
-        let tracing = scope.spawn(|| trace.run());
-        let mut seen = BTreeSet::new();
-        while !tracing.is_finished() {
-            seen.extend(Activity::read(cluster, Some(pid))?);
-            thread::sleep(Duration::from_millis(100));
-        }
-        tracing.join().expect("the trace thread panicked")?;
-        Ok(seen)
-    })
-}
-
 /// A CPU-bound session traced with `--pid`: its samples carry what pg_stat_activity shows for
 /// it meanwhile. Then the whole instance, with checkpoints and WAL writes going on: auxiliary
 /// processes carry their backend type and no queryid.
@@ -353,7 +238,7 @@ fn labels_agree_with_pg_stat_activity() -> Result<()> {
         .duration_secs(TRACE_SECS)
         .frequency(FREQUENCY)
         .pprof(&pprof);
-    let seen = trace_reading_activity(&cluster, &trace, pid)?;
+    let seen = trace_reading_activity(&cluster, &trace, &format!("pid = {pid}"))?;
     ensure!(
         seen.len() == 1,
         "pg_stat_activity changed for backend {pid} during the trace: {seen:#?}"
@@ -431,7 +316,7 @@ fn check_auxiliary_processes(cluster: &PgCluster, dir: &Path) -> Result<()> {
         tracing.join().expect("the trace thread panicked")?;
         Ok(())
     })?;
-    let activity = Activity::read(cluster, None)?;
+    let activity = Activity::read(cluster, "true")?;
     let profile = LabeledProfile::read_pprof(&pprof)?;
     let by_pid = profile.samples_by_pid();
 
@@ -483,6 +368,120 @@ fn check_auxiliary_processes(cluster: &PgCluster, dir: &Path) -> Result<()> {
         "no samples of any auxiliary process although checkpoints ran; per pid: {by_pid:?}"
     );
     Ok(())
+}
+
+/// Settings under which a scan of [`PARALLEL_TABLE`] gets two parallel workers (the harness
+/// turns parallel query off by default).
+const PARALLEL_SETTINGS: &[(&str, &str)] = &[
+    ("compute_query_id", "on"),
+    ("max_parallel_workers_per_gather", "2"),
+    ("parallel_setup_cost", "0"),
+    ("parallel_tuple_cost", "0"),
+    ("min_parallel_table_scan_size", "0"),
+];
+const PARALLEL_TABLE: &str = "CREATE TABLE parallel_burn AS SELECT g FROM generate_series(1, 1000000) g";
+/// Hashes ~50 KB per row: ~90 µs a row, ~90 s of CPU for the table, so leader and workers stay
+/// on CPU for the whole trace (the session is cancelled at the end).
+const PARALLEL_MD5: &str = "SELECT count(*) FROM parallel_burn WHERE md5(repeat(g::text, 8000)) LIKE 'fff%'";
+const PARALLEL_WORKER: &str = "parallel worker";
+
+/// Parallel workers are background workers; pg_stat_activity names them by their `bgw_type`
+/// ("parallel worker") and shows their leader's queryid. Two of them scan a table with the
+/// leader, all three on CPU for the whole trace: every sample of each carries what
+/// pg_stat_activity shows for it, and the workers' queryid is the leader's.
+#[test]
+fn parallel_workers_carry_their_type_and_the_leaders_queryid() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, PARALLEL_SETTINGS)?;
+    cluster.psql(PARALLEL_TABLE)?;
+    let leader = cluster.spawn_session(PARALLEL_MD5)?;
+    let of_the_query = format!("pid = {0} OR leader_pid = {0}", leader.pid());
+    let workers: Vec<u32> = wait_for("two parallel workers", Duration::from_secs(30), || {
+        let rows = Activity::read(&cluster, &format!("leader_pid = {}", leader.pid()))?;
+        Ok((rows.len() == 2).then(|| rows.iter().map(|row| row.pid).collect()))
+    })
+    .with_context(|| {
+        format!(
+            "pg_stat_activity: {:#?}\nplan: {}\nserver log: {}",
+            Activity::read(&cluster, "true").unwrap_or_default(),
+            cluster
+                .psql(&format!("EXPLAIN {PARALLEL_MD5}"))
+                .unwrap_or_else(|e| e.to_string()),
+            cluster.server_log()
+        )
+    })?;
+    let dir = tempfile::tempdir()?;
+    let pprof = dir.path().join("parallel.pb.gz");
+    let trace = Trace::instance(cluster.data_dir())
+        .duration_secs(TRACE_SECS)
+        .frequency(FREQUENCY)
+        .pprof(&pprof);
+    let seen = trace_reading_activity(&cluster, &trace, &of_the_query)?;
+    let still_running = Activity::read(&cluster, &format!("leader_pid = {}", leader.pid()))?;
+    ensure!(
+        leader.is_active()?
+            && still_running
+                .iter()
+                .map(|row| row.pid)
+                .eq(workers.iter().copied()),
+        "the parallel query or its workers {workers:?} ended during the trace: {still_running:#?}"
+    );
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+
+    // One label set per process: what pg_stat_activity showed for it (its wait event aside).
+    let mut expected: BTreeMap<u32, BTreeSet<Labels>> = BTreeMap::new();
+    for row in &seen {
+        expected.entry(row.pid).or_default().insert(row.expected_labels());
+    }
+    let leader_labels = single_label_set(&expected, leader.pid())?;
+    let leader_queryid = leader_labels["queryid"].clone();
+    ensure!(
+        leader_queryid.as_deref().is_some_and(|q| q != "0"),
+        "the leader has no queryid: {leader_labels:?}"
+    );
+    for &pid in workers.iter().chain([leader.pid()].iter()) {
+        let labels = single_label_set(&expected, pid)?;
+        let n = profile.count_where(|s| s.pid() == Some(pid));
+        let hashing = profile.count_where(|s| s.pid() == Some(pid) && s.any_frame(is_md5_frame));
+        eprintln!(
+            "pid {pid}: {n} samples ({hashing} hashing); pg_stat_activity {labels:?}; label sets: {}",
+            label_sets(&profile, pid, &["backend_type", "database", "state", "queryid"])
+        );
+        if pid != leader.pid() {
+            // What Postgres itself says of its workers, before pgscope is asked the same.
+            ensure!(
+                labels["backend_type"].as_deref() == Some(PARALLEL_WORKER)
+                    && labels["queryid"] == leader_queryid,
+                "pg_stat_activity does not show worker {pid} as a parallel worker with the leader's \
+                 queryid {leader_queryid:?}: {labels:?}"
+            );
+        }
+        // 3 busy processes on 2 cores for 5 s at 99 Hz: ~300 samples each.
+        ensure!(
+            n >= 100 && hashing * 2 >= n,
+            "pid {pid} has {n} samples, {hashing} of them hashing rows: {:?}",
+            profile.samples_by_pid()
+        );
+        let wrong = profile.count_where(|s| s.pid() == Some(pid) && !has_labels(s, labels));
+        ensure!(
+            wrong == 0,
+            "{wrong} of {n} samples of pid {pid} do not carry {labels:?}:\n{}",
+            profile.examples_where(|s| s.pid() == Some(pid) && !has_labels(s, labels), 5)
+        );
+    }
+    Ok(())
+}
+
+/// The one label set `pid`'s pg_stat_activity rows gave.
+fn single_label_set(expected: &BTreeMap<u32, BTreeSet<Labels>>, pid: u32) -> Result<&Labels> {
+    let sets = expected
+        .get(&pid)
+        .with_context(|| format!("pid {pid} never showed in pg_stat_activity"))?;
+    ensure!(
+        sets.len() == 1,
+        "pg_stat_activity changed for pid {pid} during the trace: {sets:#?}"
+    );
+    Ok(sets.iter().next().expect("one set"))
 }
 
 /// `--queryid` keeps only the samples of that query: with `--pid` of the backend running it,

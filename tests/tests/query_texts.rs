@@ -4,7 +4,7 @@
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::workload::CPU_BOUND;
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, LabeledProfile, PgCluster, PgInstall, Trace};
 use serde_json::Value;
 
 fn queries(json: &std::path::Path) -> Result<Vec<Value>> {
@@ -69,6 +69,8 @@ fn busiest_query_is_named_by_its_normalized_text() -> Result<()> {
     Ok(())
 }
 
+/// Without a connection there are no texts and no database names: one line says so, and the
+/// database label stays the OID (pg_stat_activity's `datid`).
 #[test]
 fn unreachable_instance_is_reported_and_the_trace_still_succeeds() -> Result<()> {
     require_root_and_bpf();
@@ -76,14 +78,23 @@ fn unreachable_instance_is_reported_and_the_trace_still_succeeds() -> Result<()>
     let session = cluster.spawn_session(CPU_BOUND)?;
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
+    let pprof = dir.path().join("profile.pb.gz");
     let output = Trace::pid(session.pid())
         .duration_secs(2)
         .json(&json)
+        .pprof(&pprof)
         .conninfo(&format!("host={} port=1 user=postgres", dir.path().display()))
         .output()?;
+    let missing: Vec<&str> = output
+        .stderr
+        .lines()
+        .filter(|line| line.contains("no query texts") || line.contains("database names"))
+        .collect();
     ensure!(
-        output.stderr.contains("no query texts") && output.stderr.contains("--conninfo"),
-        "expected one line saying why there are no texts:\n{}",
+        missing.len() == 1
+            && missing[0].contains("no query texts or database names")
+            && missing[0].contains("--conninfo"),
+        "expected one line saying why there are no texts and no database names:\n{}",
         output.stderr
     );
     let queries = queries(&json)?;
@@ -91,6 +102,16 @@ fn unreachable_instance_is_reported_and_the_trace_still_succeeds() -> Result<()>
     ensure!(
         queries.iter().all(|q| q["query"].is_null()),
         "texts appeared without a connection"
+    );
+    let datid = cluster.psql(&format!(
+        "SELECT datid FROM pg_stat_activity WHERE pid = {}",
+        session.pid()
+    ))?;
+    let databases = LabeledProfile::read_pprof(&pprof)?.label_values("database", |_| true);
+    eprintln!("database labels without a connection: {databases:?} (datid {datid})");
+    ensure!(
+        databases.len() == 1 && databases.contains_key(&Some(datid.clone())),
+        "the database label is not the OID {datid} on every sample: {databases:?}"
     );
     Ok(())
 }

@@ -2,14 +2,18 @@
 //! would show: backend type, database, state, queryid and wait event.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 
+use super::instance_names::InstanceNames;
 use super::VersionTable;
 use crate::bpf::abi::{SampleHeader, ATTR_BACKEND_TYPE, ATTR_DATABASE, ATTR_STATUS, ATTR_WAIT_EVENT};
 
 /// A backend's state at one sample. Part of the aggregation key, so it stays small and hashable.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Attribution {
-    pub backend_type: Option<&'static str>,
+    /// `pg_stat_activity.backend_type`: a background worker's own `bgw_type` when it could be
+    /// read (owned), otherwise the name of its `BackendType`.
+    pub backend_type: Option<Cow<'static, str>>,
     /// OID of the connected database (`MyDatabaseId`); 0 for processes not connected to one.
     pub database_oid: Option<u32>,
     pub state: Option<&'static str>,
@@ -22,18 +26,22 @@ pub struct Attribution {
 
 impl Attribution {
     /// Decodes the attribution fields of a sample; fields the sample could not read stay `None`.
-    pub fn decode(header: &SampleHeader, table: &VersionTable) -> Self {
+    /// `names` supplies what only the server knows (worker types, extension tranche names).
+    pub fn decode(header: &SampleHeader, table: &VersionTable, names: &mut InstanceNames) -> Self {
         let has = |flag: u32| header.attribution & flag != 0;
         let status = has(ATTR_STATUS);
-        let backend_type = has(ATTR_BACKEND_TYPE)
+        let type_name = has(ATTR_BACKEND_TYPE)
             .then(|| (table.backend_type_name)(header.backend_type))
             .flatten();
         // Only statements run queries: client backends and the parallel workers (background
         // workers) that carry their leader's queryid. Auxiliary processes have status entries
-        // too, with a queryid that is always 0.
-        let runs_queries = matches!(backend_type, Some("client backend" | "background worker"));
+        // too, with a queryid that is always 0. Decided on the BackendType, before a worker
+        // gets its bgw_type, so that every kind of worker keeps its queryid.
+        let runs_queries = matches!(type_name, Some("client backend" | "background worker"));
+        let is_worker = has(ATTR_BACKEND_TYPE) && header.backend_type == table.bg_worker_backend_type;
+        let worker_type = is_worker.then(|| names.worker_type(table, header.tgid)).flatten();
         Self {
-            backend_type,
+            backend_type: worker_type.map(Cow::Owned).or(type_name.map(Cow::Borrowed)),
             database_oid: has(ATTR_DATABASE).then_some(header.database_id),
             state: status
                 .then(|| (table.backend_state_name)(header.backend_state))
@@ -41,18 +49,24 @@ impl Attribution {
             // PG14-17 keep it as uint64 and SQL shows it as bigint: same bits, signed.
             query_id: (status && runs_queries).then_some(header.query_id as i64),
             wait_event: has(ATTR_WAIT_EVENT)
-                .then(|| (table.wait_event_name)(header.wait_event_info))
+                .then(|| names.wait_event(table, header.wait_event_info))
                 .flatten(),
         }
     }
 
-    /// The sample labels, with the names used in every output (pprof, Pyroscope).
-    pub fn push_labels(&self, labels: &mut Vec<(String, String)>) {
-        if let Some(backend_type) = self.backend_type {
-            labels.push(("backend_type".into(), backend_type.into()));
+    /// The sample labels, with the names used in every output (pprof, Pyroscope). The database
+    /// is named as `pg_stat_activity.datname` when `database_names` has its OID, and by the OID
+    /// otherwise.
+    pub fn push_labels(&self, labels: &mut Vec<(String, String)>, database_names: &HashMap<u32, String>) {
+        if let Some(backend_type) = &self.backend_type {
+            labels.push(("backend_type".into(), backend_type.to_string()));
         }
         if let Some(oid) = self.database_oid.filter(|&oid| oid != 0) {
-            labels.push(("database".into(), oid.to_string()));
+            let name = database_names
+                .get(&oid)
+                .cloned()
+                .unwrap_or_else(|| oid.to_string());
+            labels.push(("database".into(), name));
         }
         if let Some(state) = self.state {
             labels.push(("state".into(), state.into()));
@@ -70,6 +84,7 @@ impl Attribution {
 mod tests {
     use super::*;
     use crate::bpf::abi::KERNEL_FRAMES_MAX;
+    use crate::postgres::v15::TABLE;
 
     fn header(attribution: u32) -> SampleHeader {
         SampleHeader {
@@ -96,11 +111,25 @@ mod tests {
         }
     }
 
+    fn decode(header: &SampleHeader) -> Attribution {
+        Attribution::decode(header, &TABLE, &mut InstanceNames::default())
+    }
+
+    fn labels(attribution: &Attribution, database_names: &HashMap<u32, String>) -> Vec<(String, String)> {
+        let mut labels = Vec::new();
+        attribution.push_labels(&mut labels, database_names);
+        labels
+    }
+
+    fn label(key: &str, value: &str) -> (String, String) {
+        (key.into(), value.into())
+    }
+
     #[test]
     fn decodes_every_field_that_was_read() {
         let all = ATTR_BACKEND_TYPE | ATTR_DATABASE | ATTR_STATUS | ATTR_WAIT_EVENT;
-        let attribution = Attribution::decode(&header(all), &crate::postgres::v15::TABLE);
-        assert_eq!(attribution.backend_type, Some("client backend"));
+        let attribution = decode(&header(all));
+        assert_eq!(attribution.backend_type.as_deref(), Some("client backend"));
         assert_eq!(attribution.database_oid, Some(16384));
         assert_eq!(attribution.state, Some("active"));
         assert_eq!(attribution.query_id, Some(-42));
@@ -108,10 +137,12 @@ mod tests {
             attribution.wait_event,
             Some(("IO", Cow::Borrowed("DataFileRead")))
         );
-        let mut labels = Vec::new();
-        attribution.push_labels(&mut labels);
-        assert!(labels.contains(&("queryid".into(), "-42".into())));
-        assert!(labels.contains(&("wait_event".into(), "IO:DataFileRead".into())));
+        let unnamed = labels(&attribution, &HashMap::new());
+        assert!(unnamed.contains(&label("queryid", "-42")));
+        assert!(unnamed.contains(&label("wait_event", "IO:DataFileRead")));
+        assert!(unnamed.contains(&label("database", "16384")));
+        let named = labels(&attribution, &HashMap::from([(16384, "shop".to_string())]));
+        assert!(named.contains(&label("database", "shop")), "{named:?}");
     }
 
     #[test]
@@ -119,15 +150,35 @@ mod tests {
         let mut walwriter = header(ATTR_BACKEND_TYPE | ATTR_STATUS);
         walwriter.backend_type = 10;
         walwriter.query_id = 0;
-        let attribution = Attribution::decode(&walwriter, &crate::postgres::v15::TABLE);
-        assert_eq!(attribution.backend_type, Some("walwriter"));
+        let attribution = decode(&walwriter);
+        assert_eq!(attribution.backend_type.as_deref(), Some("walwriter"));
         assert_eq!(attribution.query_id, None);
     }
 
     #[test]
+    fn background_workers_are_named_by_their_type_and_keep_the_queryid() {
+        let mut worker = header(ATTR_BACKEND_TYPE | ATTR_STATUS);
+        worker.backend_type = TABLE.bg_worker_backend_type;
+        worker.tgid = std::process::id();
+        // A BackgroundWorker in this process's memory, as MyBgworkerEntry points to one.
+        let mut entry = vec![0u8; (TABLE.bgw_type_offset + TABLE.bgw_maxlen) as usize];
+        let offset = TABLE.bgw_type_offset as usize;
+        entry[offset..offset + 15].copy_from_slice(b"parallel worker");
+        let entry_global = std::hint::black_box(entry.as_ptr()) as u64;
+        let mut names = InstanceNames::with_worker_entry(&entry_global as *const u64 as u64);
+        let attribution = Attribution::decode(&worker, &TABLE, &mut names);
+        assert_eq!(attribution.backend_type.as_deref(), Some("parallel worker"));
+        assert_eq!(attribution.query_id, Some(-42));
+        // Its type unknown, it is what its BackendType says, still with the queryid.
+        let attribution = decode(&worker);
+        assert_eq!(attribution.backend_type.as_deref(), Some("background worker"));
+        assert_eq!(attribution.query_id, Some(-42));
+    }
+
+    #[test]
     fn fields_not_read_are_absent() {
-        let attribution = Attribution::decode(&header(ATTR_BACKEND_TYPE), &crate::postgres::v15::TABLE);
-        assert_eq!(attribution.backend_type, Some("client backend"));
+        let attribution = decode(&header(ATTR_BACKEND_TYPE));
+        assert_eq!(attribution.backend_type.as_deref(), Some("client backend"));
         assert_eq!(attribution.query_id, None);
         assert_eq!(attribution.state, None);
         assert_eq!(attribution.wait_event, None);

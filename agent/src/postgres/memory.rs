@@ -1,5 +1,6 @@
 //! Reading a Postgres process's memory from outside, for values its probes only point to
-//! (e.g. the `__FILE__` and `__func__` strings of an `s_lock` call site).
+//! (e.g. the `__FILE__` and `__func__` strings of an `s_lock` call site) and names that live in
+//! the server (extension LWLock tranches, background workers' types).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -19,6 +20,13 @@ pub fn read_u64(pid: u32, address: u64) -> Result<u64> {
     let mut bytes = [0u8; 8];
     read_exact(pid, address, &mut bytes)?;
     Ok(u64::from_ne_bytes(bytes))
+}
+
+/// The native-endian `i32` (a C `int`) at `address` in process `pid`.
+pub fn read_i32(pid: u32, address: u64) -> Result<i32> {
+    let mut bytes = [0u8; 4];
+    read_exact(pid, address, &mut bytes)?;
+    Ok(i32::from_ne_bytes(bytes))
 }
 
 /// The NUL-terminated string at `address` in process `pid`, at most `max_len` bytes long.
@@ -67,6 +75,8 @@ mod tests {
             value
         );
         assert!(read_u64(pid, 8).is_err());
+        let int: i32 = -75;
+        assert_eq!(read_i32(pid, &int as *const i32 as u64).expect("readable"), -75);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! majors lives in one module per major (`v15`); this module picks one or refuses.
 
 pub mod attribution;
+pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;
 pub mod phase;
@@ -30,6 +31,24 @@ pub struct VersionTable {
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.
     pub st_query_id_offset: u32,
+    /// `B_BG_WORKER`: the `BackendType` of background workers, which `pg_stat_activity` names
+    /// by their `bgw_type` instead.
+    pub bg_worker_backend_type: u32,
+    /// `offsetof(BackgroundWorker, bgw_type)` (`postmaster/bgworker.h`).
+    pub bgw_type_offset: u32,
+    /// `BGW_MAXLEN`: the size of the `bgw_type` array, NUL included.
+    pub bgw_maxlen: u32,
+    /// `PG_WAIT_LWLOCK`: the wait-event class of LWLock waits (`utils/wait_event.h`).
+    pub pg_wait_lwlock: u32,
+    /// `LWTRANCHE_FIRST_USER_DEFINED`: tranche ids from here on are assigned at run time, to
+    /// extensions (`storage/lwlock.h`).
+    pub lwtranche_first_user_defined: u32,
+    /// `sizeof(NamedLWLockTranche)`, the stride of `NamedLWLockTrancheArray`.
+    pub named_lwlock_tranche_size: u32,
+    /// `offsetof(NamedLWLockTranche, trancheId)`.
+    pub tranche_id_offset: u32,
+    /// `offsetof(NamedLWLockTranche, trancheName)`.
+    pub tranche_name_offset: u32,
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,

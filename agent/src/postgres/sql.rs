@@ -1,5 +1,5 @@
-//! Facts only SQL can give, read at the end of a trace: the normalized query texts of
-//! pg_stat_statements. By default pgscope connects through the instance's own Unix socket (its
+//! Facts only SQL can give, read at the end of a trace over one connection: the normalized query
+//! texts of pg_stat_statements and the names of the databases. By default pgscope connects through the instance's own Unix socket (its
 //! directory and port are in `postmaster.pid`) as the OS user that owns the data directory, so
 //! that peer authentication works as it does for `sudo -u postgres psql`; `--conninfo` says
 //! otherwise. Texts are normalized by Postgres (`$1` for constants): parameters never leave the
@@ -119,7 +119,14 @@ async fn connect_as(config: &Config, uid: u32) -> Result<Client> {
     Ok(client)
 }
 
-async fn connect(target: &Connect) -> Result<Client> {
+/// A connection to the instance.
+pub async fn connect(target: &Connect) -> Result<Client> {
+    connect_to(target)
+        .await
+        .with_context(|| format!("connecting through {}", target.describe()))
+}
+
+async fn connect_to(target: &Connect) -> Result<Client> {
     match target {
         Connect::Conninfo(info) => {
             let config: Config = info.parse().context("parsing --conninfo")?;
@@ -162,10 +169,7 @@ async fn connect(target: &Connect) -> Result<Client> {
 }
 
 /// Normalized texts of `query_ids` from pg_stat_statements (those it still holds).
-pub async fn query_texts(target: &Connect, query_ids: &[i64]) -> Result<HashMap<i64, String>> {
-    let client = connect(target)
-        .await
-        .with_context(|| format!("connecting through {}", target.describe()))?;
+pub async fn query_texts(client: &Client, query_ids: &[i64]) -> Result<HashMap<i64, String>> {
     let rows = client
         .query(
             "SELECT queryid, query FROM pg_stat_statements WHERE queryid = ANY($1)",
@@ -180,4 +184,20 @@ pub async fn query_texts(target: &Connect, query_ids: &[i64]) -> Result<HashMap<
         texts.insert(query_id, text);
     }
     Ok(texts)
+}
+
+/// `pg_database.datname` by OID, as `pg_stat_activity.datname` shows it (pg_database is shared
+/// by all databases, so any connection sees every one).
+pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
+    let rows = client
+        .query("SELECT oid, datname::text FROM pg_database", &[])
+        .await
+        .context("reading pg_database")?;
+    let mut names = HashMap::new();
+    for row in rows {
+        let oid: u32 = row.try_get(0).context("pg_database.oid")?;
+        let name: String = row.try_get(1).context("pg_database.datname")?;
+        names.insert(oid, name);
+    }
+    Ok(names)
 }

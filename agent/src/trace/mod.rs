@@ -12,9 +12,11 @@ mod progress;
 mod queries;
 mod report;
 mod spin_sites;
+mod sql_facts;
 mod statement_clock;
 
-use std::collections::{HashMap, HashSet};
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,7 +32,7 @@ use crate::bpf::abi::{
     Counter, OffCpuClass, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_OFF_CPU, TARGET_PROFILE,
 };
 use crate::bpf::OnCpuProbes;
-use crate::postgres::{self, attribution::Attribution, sql, VersionTable};
+use crate::postgres::{self, attribution::Attribution, instance_names::InstanceNames, VersionTable};
 use crate::preflight;
 use crate::target::{self, Target};
 use probe_set::ProbeSet;
@@ -100,6 +102,24 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         }
     } else {
         0
+    };
+    // Read once: the postmaster fills the named tranches in at startup, and every process of
+    // the instance has MyBgworkerEntry at the same address.
+    let instance_names = match &version_table {
+        Some((_, table)) => match InstanceNames::resolve(layout_source, table) {
+            Ok(names) => {
+                debug!(tranches = names.tranche_count(), "named LWLock tranches read");
+                names
+            }
+            Err(error) => {
+                eprintln!(
+                    "pgscope: extension LWLock waits show as `LWLock:extension` and background workers \
+                     as `background worker`: {error:#}"
+                );
+                InstanceNames::default()
+            }
+        },
+        None => InstanceNames::default(),
     };
     match &target {
         Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE | off_cpu_flag)?,
@@ -206,6 +226,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         layout_pid,
         live_pids: HashSet::new(),
         version: version_table.map(|(_, table)| table),
+        instance_names,
         query_filter: options.query_id,
         filtered_out: 0,
         live: live::LiveCounts::default(),
@@ -261,75 +282,23 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
-    let query_texts = fetch_query_texts(&options, layout_source, &session, &probe_results).await;
-    off_cpu::add_totals(
-        &mut session.off_cpu,
-        &off_cpu_totals,
-        session.version,
-        session.layout_pid,
-    );
-    off_cpu::add_open_waits(
-        &mut session.off_cpu,
-        &open_waits,
-        session.version,
-        session.layout_pid,
-    );
+    let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results).await;
+    let mut labels = off_cpu::Labeller {
+        version: session.version,
+        names: &mut session.instance_names,
+        postmaster: session.layout_pid,
+    };
+    off_cpu::add_totals(&mut session.off_cpu, &off_cpu_totals, &mut labels);
+    off_cpu::add_open_waits(&mut session.off_cpu, &open_waits, &mut labels);
     let measured = report::Measured {
         counters,
         probe_results,
         kernel,
         start_unix_nanos,
         elapsed,
-        query_texts,
+        sql_facts,
     };
     report::finish(&options, &target, session, measured)
-}
-
-/// Texts of the queries the summary names, from pg_stat_statements; empty (with one line saying
-/// why) when the instance cannot be reached.
-async fn fetch_query_texts(
-    options: &TraceOptions,
-    pid: u32,
-    session: &Session,
-    probe_results: &probes::ProbeResults,
-) -> HashMap<i64, String> {
-    let mut wanted: Vec<i64> = session
-        .aggregator
-        .query_ids()
-        .into_iter()
-        .take(options.top)
-        .map(|(query_id, _)| query_id)
-        .collect();
-    wanted.extend(
-        probe_results
-            .by_query()
-            .iter()
-            .take(options.top)
-            .map(|((query_id, _), _)| *query_id),
-    );
-    wanted.retain(|&q| q != 0);
-    wanted.sort_unstable();
-    wanted.dedup();
-    if wanted.is_empty() {
-        return HashMap::new();
-    }
-    let target = match &options.conninfo {
-        Some(info) => Ok(sql::Connect::Conninfo(info.clone())),
-        None => sql::Connect::for_process(pid),
-    };
-    match target {
-        Ok(target) => match sql::query_texts(&target, &wanted).await {
-            Ok(texts) => texts,
-            Err(error) => {
-                eprintln!("pgscope: no query texts: {error:#}; pass --conninfo to name a connection");
-                HashMap::new()
-            }
-        },
-        Err(error) => {
-            eprintln!("pgscope: no query texts: {error:#}");
-            HashMap::new()
-        }
-    }
 }
 
 /// SIGINT and SIGTERM end a trace early, with its output written.
@@ -363,6 +332,8 @@ pub(crate) struct Session {
     off_cpu_measured: bool,
     /// How to decode attribution, when the layout could be resolved.
     version: Option<&'static VersionTable>,
+    /// Names only the server knows: extension tranches, background workers' types.
+    instance_names: InstanceNames,
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     pub filtered_out: u64,
@@ -381,12 +352,12 @@ impl Session {
         };
         let header = record.header;
         let mut attribution = match self.version {
-            Some(table) => Attribution::decode(&header, table),
+            Some(table) => Attribution::decode(&header, table, &mut self.instance_names),
             None => Attribution::default(),
         };
         // Postgres calls the postmaster's type "not initialized"; say what it is.
         if self.layout_pid == Some(header.tgid) {
-            attribution.backend_type = Some("postmaster");
+            attribution.backend_type = Some(Cow::Borrowed("postmaster"));
         }
         if let Some(wanted) = self.query_filter {
             if attribution.query_id != Some(wanted) {
@@ -436,8 +407,8 @@ impl Session {
         self.version.map(|table| table.major)
     }
 
-    /// Drops the symbolizer's per-process state of exited processes: PIDs are reused, and a new
-    /// process must not be unwound with an old one's mappings.
+    /// Drops the per-process state of exited processes: PIDs are reused, and a new process must
+    /// not be unwound with an old one's mappings nor named by an old one's worker type.
     fn forget_exited(&mut self) {
         let exited: Vec<u32> = self
             .live_pids
@@ -447,6 +418,7 @@ impl Session {
             .collect();
         for pid in exited {
             self.symbolizer.forget_process(pid);
+            self.instance_names.forget(pid);
             self.live_pids.remove(&pid);
         }
     }

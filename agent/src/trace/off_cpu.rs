@@ -13,6 +13,7 @@ use exporters::{FrameKind, Profile};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution, SampleHeader};
 use crate::postgres::attribution::Attribution;
+use crate::postgres::instance_names::InstanceNames;
 use crate::postgres::VersionTable;
 
 /// The frame of waits measured without a stack because they were short.
@@ -74,37 +75,43 @@ pub fn beside(path: &Path) -> PathBuf {
     path.with_file_name(format!("{stem}.offcpu{extension}"))
 }
 
-/// Labels of a wait of process `tgid`: the attribution it had when it blocked, and its class.
-/// The postmaster has no wait events and no backend type of its own; it only waits for
-/// connections and children (idle), and is named.
-pub fn classify(
-    tgid: u32,
-    attr: &RawAttribution,
-    version: Option<&VersionTable>,
-    postmaster: Option<u32>,
-) -> Option<(Attribution, OffCpuClass)> {
-    let mut class = OffCpuClass::from_raw(attr.off_cpu_class)?;
-    let header = SampleHeader::with_attribution(tgid, attr);
-    let mut attribution =
-        version.map_or_else(Attribution::default, |table| Attribution::decode(&header, table));
-    if postmaster == Some(tgid) {
-        attribution.backend_type = Some("postmaster");
-        if class == OffCpuClass::Latch {
-            class = OffCpuClass::Idle;
+/// What decodes the attribution of waits measured without a stack.
+pub struct Labeller<'a> {
+    pub version: Option<&'static VersionTable>,
+    pub names: &'a mut InstanceNames,
+    /// The instance's postmaster, when the whole instance is traced.
+    pub postmaster: Option<u32>,
+}
+
+impl Labeller<'_> {
+    /// Labels of a wait of process `tgid`: the attribution it had when it blocked, and its
+    /// class. The postmaster has no wait events and no backend type of its own; it only waits
+    /// for connections and children (idle), and is named.
+    pub fn classify(&mut self, tgid: u32, attr: &RawAttribution) -> Option<(Attribution, OffCpuClass)> {
+        let mut class = OffCpuClass::from_raw(attr.off_cpu_class)?;
+        let header = SampleHeader::with_attribution(tgid, attr);
+        let mut attribution = match self.version {
+            Some(table) => Attribution::decode(&header, table, self.names),
+            None => Attribution::default(),
+        };
+        if self.postmaster == Some(tgid) {
+            attribution.backend_type = Some("postmaster".into());
+            if class == OffCpuClass::Latch {
+                class = OffCpuClass::Idle;
+            }
         }
+        Some((attribution, class))
     }
-    Some((attribution, class))
 }
 
 /// Adds the kernel's totals of waits that came without a stack.
 pub fn add_totals(
     aggregator: &mut StackAggregator,
     totals: &[(OffCpuKey, OffCpuTotal)],
-    version: Option<&VersionTable>,
-    postmaster: Option<u32>,
+    labels: &mut Labeller<'_>,
 ) {
     for (key, total) in totals {
-        let Some((attribution, class)) = classify(key.tgid, &key.attr, version, postmaster) else {
+        let Some((attribution, class)) = labels.classify(key.tgid, &key.attr) else {
             continue;
         };
         let frame = match class {
@@ -124,11 +131,10 @@ pub const OPEN_FRAME: &str = "[still off CPU when the trace ended]";
 pub fn add_open_waits(
     aggregator: &mut StackAggregator,
     open: &[(u32, RawAttribution, u64)],
-    version: Option<&VersionTable>,
-    postmaster: Option<u32>,
+    labels: &mut Labeller<'_>,
 ) {
     for (tgid, attr, ns) in open {
-        let Some((attribution, class)) = classify(*tgid, attr, version, postmaster) else {
+        let Some((attribution, class)) = labels.classify(*tgid, attr) else {
             continue;
         };
         let frame = if class == OffCpuClass::Idle {

@@ -22,8 +22,8 @@ pub(super) struct Measured {
     pub kernel: Option<KernelSymbols>,
     pub start_unix_nanos: u64,
     pub elapsed: Duration,
-    /// Normalized texts from pg_stat_statements, when the instance could be reached.
-    pub query_texts: HashMap<i64, String>,
+    /// Query texts and database names, when the instance could be reached.
+    pub sql_facts: super::sql_facts::SqlFacts,
 }
 
 pub(super) fn finish(
@@ -38,12 +38,17 @@ pub(super) fn finish(
         kernel,
         start_unix_nanos,
         elapsed,
-        query_texts,
+        sql_facts,
     } = measured;
+    let super::sql_facts::SqlFacts {
+        query_texts,
+        database_names,
+    } = sql_facts;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
-    let profile = session
-        .aggregator
-        .to_profile(&mut session.symbolizer, kernel.as_ref(), meta);
+    let profile =
+        session
+            .aggregator
+            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta, &database_names);
     let stats = session.aggregator.stats();
     let root_labels = match target {
         Target::Backend(_) => Vec::new(),
@@ -89,7 +94,7 @@ pub(super) fn finish(
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
         session
             .off_cpu
-            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta)
+            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta, &database_names)
     });
     if let Some(off_cpu) = &off_cpu_profile {
         println!(

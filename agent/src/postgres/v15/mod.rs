@@ -1,6 +1,7 @@
-//! PostgreSQL 15. Offsets are `offsetof` in the server headers (`postgresql-server-dev-15`,
-//! `utils/backend_status.h`): `tests::offsets_match_the_server_headers` recomputes them with a
-//! C program, `agent/tests/pg15_names.rs` decodes live backends' memory against
+//! PostgreSQL 15. Offsets, sizes and constants come from the server headers
+//! (`postgresql-server-dev-15`: `utils/backend_status.h`, `postmaster/bgworker.h`,
+//! `storage/lwlock.h`, `utils/wait_event.h`): `tests::offsets_match_the_server_headers`
+//! recomputes them with a C program, `agent/tests/pg15_names.rs` decodes live backends' memory against
 //! `pg_stat_activity`, and `tests/tests/attribution.rs` checks the sample labels end to end.
 
 pub mod names;
@@ -12,6 +13,14 @@ pub static TABLE: VersionTable = VersionTable {
     st_changecount_offset: 0,
     st_state_offset: 232,
     st_query_id_offset: 424,
+    bg_worker_backend_type: 4,
+    bgw_type_offset: 96,
+    bgw_maxlen: 96,
+    pg_wait_lwlock: 0x0100_0000,
+    lwtranche_first_user_defined: 75,
+    named_lwlock_tranche_size: 16,
+    tranche_id_offset: 0,
+    tranche_name_offset: 8,
     backend_type_name: names::backend_type,
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
@@ -34,12 +43,20 @@ mod tests {
 #undef printf
 #include <stddef.h>
 #include <stdio.h>
+#include "miscadmin.h"
+#include "postmaster/bgworker.h"
+#include "storage/lwlock.h"
 #include "utils/backend_status.h"
+#include "utils/wait_event.h"
 
 int main(void)
 {
     printf("%zu %zu %zu\n", offsetof(PgBackendStatus, st_changecount), offsetof(PgBackendStatus, st_state),
            offsetof(PgBackendStatus, st_query_id));
+    printf("%u %zu %u\n", (unsigned) B_BG_WORKER, offsetof(BackgroundWorker, bgw_type), (unsigned) BGW_MAXLEN);
+    printf("%u %u\n", (unsigned) PG_WAIT_LWLOCK, (unsigned) LWTRANCHE_FIRST_USER_DEFINED);
+    printf("%zu %zu %zu\n", sizeof(NamedLWLockTranche), offsetof(NamedLWLockTranche, trancheId),
+           offsetof(NamedLWLockTranche, trancheName));
     return 0;
 }
 "#;
@@ -94,19 +111,51 @@ int main(void)
             .expect("cannot run the offsets program");
         assert!(run.status.success(), "the offsets program failed: {}", run.status);
         let stdout = String::from_utf8_lossy(&run.stdout);
-        let offsets: Vec<u32> = stdout
-            .split_whitespace()
-            .map(|n| n.parse().expect("the offsets program prints numbers"))
+        let lines: Vec<Vec<u32>> = stdout
+            .lines()
+            .map(|line| {
+                line.split_whitespace()
+                    .map(|n| n.parse().expect("the offsets program prints numbers"))
+                    .collect()
+            })
             .collect();
+        let expected = [
+            (
+                "offsetof(PgBackendStatus, st_changecount / st_state / st_query_id)",
+                vec![
+                    TABLE.st_changecount_offset,
+                    TABLE.st_state_offset,
+                    TABLE.st_query_id_offset,
+                ],
+            ),
+            (
+                "B_BG_WORKER, offsetof(BackgroundWorker, bgw_type), BGW_MAXLEN",
+                vec![
+                    TABLE.bg_worker_backend_type,
+                    TABLE.bgw_type_offset,
+                    TABLE.bgw_maxlen,
+                ],
+            ),
+            (
+                "PG_WAIT_LWLOCK, LWTRANCHE_FIRST_USER_DEFINED",
+                vec![TABLE.pg_wait_lwlock, TABLE.lwtranche_first_user_defined],
+            ),
+            (
+                "sizeof(NamedLWLockTranche), offsetof(NamedLWLockTranche, trancheId / trancheName)",
+                vec![
+                    TABLE.named_lwlock_tranche_size,
+                    TABLE.tranche_id_offset,
+                    TABLE.tranche_name_offset,
+                ],
+            ),
+        ];
         assert_eq!(
-            offsets,
-            [
-                TABLE.st_changecount_offset,
-                TABLE.st_state_offset,
-                TABLE.st_query_id_offset
-            ],
-            "offsetof(PgBackendStatus, st_changecount / st_state / st_query_id) in the server headers \
-             vs. v15::TABLE"
+            lines.len(),
+            expected.len(),
+            "the offsets program printed:\n{stdout}"
         );
+        for ((what, table), headers) in expected.iter().zip(&lines) {
+            assert_eq!(headers, table, "{what} in the server headers vs. v15::TABLE");
+        }
     }
 }

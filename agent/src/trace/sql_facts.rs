@@ -1,0 +1,91 @@
+//! What a trace reads over SQL once the probes are detached: the texts of the queries the
+//! summary names and the names of the sampled databases, over one connection. Best effort: when
+//! the instance cannot be reached, one line says what is missing and why.
+
+use std::collections::HashMap;
+
+use super::probes::ProbeResults;
+use super::{Session, TraceOptions};
+use crate::postgres::sql;
+
+/// Query texts by queryid and database names by OID; empty when they could not be read.
+#[derive(Debug, Default)]
+pub struct SqlFacts {
+    pub query_texts: HashMap<i64, String>,
+    pub database_names: HashMap<u32, String>,
+}
+
+/// Connects through `--conninfo` or the socket of `pid`'s instance if the samples name a query
+/// or a database, and reads what they need.
+pub async fn fetch(
+    options: &TraceOptions,
+    pid: u32,
+    session: &Session,
+    probe_results: &ProbeResults,
+) -> SqlFacts {
+    let query_ids = wanted_query_ids(options, session, probe_results);
+    let texts = !query_ids.is_empty();
+    let databases = !session.aggregator.database_oids().is_empty();
+    // What the one line about a failed connection says is missing.
+    let missing = match (texts, databases) {
+        (false, false) => return SqlFacts::default(),
+        (true, true) => "query texts or database names (database labels stay OIDs)",
+        (true, false) => "query texts",
+        (false, true) => "database names (database labels stay OIDs)",
+    };
+    let target = match &options.conninfo {
+        Some(info) => sql::Connect::Conninfo(info.clone()),
+        None => match sql::Connect::for_process(pid) {
+            Ok(target) => target,
+            Err(error) => {
+                eprintln!("pgscope: no {missing}: {error:#}");
+                return SqlFacts::default();
+            }
+        },
+    };
+    let client = match sql::connect(&target).await {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("pgscope: no {missing}: {error:#}; pass --conninfo to name a connection");
+            return SqlFacts::default();
+        }
+    };
+    let mut facts = SqlFacts::default();
+    if texts {
+        match sql::query_texts(&client, &query_ids).await {
+            Ok(texts) => facts.query_texts = texts,
+            Err(error) => {
+                eprintln!("pgscope: no query texts: {error:#}; pass --conninfo to name a connection")
+            }
+        }
+    }
+    if databases {
+        match sql::database_names(&client).await {
+            Ok(names) => facts.database_names = names,
+            Err(error) => eprintln!("pgscope: no database names (database labels stay OIDs): {error:#}"),
+        }
+    }
+    facts
+}
+
+/// The non-zero queryids the summary shows: the busiest by samples and by probe calls.
+fn wanted_query_ids(options: &TraceOptions, session: &Session, probe_results: &ProbeResults) -> Vec<i64> {
+    let mut wanted: Vec<i64> = session
+        .aggregator
+        .query_ids()
+        .into_iter()
+        .take(options.top)
+        .map(|(query_id, _)| query_id)
+        .collect();
+    wanted.extend(
+        probe_results
+            .by_query()
+            .iter()
+            .take(options.top)
+            .map(|((query_id, _), _)| *query_id),
+    );
+    wanted.retain(|&q| q != 0);
+    wanted.sort_unstable();
+    wanted.dedup();
+    wanted
+}

@@ -1,0 +1,101 @@
+//! Off-CPU time under pg_stat_statements eviction storms: with `pg_stat_statements.max` below
+//! the number of distinct statements, every new entry evicts others under the extension's
+//! exclusive LWLock, and backends queue on it (`LWLock:pg_stat_statements`, futex waits).
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
+
+/// pgbench script i: a transaction of eight selects, each on its own table, so that the 16
+/// scripts make 128 distinct statements (the published reproduction of pg_stat_statements
+/// eviction storms).
+fn eviction_scripts(dir: &std::path::Path) -> Result<Vec<String>> {
+    let mut args = Vec::new();
+    for script in 0..16 {
+        let mut text = String::from("BEGIN;\n");
+        for table in 0..8 {
+            text.push_str(&format!("SELECT 1 FROM t{};\n", script * 8 + table + 1));
+        }
+        text.push_str("COMMIT;\n");
+        let path = dir.join(format!("script{script}.sql"));
+        std::fs::write(&path, text).with_context(|| format!("cannot write `{}`", path.display()))?;
+        // Readable by the postgres user that runs pgbench.
+        args.push("-f".to_owned());
+        args.push(path.display().to_string());
+    }
+    Ok(args)
+}
+
+/// Off-CPU time in pg_stat_statements' LWLock while 16 clients run 128 distinct statements,
+/// with `pg_stat_statements.max` = `max`.
+fn pgss_lock_wait_ns(max: &str) -> Result<(u64, u64)> {
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("pg_stat_statements.max", max)])?;
+    let mut ddl = String::new();
+    for table in 1..=128 {
+        ddl.push_str(&format!(
+            "CREATE TABLE t{table} (x int); INSERT INTO t{table} VALUES (1);"
+        ));
+    }
+    cluster.psql(&ddl)?;
+    let scripts = tempfile::tempdir()?;
+    // pgbench runs as the cluster's OS user: let it read the scripts.
+    std::fs::set_permissions(
+        scripts.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    let mut args = eviction_scripts(scripts.path())?;
+    args.extend(["-n", "-c", "16", "-j", "2", "-T", "8"].map(String::from));
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
+    let trace = Trace::instance(cluster.data_dir())
+        .duration_secs(600)
+        .json(&json)
+        .spawn()?;
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report = cluster.pgbench(&arg_refs)?;
+    trace.interrupt()?;
+    let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
+    let summary = TraceSummary::read(&json)?;
+    let waits = summary.off_cpu_by_wait()?;
+    let lock_ns: u64 = waits
+        .iter()
+        .filter(|w| w.wait_event == "LWLock:pg_stat_statements")
+        .map(|w| w.ns)
+        .sum();
+    let client_ns: u64 = waits
+        .iter()
+        .filter(|w| w.backend_type == "client backend" && w.off_cpu != "idle")
+        .map(|w| w.ns)
+        .sum();
+    let tps = report
+        .lines()
+        .find(|l| l.starts_with("tps"))
+        .unwrap_or("no tps line");
+    eprintln!(
+        "pg_stat_statements.max = {max}: {:.1} ms off CPU in LWLock:pg_stat_statements of {:.1} ms \
+         off CPU in client backends (not idle); dealloc {dealloc}; {tps}",
+        lock_ns as f64 / 1e6,
+        client_ns as f64 / 1e6
+    );
+    Ok((lock_ns, client_ns))
+}
+
+#[test]
+fn pg_stat_statements_evictions_show_as_lwlock_waits() -> Result<()> {
+    require_root_and_bpf();
+    let (storm, storm_total) = pgss_lock_wait_ns("100")?;
+    let (calm, calm_total) = pgss_lock_wait_ns("5000")?;
+    let share = |ns: u64, total: u64| ns as f64 / total.max(1) as f64;
+    ensure!(
+        storm > 0,
+        "no off-CPU time in LWLock:pg_stat_statements with 128 statements and max = 100"
+    );
+    ensure!(
+        share(storm, storm_total) > 5.0 * share(calm, calm_total) && storm > 5 * calm,
+        "LWLock:pg_stat_statements waits are not clearly larger with max = 100 ({storm} ns, {:.1}% of \
+         client off-CPU time) than with max = 5000 ({calm} ns, {:.1}%)",
+        100.0 * share(storm, storm_total),
+        100.0 * share(calm, calm_total)
+    );
+    Ok(())
+}
