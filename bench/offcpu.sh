@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What off-CPU profiling costs on a busy Postgres: pgbench -S TPS under `pgscope trace --instance`
-# with off-CPU on (the default) vs `--no-off-cpu`, and without pgscope, interleaved in one run on
+# with `--off-cpu` vs without it, and without pgscope at all, interleaved in one run on
 # one cluster so that drift hits all alike. Also prints the off-CPU programs' events per second
 # and BPF time per event, from the kernel's BPF statistics (kernel.bpf_stats_enabled, switched
 # on for the run and restored after). A benchmark, not a test: it asserts nothing.
@@ -56,11 +56,11 @@ run_traced() {
 declare -a base on off events ns
 for ((r = 1; r <= rounds; r++)); do
   base+=("$(run_pgbench)")
-  read -r t e n < <(run_traced)
+  read -r t e n < <(run_traced --off-cpu)
   on+=("$t"); events+=("$e"); ns+=("$n")
-  read -r t _ _ < <(run_traced --no-off-cpu)
+  read -r t _ _ < <(run_traced)
   off+=("$t")
-  echo "round $r: tps without pgscope ${base[-1]}, trace --no-off-cpu ${off[-1]}, trace ${on[-1]}" >&2
+  echo "round $r: tps without pgscope ${base[-1]}, trace ${off[-1]}, trace --off-cpu ${on[-1]}" >&2
 done
 
 python3 - "$secs" "$clients" "${base[*]}" "${off[*]}" "${on[*]}" "${events[*]}" "${ns[*]}" <<'PY'
@@ -68,8 +68,8 @@ import statistics as st, sys
 secs, clients = float(sys.argv[1]), sys.argv[2]
 base, off, on, events, ns = ([float(x) for x in a.split()] for a in sys.argv[3:8])
 print(f"pgbench -S, {clients} clients: {st.mean(base):.0f} TPS without pgscope")
-print(f"trace --no-off-cpu / without: {st.mean(off) / st.mean(base):.3f}")
-print(f"trace (off-CPU on) / without: {st.mean(on) / st.mean(base):.3f}")
+print(f"trace / without: {st.mean(off) / st.mean(base):.3f}")
+print(f"trace --off-cpu / without: {st.mean(on) / st.mean(base):.3f}")
 print(f"off-CPU on vs off (both traced): ratio {st.mean(on) / st.mean(off):.3f}; per round "
       + " ".join(f"{o / f:.3f}" for o, f in zip(on, off)))
 per_s = st.mean(events) / secs

@@ -66,6 +66,24 @@ static __always_inline void count(__u32 counter)
 		*value += 1;
 }
 
+/* Threads with a long wait whose stack is still to be taken at sys_exit. sys_exit runs for
+ * every syscall on the host: while this is 0 it returns after one array read. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __s64);
+} off_cpu_pending SEC(".maps");
+
+static __always_inline void add_pending(__s64 delta)
+{
+	__u32 zero = 0;
+	__s64 *pending = bpf_map_lookup_elem(&off_cpu_pending, &zero);
+	if (pending)
+		__sync_fetch_and_add(pending, delta);
+}
+
+
 /* Copies the user stack from sp upwards. mm->start_stack bounds the main thread's stack (every
  * Postgres process is single-threaded); bpf_probe_read_user cannot fault pages in and zero-fills
  * on failure, so on a fault fall back to the rest of sp's page, which the CPU just touched. */
@@ -531,7 +549,12 @@ int on_process_exit(void *ctx)
 		bpf_map_delete_elem(&calls_in_flight, &key);
 	}
 	__u32 tid = (__u32)pid_tgid;
-	bpf_map_delete_elem(&off_cpu_tasks, &tid);
+	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+	if (task) {
+		if (task->pending_ns)
+			add_pending(-1);
+		bpf_map_delete_elem(&off_cpu_tasks, &tid);
+	}
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);
@@ -650,6 +673,78 @@ static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribu
 		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
 }
 
+/* read_attribution for a thread switched out, tens of thousands of times a second: what does
+ * not change once set (backend type, database, the status entry's and the wait-event word's
+ * addresses) is read once per thread, leaving three reads per switch (state, queryid, wait
+ * event). Zero values are not cached: a backend still starting has not set them yet. */
+static __always_inline void read_attribution_cached(struct pgscope_off_cpu_task *task, __u32 tgid)
+{
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	struct pgscope_attribution *a = &task->attr;
+	__u32 flags = 0;
+	int faults = 0;
+
+	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
+	if (!layout) {
+		a->flags = 0;
+		return;
+	}
+	if ((a->flags & PGSCOPE_ATTR_BACKEND_TYPE) && a->backend_type)
+		flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+	else if (layout->my_backend_type) {
+		if (bpf_probe_read_user(&a->backend_type, 4, (void *)layout->my_backend_type) == 0)
+			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+		else
+			faults++;
+	}
+	if ((a->flags & PGSCOPE_ATTR_DATABASE) && a->database_id)
+		flags |= PGSCOPE_ATTR_DATABASE;
+	else if (layout->my_database_id) {
+		if (bpf_probe_read_user(&a->database_id, 4, (void *)layout->my_database_id) == 0)
+			flags |= PGSCOPE_ATTR_DATABASE;
+		else
+			faults++;
+	}
+	if (!task->status_entry && layout->my_be_entry) {
+		__u64 entry = status_entry(layout);
+		if (entry == STATUS_UNREADABLE)
+			faults++;
+		else
+			task->status_entry = entry;
+	}
+	a->backend_state = 0;
+	a->query_id = 0;
+	if (task->status_entry) {
+		if (bpf_probe_read_user(&a->backend_state, 4, (void *)(task->status_entry + layout->st_state_offset)) == 0 &&
+		    read_query_id(layout, task->status_entry, &a->query_id) == 0)
+			flags |= PGSCOPE_ATTR_STATUS;
+		else
+			faults++;
+		/* With a status entry the backend has its PGPROC: my_wait_event_info points into it
+		 * for the rest of the backend's life. */
+		if (!task->wait_event_ptr && layout->my_wait_event_info &&
+		    bpf_probe_read_user(&task->wait_event_ptr, 8, (void *)layout->my_wait_event_info) != 0)
+			faults++;
+	}
+	a->wait_event_info = 0;
+	if (task->wait_event_ptr) {
+		if (bpf_probe_read_user(&a->wait_event_info, 4, (void *)task->wait_event_ptr) == 0)
+			flags |= PGSCOPE_ATTR_WAIT_EVENT;
+		else
+			faults++;
+	} else if (layout->my_wait_event_info) {
+		__u64 wait_ptr = 0;
+		if (bpf_probe_read_user(&wait_ptr, 8, (void *)layout->my_wait_event_info) == 0 && wait_ptr &&
+		    bpf_probe_read_user(&a->wait_event_info, 4, (void *)wait_ptr) == 0)
+			flags |= PGSCOPE_ATTR_WAIT_EVENT;
+		else
+			faults++;
+	}
+	a->flags = flags;
+	if (faults)
+		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+}
+
 /* prev is switched out, in its own context: remember when, why and in which wait. */
 static __always_inline void switch_out(struct task_struct *prev, bool preempt, unsigned int prev_state)
 {
@@ -673,7 +768,7 @@ static __always_inline void switch_out(struct task_struct *prev, bool preempt, u
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(prev);
 	long syscall = BPF_CORE_READ(regs, orig_ax);
 
-	read_attribution(&task->attr, tgid);
+	read_attribution_cached(task, tgid);
 	if (preempt || prev_state == TASK_RUNNING_STATE)
 		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_PREEMPTED;
 	else
@@ -708,9 +803,11 @@ static __always_inline void switch_in(struct task_struct *next)
 	/* Only waits inside a syscall get a stack: sys_exit is where it is taken. */
 	bool stack = min_stack_ns && blocked >= *min_stack_ns && task->syscall != (__u32)-1 &&
 		     class != PGSCOPE_OFF_CPU_IDLE && class != PGSCOPE_OFF_CPU_PREEMPTED;
-	if (stack)
+	if (stack) {
+		if (!task->pending_ns)
+			add_pending(1);
 		task->pending_ns += blocked;
-	else
+	} else
 		add_off_cpu_total(BPF_CORE_READ(next, tgid), &task->attr, blocked);
 }
 
@@ -727,13 +824,17 @@ int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_stru
 SEC("tp_btf/sys_exit")
 int BPF_PROG(on_syscall_exit, struct pt_regs *regs, long ret)
 {
+	__u32 zero = 0;
+	__s64 *pending = bpf_map_lookup_elem(&off_cpu_pending, &zero);
+	if (!pending || *pending <= 0)
+		return 0;
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pid_tgid;
 	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
 
 	if (!task || !task->pending_ns)
 		return 0;
-	__u32 zero = 0;
+	add_pending(-1);
 	struct pgscope_sample *s = bpf_map_lookup_elem(&off_cpu_scratch, &zero);
 	if (!s) {
 		count(PGSCOPE_CNT_NO_SCRATCH);

@@ -23,7 +23,7 @@ pgc_pgbench -i -q -s 10 postgres >/dev/null 2>&1
 echo "demo: running pgbench (2 clients, TPC-B-like) and profiling the instance for 15 s"
 pgc_pgbench -c 2 -j 2 -T 25 postgres >"$PGC_WORK/pgbench.log" 2>&1 &
 bench_pid=$!
-"$pgscope" trace --instance "$PGC_DATA" --duration 15s --frequency 99 --top 10 \
+"$pgscope" trace --instance "$PGC_DATA" --duration 15s --frequency 99 --top 10 --off-cpu \
   --svg "$out_dir/pgscope-demo.svg" --folded "$out_dir/pgscope-demo.folded"
 wait "$bench_pid" 2>/dev/null || true
 bench_pid=

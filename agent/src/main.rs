@@ -91,10 +91,11 @@ struct TraceArgs {
     /// Unix socket, as the OS user that owns the data directory (peer authentication).
     #[arg(long, value_name = "CONNINFO")]
     conninfo: Option<String>,
-    /// Do not measure time off CPU (on by default: where backends wait, weighted by blocked
-    /// time, labelled with the wait event in force when they blocked).
+    /// Measure time off CPU too: where backends wait, weighted by blocked time, labelled with
+    /// the wait event in force when they blocked. Off by default: every context switch and
+    /// syscall of the host then runs a BPF program (bench/offcpu.sh measures what it costs).
     #[arg(long)]
-    no_off_cpu: bool,
+    off_cpu: bool,
     /// Off-CPU waits at least this long are recorded with their stacks; shorter ones are
     /// counted (time, wait event, queryid) without one.
     #[arg(long, default_value = "100us", value_parser = parse_duration, value_name = "DURATION")]
@@ -167,7 +168,7 @@ fn main() -> ExitCode {
                     explicit_probes: args.explicit_probes,
                     probe_budget: args.probe_budget.0,
                     conninfo: args.conninfo,
-                    off_cpu: !args.no_off_cpu,
+                    off_cpu: args.off_cpu,
                     off_cpu_min_stack: args.off_cpu_min_stack,
                     off_cpu_idle: args.off_cpu_idle,
                 })

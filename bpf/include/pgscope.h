@@ -189,9 +189,13 @@ struct pgscope_off_cpu_task {
 	__u32 syscall;	  /* the blocking syscall's number */
 	__u32 tgid;
 	struct pgscope_attribution attr;
+	/* Addresses that do not change once set, read once per thread rather than at every
+	 * switch: the backend's PgBackendStatus entry and its wait-event word. 0 until known. */
+	__u64 status_entry;
+	__u64 wait_event_ptr;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_task) == 56, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 72, "mirrored in agent/src/bpf/abi.rs");
 
 /* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU
  * record's attribution is the one in force when the process blocked, its stacks are those it

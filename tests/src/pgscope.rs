@@ -153,6 +153,11 @@ impl Trace {
         self.arg("--probes", functions)
     }
 
+    /// `--off-cpu`: measure time off CPU too.
+    pub fn off_cpu(self) -> Self {
+        self.flag("--off-cpu")
+    }
+
     /// `--probe FUNCTION=PATH:OFFSET`: probe a function at a location given by hand.
     pub fn explicit_probe(self, spec: &str) -> Self {
         self.arg("--probe", spec)
@@ -212,6 +217,11 @@ impl Trace {
     fn arg(mut self, flag: &str, value: impl AsRef<OsStr>) -> Self {
         self.args.push(flag.into());
         self.args.push(value.as_ref().to_owned());
+        self
+    }
+
+    fn flag(mut self, flag: &str) -> Self {
+        self.args.push(flag.into());
         self
     }
 }

@@ -28,6 +28,7 @@ fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
     let trace = Trace::instance(cluster.data_dir())
+        .off_cpu()
         .duration_secs(600)
         .json(&json)
         .spawn()?;
@@ -109,6 +110,7 @@ fn wal_flushes_show_as_io_waits() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
     let trace = Trace::instance(cluster.data_dir())
+        .off_cpu()
         .duration_secs(600)
         .json(&json)
         .spawn()?;

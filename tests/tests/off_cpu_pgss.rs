@@ -48,6 +48,7 @@ fn pgss_lock_wait_ns(max: &str) -> Result<(u64, u64)> {
     let dir = tempfile::tempdir()?;
     let json = dir.path().join("summary.json");
     let trace = Trace::instance(cluster.data_dir())
+        .off_cpu()
         .duration_secs(600)
         .json(&json)
         .spawn()?;

@@ -186,9 +186,11 @@ pub struct OffCpuTask {
     pub syscall: u32,
     pub tgid: u32,
     pub attr: RawAttribution,
+    pub status_entry: u64,
+    pub wait_event_ptr: u64,
 }
 
-const _: () = assert!(size_of::<OffCpuTask>() == 56);
+const _: () = assert!(size_of::<OffCpuTask>() == 72);
 const _: () = assert!(size_of::<RawAttribution>() == 32);
 const _: () = assert!(size_of::<OffCpuKey>() == 40);
 const _: () = assert!(size_of::<OffCpuTotal>() == 16);

@@ -61,7 +61,7 @@ pub struct TraceOptions {
     pub probe_budget: Option<f64>,
     /// `--conninfo`: how to reach the instance for query texts.
     pub conninfo: Option<String>,
-    /// Measure time off CPU too (`--no-off-cpu` turns it off).
+    /// Measure time off CPU too (`--off-cpu`).
     pub off_cpu: bool,
     /// Off-CPU waits at least this long get their stacks; shorter ones only count.
     pub off_cpu_min_stack: Duration,

@@ -149,6 +149,8 @@ pub struct ProbeSet {
     cycle: DutyCycle,
     last_hits: [u64; Function::ALL.len()],
     since_plan: Duration,
+    /// Whether the duty cycle was planned once (the first plan comes sooner).
+    planned: bool,
     /// Hit counters and time of the last live-view line.
     live_hits: [u64; Function::ALL.len()],
     live_since: Option<Instant>,
@@ -161,6 +163,9 @@ pub struct ProbeSet {
 
 /// How often the duty cycle is re-planned from the measured hit rates.
 const REPLAN_EVERY: Duration = Duration::from_secs(1);
+/// The first plan: every probe is attached until then, at full cost, to measure its rate;
+/// a quarter second of 50 ms ticks is enough for rates of thousands of calls per second.
+const FIRST_PLAN_AFTER: Duration = Duration::from_millis(250);
 
 impl ProbeSet {
     /// Attaches what can be attached and says, per function, what could not and why; the
@@ -183,6 +188,7 @@ impl ProbeSet {
             cycle: DutyCycle::new(),
             last_hits: [0; Function::ALL.len()],
             since_plan: Duration::ZERO,
+            planned: false,
             live_hits: [0; Function::ALL.len()],
             live_since: None,
             statements: None,
@@ -334,8 +340,14 @@ impl ProbeSet {
         self.last_hits = hits;
 
         self.since_plan += elapsed;
-        if let Some(fraction) = self.budget.filter(|_| self.since_plan >= REPLAN_EVERY) {
+        let plan_after = if self.planned {
+            REPLAN_EVERY
+        } else {
+            FIRST_PLAN_AFTER
+        };
+        if let Some(fraction) = self.budget.filter(|_| self.since_plan >= plan_after) {
             self.since_plan = Duration::ZERO;
+            self.planned = true;
             self.replan(fraction * instance_cpu_ns_per_s);
         }
 
