@@ -79,7 +79,7 @@ pub struct StackAggregator {
 
 impl StackAggregator {
     pub fn add(&mut self, pid: u32, attribution: Attribution, kernel_stack: &[u64], user: UnwoundStack) {
-        self.add_weighted(pid, attribution, None, kernel_stack, user, 1);
+        self.add_stack(pid, attribution, None, kernel_stack.into(), None, user, 1);
     }
 
     /// Adds an off-CPU wait of `weight` nanoseconds, blocked in `syscall` (shown as the leaf).
@@ -92,28 +92,25 @@ impl StackAggregator {
         user: UnwoundStack,
         weight: u64,
     ) {
-        self.stats.record(&user);
-        let complete = user.end == UnwindEnd::ReachedRoot && !user.frames.is_empty();
-        let key = StackKey {
+        self.add_stack(
             pid,
             attribution,
-            off_cpu: Some(class),
-            placeholder: None,
-            kernel_leaf: Some(syscall),
-            kernel: Box::new([]),
-            user: user.frames.into_boxed_slice(),
-            complete,
-        };
-        *self.stacks.entry(key).or_insert(0) += weight;
+            Some(class),
+            Box::new([]),
+            Some(syscall),
+            user,
+            weight,
+        );
     }
 
-    /// Adds a sample of weight `weight`.
-    fn add_weighted(
+    #[allow(clippy::too_many_arguments)] // the parts of one key, each from the caller
+    fn add_stack(
         &mut self,
         pid: u32,
         attribution: Attribution,
         off_cpu: Option<OffCpuClass>,
-        kernel_stack: &[u64],
+        kernel: Box<[u64]>,
+        kernel_leaf: Option<&'static str>,
         user: UnwoundStack,
         weight: u64,
     ) {
@@ -124,8 +121,8 @@ impl StackAggregator {
             attribution,
             off_cpu,
             placeholder: None,
-            kernel_leaf: None,
-            kernel: kernel_stack.into(),
+            kernel_leaf,
+            kernel,
             user: user.frames.into_boxed_slice(),
             complete,
         };

@@ -121,3 +121,34 @@ impl Drop for RunningTrace {
         }
     }
 }
+
+/// A [`RunningTrace`] writing its JSON summary into a directory of its own.
+pub struct SummarizedTrace {
+    running: RunningTrace,
+    json: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Trace {
+    /// Starts the trace with `--json` into a fresh temporary directory and a duration longer
+    /// than any test; end it with [`SummarizedTrace::finish`].
+    pub fn spawn_summarized(self) -> Result<SummarizedTrace> {
+        let dir = tempfile::tempdir().context("cannot create a directory for the summary")?;
+        let json = dir.path().join("summary.json");
+        let running = self.duration_secs(600).json(&json).spawn()?;
+        Ok(SummarizedTrace {
+            running,
+            json,
+            _dir: dir,
+        })
+    }
+}
+
+impl SummarizedTrace {
+    /// Interrupts the trace and reads its summary.
+    pub fn finish(self) -> Result<(TraceOutput, crate::TraceSummary)> {
+        let output = self.running.interrupt()?;
+        let summary = crate::TraceSummary::read(&self.json)?;
+        Ok((output, summary))
+    }
+}

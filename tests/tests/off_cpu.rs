@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use pgscope_tests::summary::{OffCpuQueryWait, OffCpuWait};
-use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, Trace, TraceSummary};
+use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, Trace};
 
 /// How long session A holds the row lock once B waits for it.
 const HOLD: Duration = Duration::from_secs(3);
@@ -25,13 +25,7 @@ fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     cluster.psql("CREATE TABLE held (id int PRIMARY KEY, v int); INSERT INTO held VALUES (1, 0)")?;
     let mut holder = cluster.connect()?;
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    let trace = Trace::instance(cluster.data_dir())
-        .off_cpu()
-        .duration_secs(600)
-        .json(&json)
-        .spawn()?;
+    let trace = Trace::instance(cluster.data_dir()).off_cpu().spawn_summarized()?;
 
     holder.query("BEGIN")?;
     holder.query("UPDATE held SET v = v + 1 WHERE id = 1")?;
@@ -57,9 +51,8 @@ fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
     })?;
     drop(waiter);
     holder.close()?;
-    trace.interrupt()?;
+    let (_, summary) = trace.finish()?;
 
-    let summary = TraceSummary::read(&json)?;
     let waits = summary.off_cpu_by_wait()?;
     let lock_ns: u64 = waits_named(&waits, "Lock:transactionid")
         .filter(|w| w.off_cpu == "latch")
@@ -107,16 +100,9 @@ fn wal_flushes_show_as_io_waits() -> Result<()> {
         ],
     )?;
     cluster.pgbench(&["-i", "-q", "-s", "1"])?;
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    let trace = Trace::instance(cluster.data_dir())
-        .off_cpu()
-        .duration_secs(600)
-        .json(&json)
-        .spawn()?;
+    let trace = Trace::instance(cluster.data_dir()).off_cpu().spawn_summarized()?;
     cluster.pgbench(&["-n", "-N", "-c", "4", "-j", "2", "-T", "4"])?;
-    trace.interrupt()?;
-    let waits = TraceSummary::read(&json)?.off_cpu_by_wait()?;
+    let waits = trace.finish()?.1.off_cpu_by_wait()?;
     let wal_io: u64 = waits
         .iter()
         .filter(|w| w.wait_event.starts_with("IO:WAL") && w.off_cpu == "io")

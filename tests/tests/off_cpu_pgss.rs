@@ -3,7 +3,7 @@
 //! exclusive LWLock, and backends queue on it (`LWLock:pg_stat_statements`, futex waits).
 
 use anyhow::{ensure, Context, Result};
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// pgbench script i: a transaction of eight selects, each on its own table, so that the 16
 /// scripts make 128 distinct statements (the published reproduction of pg_stat_statements
@@ -45,18 +45,11 @@ fn pgss_lock_wait_ns(max: &str) -> Result<(u64, u64)> {
     )?;
     let mut args = eviction_scripts(scripts.path())?;
     args.extend(["-n", "-c", "16", "-j", "2", "-T", "8"].map(String::from));
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    let trace = Trace::instance(cluster.data_dir())
-        .off_cpu()
-        .duration_secs(600)
-        .json(&json)
-        .spawn()?;
+    let trace = Trace::instance(cluster.data_dir()).off_cpu().spawn_summarized()?;
     let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let report = cluster.pgbench(&arg_refs)?;
-    trace.interrupt()?;
+    let (_, summary) = trace.finish()?;
     let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
-    let summary = TraceSummary::read(&json)?;
     let waits = summary.off_cpu_by_wait()?;
     let lock_ns: u64 = waits
         .iter()

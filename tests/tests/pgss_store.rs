@@ -80,6 +80,14 @@ fn trace_statements_with(cluster: &PgCluster, probe_args: impl FnOnce(Trace) -> 
     Ok(traced)
 }
 
+/// The source build's separate debug files (a `.build-id` tree).
+fn debug_tree(install: &PgInstall) -> Result<&Path> {
+    install
+        .debug_dir
+        .as_deref()
+        .context("the nofp build has a debug tree")
+}
+
 /// The file `basename` as process `pid` maps it.
 fn mapped_library(pid: u32, basename: &str) -> Result<PathBuf> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
@@ -189,10 +197,7 @@ fn one_exec_store_per_statement_and_a_plan_store_with_track_planning() -> Result
 fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
     require_root_and_bpf();
     let install = PgInstall::no_frame_pointers()?;
-    let debug_dir = install
-        .debug_dir
-        .as_deref()
-        .context("the nofp build has a debug tree")?;
+    let debug_dir = debug_tree(&install)?;
     let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
     let traced = trace_statements(&cluster, "pgss_store", None)?;
     let through_hooks = offset_found_through_hooks(&traced.stderr)?;
@@ -216,10 +221,7 @@ fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
 fn an_explicit_location_is_used_as_given() -> Result<()> {
     require_root_and_bpf();
     let install = PgInstall::no_frame_pointers()?;
-    let debug_dir = install
-        .debug_dir
-        .as_deref()
-        .context("the nofp build has a debug tree")?;
+    let debug_dir = debug_tree(&install)?;
     let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
     let library = mapped_library(cluster.postmaster_pid()?, "pg_stat_statements.so")?;
     let spec = format!(
@@ -305,10 +307,7 @@ fn a_hook_chained_in_front_by_another_extension_is_skipped() -> Result<()> {
 fn debuginfod_provides_the_debug_file_pgss_store_is_found_by_name_in() -> Result<()> {
     require_root_and_bpf();
     let install = PgInstall::no_frame_pointers()?;
-    let debug_dir = install
-        .debug_dir
-        .as_deref()
-        .context("the nofp build has a debug tree")?;
+    let debug_dir = debug_tree(&install)?;
     let server = DebuginfodServer::serve(debug_dir)?;
     let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
     let library = mapped_library(cluster.postmaster_pid()?, "pg_stat_statements.so")?;

@@ -27,6 +27,10 @@ pub struct VersionTable {
     /// `offsetof(PgBackendStatus, st_changecount)`: bumped by every write of the backend's
     /// status (each statement's start and end), so its growth counts statements.
     pub st_changecount_offset: u32,
+    /// `sizeof(PgBackendStatus)`: the stride of the shared status array.
+    pub status_entry_size: u32,
+    /// `NUM_AUXPROCTYPES`: the array's slots after `MaxBackends` (auxiliary processes).
+    pub aux_proc_types: u32,
     /// `offsetof(PgBackendStatus, st_state)`.
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.
@@ -108,4 +112,23 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
         st_query_id_offset: table.st_query_id_offset,
     };
     Ok((layout, table))
+}
+
+/// Addresses of the exported globals that locate a process's slot in the shared status array:
+/// `(MyBackendId, MyAuxProcType, MaxBackends)`.
+pub fn status_slot_globals(pid: u32) -> Result<(u64, u64, u64)> {
+    const NAMES: [&str; 3] = ["MyBackendId", "MyAuxProcType", "MaxBackends"];
+    let globals = symbolizer::executable_globals(pid, &NAMES)
+        .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
+    let address = |name: &str| {
+        globals
+            .get(name)
+            .copied()
+            .ok_or_else(|| anyhow!("the postgres executable of PID {pid} exports no `{name}`"))
+    };
+    Ok((
+        address("MyBackendId")?,
+        address("MyAuxProcType")?,
+        address("MaxBackends")?,
+    ))
 }

@@ -195,13 +195,21 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         )?
     };
     if let Some((layout, table)) = &version_table {
-        probe_set.count_statements(
-            &probes,
-            statement_clock::CounterLayout {
-                my_be_entry: layout.my_be_entry,
-                st_changecount_offset: table.st_changecount_offset,
-            },
-        );
+        match postgres::status_slot_globals(layout_source) {
+            Ok((my_backend_id, my_aux_proc_type, max_backends)) => probe_set.count_statements(
+                &probes,
+                statement_clock::CounterLayout {
+                    my_be_entry: layout.my_be_entry,
+                    my_backend_id,
+                    my_aux_proc_type,
+                    max_backends,
+                    entry_size: table.status_entry_size,
+                    st_changecount_offset: table.st_changecount_offset,
+                    aux_slots: table.aux_proc_types,
+                },
+            ),
+            Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
+        }
     }
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;

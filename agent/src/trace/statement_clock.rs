@@ -5,140 +5,179 @@
 //! the estimate is right whenever calls per statement do not depend on whether the probe is
 //! attached, which is what a probe measures.
 //!
-//! The count is each backend's `st_changecount` (its PgBackendStatus entry in shared memory),
-//! which every status write bumps: at least one write at each statement's start and end. It is
-//! read from outside (one `pread` per backend, on every tick of the duty cycle and at every
-//! switch), so it costs nothing per statement.
+//! The count is the sum of `st_changecount` over the instance's whole PgBackendStatus array in
+//! shared memory: every status write bumps it, at least one at each statement's start and end.
+//! Reading every slot (one `pread` of the array per tick, from any process of the instance),
+//! rather than each backend's own entry, keeps the count continuous: a backend that connects
+//! mid-trace takes a slot whose counter goes on from its previous occupant's, so none of its
+//! statements is missed between its start and its first read.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
 use crate::postgres::memory::read_u64;
 
-/// Where a backend's status counter is: `MyBEEntry`'s address (the same in every process forked
-/// from one postmaster) and the counter's offset in `PgBackendStatus`.
+/// Where the status array is, from the exported globals of the postmaster's executable (every
+/// process of an instance maps it at the same address) and the version table.
 #[derive(Clone, Copy, Debug)]
 pub struct CounterLayout {
+    /// `&MyBEEntry`: a process's own slot.
     pub my_be_entry: u64,
+    /// `&MyBackendId`: a backend's slot is `MyBackendId - 1`.
+    pub my_backend_id: u64,
+    /// `&MyAuxProcType`: an auxiliary process's slot is `MaxBackends + MyAuxProcType`.
+    pub my_aux_proc_type: u64,
+    /// `&MaxBackends`.
+    pub max_backends: u64,
+    /// `sizeof(PgBackendStatus)`.
+    pub entry_size: u32,
+    /// `offsetof(PgBackendStatus, st_changecount)`.
     pub st_changecount_offset: u32,
+    /// `NUM_AUXPROCTYPES`: slots after the backends'.
+    pub aux_slots: u32,
 }
 
-/// Statement progress of a set of backends between reads.
+/// The array once found: its address, slot count, and the counters at the last read.
+#[derive(Debug)]
+struct StatusArray {
+    base: u64,
+    slots: usize,
+    last: Vec<u32>,
+}
+
+/// Statement progress of an instance between reads.
 #[derive(Debug)]
 pub struct StatementClock {
     layout: CounterLayout,
-    /// Per process: its memory, the counter's address once `MyBEEntry` is set, and the
-    /// counter's last value.
-    backends: HashMap<u32, Backend>,
-}
-
-#[derive(Debug)]
-struct Backend {
-    mem: File,
-    counter: u64,
-    last: u32,
-}
-
-impl Backend {
-    /// Opens process `pid` and finds its counter; None while it has no status entry.
-    fn open(pid: u32, layout: CounterLayout) -> Option<(Backend, u32)> {
-        let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
-        let entry = read_u64(pid, layout.my_be_entry).ok()?;
-        if entry == 0 {
-            return None;
-        }
-        let mut backend = Backend {
-            mem,
-            counter: entry + u64::from(layout.st_changecount_offset),
-            last: 0,
-        };
-        let value = backend.read()?;
-        Some((backend, value))
-    }
-
-    fn read(&mut self) -> Option<u32> {
-        let mut bytes = [0u8; 4];
-        self.mem.read_exact_at(&mut bytes, self.counter).ok()?;
-        Some(u32::from_ne_bytes(bytes))
-    }
+    array: Option<StatusArray>,
 }
 
 impl StatementClock {
     pub fn new(layout: CounterLayout) -> Self {
-        Self {
-            layout,
-            backends: HashMap::new(),
-        }
+        Self { layout, array: None }
     }
 
-    /// Status writes of `pids` since the previous call. A process seen for the first time only
-    /// sets its starting point; processes without a status entry (the postmaster, a backend
-    /// still starting) and processes gone are skipped and forgotten.
+    /// Status writes of the whole instance since the previous call, read through one of `pids`
+    /// (processes of the instance). The first successful read only sets the starting point.
     pub fn advance(&mut self, pids: &[u32]) -> u64 {
-        let mut progress = 0u64;
-        let mut now = HashMap::with_capacity(pids.len());
-        for &pid in pids {
-            let backend = match self.backends.remove(&pid) {
-                Some(mut backend) => match backend.read() {
-                    Some(value) => {
-                        // A C int that wraps; the difference modulo 2^32 is the progress.
-                        progress += u64::from(value.wrapping_sub(backend.last));
-                        backend.last = value;
-                        backend
-                    }
-                    None => continue,
-                },
-                None => match Backend::open(pid, self.layout) {
-                    Some((mut backend, value)) => {
-                        backend.last = value;
-                        backend
-                    }
-                    None => continue,
-                },
-            };
-            now.insert(pid, backend);
+        if self.array.is_none() {
+            self.array = pids.iter().find_map(|&pid| self.locate(pid));
         }
-        self.backends = now;
+        let Some(array) = self.array.as_mut() else {
+            return 0;
+        };
+        let layout = self.layout;
+        let Some(now) = pids.iter().find_map(|&pid| read_counters(pid, array, layout)) else {
+            return 0;
+        };
+        let progress = if array.last.len() == now.len() {
+            // C ints that wrap: the difference modulo 2^32 is the progress.
+            now.iter()
+                .zip(&array.last)
+                .map(|(value, before)| u64::from(value.wrapping_sub(*before)))
+                .sum()
+        } else {
+            0
+        };
+        array.last = now;
         progress
     }
+
+    /// The array, from process `pid`'s own slot and its index; None for processes without a
+    /// slot (the postmaster, a backend still starting) or gone.
+    fn locate(&self, pid: u32) -> Option<StatusArray> {
+        let l = self.layout;
+        let entry = read_u64(pid, l.my_be_entry).ok().filter(|&e| e != 0)?;
+        let int_at = |address: u64| read_u64(pid, address).ok().map(|v| v as u32 as i32);
+        let max_backends = int_at(l.max_backends)?;
+        let backend_id = int_at(l.my_backend_id)?;
+        let index = if backend_id > 0 {
+            backend_id - 1
+        } else {
+            max_backends + int_at(l.my_aux_proc_type).filter(|&t| t >= 0)?
+        };
+        let slots = usize::try_from(max_backends).ok()? + l.aux_slots as usize;
+        let base = entry.checked_sub(u64::try_from(index).ok()? * u64::from(l.entry_size))?;
+        Some(StatusArray {
+            base,
+            slots,
+            last: Vec::new(),
+        })
+    }
+}
+
+/// Every slot's `st_changecount`, read in one go from process `pid`'s view of shared memory.
+fn read_counters(pid: u32, array: &StatusArray, layout: CounterLayout) -> Option<Vec<u32>> {
+    let size = layout.entry_size as usize;
+    let mut bytes = vec![0u8; array.slots * size];
+    let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
+    mem.read_exact_at(&mut bytes, array.base).ok()?;
+    let offset = layout.st_changecount_offset as usize;
+    bytes
+        .chunks_exact(size)
+        .map(|slot| {
+            let word = slot.get(offset..offset + 4)?;
+            Some(u32::from_ne_bytes(word.try_into().ok()?))
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// This process stands in for a backend: a pointer global to a status "entry" whose first
-    /// field is the counter.
+    /// This process stands in for an instance: a status array of 3 backend slots and 1 aux
+    /// slot, 16-byte entries with the counter at offset 4, and the globals of a backend in slot 2.
     #[test]
-    fn counts_progress_since_the_last_read_and_baselines_new_processes() {
-        let mut entry = Box::new([7u32, 0]);
-        let pointer = Box::new(entry.as_mut_ptr() as u64);
+    fn counts_every_slot_from_one_backend_and_keeps_slots_across_occupants() {
+        let mut array = [[0u32; 4]; 4];
+        array[0][1] = 10;
+        array[1][1] = u32::MAX;
+        let my_be_entry = Box::new(array[1].as_ptr() as u64);
+        let my_backend_id = Box::new(2u64);
+        let max_backends = Box::new(3u64);
+        let my_aux_proc_type = Box::new(u64::MAX);
         let layout = CounterLayout {
-            my_be_entry: &*pointer as *const u64 as u64,
-            st_changecount_offset: 0,
+            my_be_entry: &*my_be_entry as *const u64 as u64,
+            my_backend_id: &*my_backend_id as *const u64 as u64,
+            my_aux_proc_type: &*my_aux_proc_type as *const u64 as u64,
+            max_backends: &*max_backends as *const u64 as u64,
+            entry_size: 16,
+            st_changecount_offset: 4,
+            aux_slots: 1,
         };
         let pid = std::process::id();
         let mut clock = StatementClock::new(layout);
-        assert_eq!(clock.advance(&[pid]), 0, "the first read is a starting point");
-        // SAFETY: `entry` is alive and only this thread touches it; volatile because the
-        // clock reads it through /proc/self/mem, behind the compiler's back.
-        unsafe { std::ptr::write_volatile(entry.as_mut_ptr(), 11) };
-        assert_eq!(clock.advance(&[pid, u32::MAX - 2]), 4);
-        unsafe { std::ptr::write_volatile(entry.as_mut_ptr(), u32::MAX - 1) };
-        clock.advance(&[pid]);
-        unsafe { std::ptr::write_volatile(entry.as_mut_ptr(), 1) };
-        assert_eq!(clock.advance(&[pid]), 3, "wraps like a C int");
+        assert_eq!(
+            clock.advance(&[u32::MAX - 2, pid]),
+            0,
+            "the first read is the starting point"
+        );
+        // SAFETY: `array` is alive and only this thread touches it; volatile because the clock
+        // reads it through /proc/self/mem, behind the compiler's back.
+        unsafe {
+            std::ptr::write_volatile(&mut array[0][1], 14); // another backend: +4
+            std::ptr::write_volatile(&mut array[1][1], 1); // this one wraps: +2
+            std::ptr::write_volatile(&mut array[3][1], 6); // the aux slot: +6
+        }
+        assert_eq!(clock.advance(&[pid]), 12);
+        assert_eq!(clock.advance(&[pid]), 0);
     }
 
     #[test]
-    fn a_process_without_a_status_entry_is_skipped() {
-        let pointer = Box::new(0u64);
+    fn a_process_without_a_status_entry_locates_nothing() {
+        let null = Box::new(0u64);
+        let address = &*null as *const u64 as u64;
         let mut clock = StatementClock::new(CounterLayout {
-            my_be_entry: &*pointer as *const u64 as u64,
+            my_be_entry: address,
+            my_backend_id: address,
+            my_aux_proc_type: address,
+            max_backends: address,
+            entry_size: 16,
             st_changecount_offset: 0,
+            aux_slots: 6,
         });
         assert_eq!(clock.advance(&[std::process::id()]), 0);
-        assert_eq!(clock.advance(&[std::process::id()]), 0);
+        assert!(clock.array.is_none());
     }
 }

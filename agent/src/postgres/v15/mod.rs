@@ -11,6 +11,8 @@ use super::VersionTable;
 pub static TABLE: VersionTable = VersionTable {
     major: 15,
     st_changecount_offset: 0,
+    status_entry_size: 432,
+    aux_proc_types: 6,
     st_state_offset: 232,
     st_query_id_offset: 424,
     bg_worker_backend_type: 4,
@@ -53,6 +55,7 @@ int main(void)
 {
     printf("%zu %zu %zu\n", offsetof(PgBackendStatus, st_changecount), offsetof(PgBackendStatus, st_state),
            offsetof(PgBackendStatus, st_query_id));
+    printf("%zu %u\n", sizeof(PgBackendStatus), (unsigned) NUM_AUXPROCTYPES);
     printf("%u %zu %u\n", (unsigned) B_BG_WORKER, offsetof(BackgroundWorker, bgw_type), (unsigned) BGW_MAXLEN);
     printf("%u %u\n", (unsigned) PG_WAIT_LWLOCK, (unsigned) LWTRANCHE_FIRST_USER_DEFINED);
     printf("%zu %zu %zu\n", sizeof(NamedLWLockTranche), offsetof(NamedLWLockTranche, trancheId),
@@ -127,6 +130,10 @@ int main(void)
                     TABLE.st_state_offset,
                     TABLE.st_query_id_offset,
                 ],
+            ),
+            (
+                "sizeof(PgBackendStatus), NUM_AUXPROCTYPES",
+                vec![TABLE.status_entry_size, TABLE.aux_proc_types],
             ),
             (
                 "B_BG_WORKER, offsetof(BackgroundWorker, bgw_type), BGW_MAXLEN",
