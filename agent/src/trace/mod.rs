@@ -91,18 +91,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             None
         }
     };
-    // Off-CPU programs go in before the targets: they only act on processes flagged for them.
-    let off_cpu_flag = if options.off_cpu {
-        match probes.attach_off_cpu(options.off_cpu_min_stack.as_nanos() as u64) {
-            Ok(()) => TARGET_OFF_CPU,
-            Err(error) => {
-                eprintln!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
-                0
-            }
-        }
-    } else {
-        0
-    };
+    // Targets are flagged for off-CPU now; its programs attach with the sampler, so that both
+    // measure the same period (the probes' calibration comes in between).
+    let off_cpu_flag = if options.off_cpu { TARGET_OFF_CPU } else { 0 };
     // Read once: the postmaster fills the named tranches in at startup, and every process of
     // the instance has MyBgworkerEntry at the same address.
     let instance_names = match &version_table {
@@ -211,6 +202,14 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
         }
     }
+    let off_cpu_measured = options.off_cpu
+        && match probes.attach_off_cpu(options.off_cpu_min_stack.as_nanos() as u64) {
+            Ok(()) => true,
+            Err(error) => {
+                eprintln!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -229,7 +228,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         }),
         aggregator: StackAggregator::default(),
         off_cpu: StackAggregator::default(),
-        off_cpu_measured: off_cpu_flag != 0,
+        off_cpu_measured,
         malformed: 0,
         layout_pid,
         live_pids: HashSet::new(),
