@@ -83,32 +83,22 @@ impl Attribution {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bpf::abi::KERNEL_FRAMES_MAX;
+    use crate::bpf::abi::RawAttribution;
     use crate::postgres::v15::TABLE;
 
     fn header(attribution: u32) -> SampleHeader {
-        SampleHeader {
-            tgid: 1,
-            tid: 1,
-            time_ns: 0,
-            cpu: 0,
-            kernel_frames: 0,
-            user_ip: 0,
-            user_sp: 0,
-            user_bp: 0,
-            user_stack_len: 0,
-            query_id: (-42i64) as u64,
-            wait_event_info: 0x0A00_0011,
-            backend_type: 3,
-            database_id: 16384,
-            backend_state: 2,
-            attribution,
-            off_cpu_class: 0,
-            off_cpu_ns: 0,
-            off_cpu_syscall: 0,
-            _pad: 0,
-            kernel_stack: [0; KERNEL_FRAMES_MAX],
-        }
+        SampleHeader::with_attribution(
+            1,
+            &RawAttribution {
+                query_id: (-42i64) as u64,
+                wait_event_info: 0x0A00_0011,
+                backend_type: 3,
+                database_id: 16384,
+                backend_state: 2,
+                flags: attribution,
+                off_cpu_class: 0,
+            },
+        )
     }
 
     fn decode(header: &SampleHeader) -> Attribution {

@@ -47,23 +47,16 @@ impl InstanceNames {
     /// postmaster: its children inherit the array) and where background workers keep their
     /// entry.
     pub fn resolve(pid: u32, table: &VersionTable) -> Result<Self> {
-        let globals = symbolizer::executable_globals(pid, &GLOBALS)
-            .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
-        let address = |name: &str| {
-            globals
-                .get(name)
-                .copied()
-                .ok_or_else(|| anyhow!("the postgres executable of PID {pid} exports no `{name}`"))
-        };
+        let globals = super::ExportedGlobals::resolve(pid, &GLOBALS)?;
         let tranches = read_named_tranches(
             pid,
-            address("NamedLWLockTrancheArray")?,
-            address("NamedLWLockTrancheRequests")?,
+            globals.address("NamedLWLockTrancheArray")?,
+            globals.address("NamedLWLockTrancheRequests")?,
             table,
         )?;
         Ok(Self {
             tranches,
-            my_bgworker_entry: Some(address("MyBgworkerEntry")?),
+            my_bgworker_entry: Some(globals.address("MyBgworkerEntry")?),
             worker_types: HashMap::new(),
         })
     }

@@ -87,27 +87,45 @@ pub fn detect_major(pid: u32) -> Result<u32> {
     })
 }
 
+/// Runtime addresses of exported globals of a Postgres process's executable.
+pub struct ExportedGlobals {
+    pid: u32,
+    addresses: std::collections::HashMap<String, u64>,
+}
+
+impl ExportedGlobals {
+    /// Resolves `names` in the executable of process `pid` (they stay exported in stripped
+    /// builds: extensions link against them).
+    pub fn resolve(pid: u32, names: &[&str]) -> Result<Self> {
+        let addresses = symbolizer::executable_globals(pid, names)
+            .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
+        Ok(Self { pid, addresses })
+    }
+
+    /// The address of `name`, or an error naming it.
+    pub fn address(&self, name: &str) -> Result<u64> {
+        self.addresses.get(name).copied().ok_or_else(|| {
+            anyhow!(
+                "the postgres executable of PID {} exports no `{name}`; is it a PostgreSQL server of a \
+                 supported major ({SUPPORTED_MAJORS:?})?",
+                self.pid
+            )
+        })
+    }
+}
+
 /// Exported globals a sample reads, in the executable of every Postgres process.
 const GLOBALS: [&str; 4] = ["MyBEEntry", "my_wait_event_info", "MyBackendType", "MyDatabaseId"];
 
 /// Where process `pid` keeps its pg_stat_activity state, and the table to decode it.
 pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
     let table = table_for(detect_major(pid)?)?;
-    let globals = symbolizer::executable_globals(pid, &GLOBALS)
-        .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
-    let address = |name: &str| {
-        globals.get(name).copied().ok_or_else(|| {
-            anyhow!(
-                "the postgres executable of PID {pid} exports no `{name}`; is it a PostgreSQL {} server?",
-                table.major
-            )
-        })
-    };
+    let globals = ExportedGlobals::resolve(pid, &GLOBALS)?;
     let layout = PgLayout {
-        my_be_entry: address("MyBEEntry")?,
-        my_wait_event_info: address("my_wait_event_info")?,
-        my_backend_type: address("MyBackendType")?,
-        my_database_id: address("MyDatabaseId")?,
+        my_be_entry: globals.address("MyBEEntry")?,
+        my_wait_event_info: globals.address("my_wait_event_info")?,
+        my_backend_type: globals.address("MyBackendType")?,
+        my_database_id: globals.address("MyDatabaseId")?,
         st_state_offset: table.st_state_offset,
         st_query_id_offset: table.st_query_id_offset,
     };
@@ -117,18 +135,10 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
 /// Addresses of the exported globals that locate a process's slot in the shared status array:
 /// `(MyBackendId, MyAuxProcType, MaxBackends)`.
 pub fn status_slot_globals(pid: u32) -> Result<(u64, u64, u64)> {
-    const NAMES: [&str; 3] = ["MyBackendId", "MyAuxProcType", "MaxBackends"];
-    let globals = symbolizer::executable_globals(pid, &NAMES)
-        .with_context(|| format!("reading the symbols of PID {pid}'s executable"))?;
-    let address = |name: &str| {
-        globals
-            .get(name)
-            .copied()
-            .ok_or_else(|| anyhow!("the postgres executable of PID {pid} exports no `{name}`"))
-    };
+    let globals = ExportedGlobals::resolve(pid, &["MyBackendId", "MyAuxProcType", "MaxBackends"])?;
     Ok((
-        address("MyBackendId")?,
-        address("MyAuxProcType")?,
-        address("MaxBackends")?,
+        globals.address("MyBackendId")?,
+        globals.address("MyAuxProcType")?,
+        globals.address("MaxBackends")?,
     ))
 }
