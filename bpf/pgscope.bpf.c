@@ -156,58 +156,89 @@ static __always_inline long read_query_id(struct pgscope_pg_layout *layout, __u6
 	return bpf_probe_read_user(query_id, 8, (void *)(entry + layout->st_query_id_offset));
 }
 
-/* Reads what pg_stat_activity shows for the sampled backend, from the backend's own memory.
- * Each read is one bpf_probe_read_user of a word: globals and the shared-memory status entry are
- * resident in any running backend. A fault leaves the field out (its flag unset) and is counted. */
-static __always_inline void read_attribution(struct pgscope_attribution *s, __u32 tgid)
+/* Reads what pg_stat_activity shows for a backend, from its own memory. Each read is one
+ * bpf_probe_read_user of a word: globals and the shared-memory status entry are resident in any
+ * running backend. A fault leaves the field out (its flag unset) and is counted.
+ *
+ * With `task` (the thread's off-CPU record, whose attribution `a` is; switches happen tens of
+ * thousands of times a second) what does not change once set is read once per thread: backend
+ * type, database, and the addresses of the status entry and of the wait-event word. That
+ * leaves three reads per switch (state, queryid, wait event). Zero values are not kept: a
+ * backend still starting has not set them yet. */
+static __always_inline void read_attribution(struct pgscope_attribution *a, __u32 tgid,
+					     struct pgscope_off_cpu_task *task)
 {
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	__u32 kept = task ? a->flags : 0;
 	__u32 flags = 0;
 	int faults = 0;
 
-	s->query_id = 0;
-	s->wait_event_info = 0;
-	s->backend_type = 0;
-	s->database_id = 0;
-	s->backend_state = 0;
-	s->flags = 0;
-	s->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
-	if (!layout)
+	a->query_id = 0;
+	a->wait_event_info = 0;
+	a->backend_state = 0;
+	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
+	if (!(kept & PGSCOPE_ATTR_BACKEND_TYPE) || !a->backend_type)
+		a->backend_type = 0;
+	if (!(kept & PGSCOPE_ATTR_DATABASE) || !a->database_id)
+		a->database_id = 0;
+	if (!layout) {
+		a->flags = 0;
 		return;
+	}
 
-	if (layout->my_backend_type) {
-		if (bpf_probe_read_user(&s->backend_type, 4, (void *)layout->my_backend_type) == 0)
+	if (a->backend_type) {
+		flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+	} else if (layout->my_backend_type) {
+		if (bpf_probe_read_user(&a->backend_type, 4, (void *)layout->my_backend_type) == 0)
 			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
 		else
 			faults++;
 	}
-	if (layout->my_database_id) {
-		if (bpf_probe_read_user(&s->database_id, 4, (void *)layout->my_database_id) == 0)
+	if (a->database_id) {
+		flags |= PGSCOPE_ATTR_DATABASE;
+	} else if (layout->my_database_id) {
+		if (bpf_probe_read_user(&a->database_id, 4, (void *)layout->my_database_id) == 0)
 			flags |= PGSCOPE_ATTR_DATABASE;
 		else
 			faults++;
 	}
-	if (layout->my_be_entry) {
-		__u64 entry = status_entry(layout);
+
+	__u64 entry = task ? task->status_entry : 0;
+	if (!entry && layout->my_be_entry) {
+		entry = status_entry(layout);
 		if (entry == STATUS_UNREADABLE) {
 			faults++;
-		} else if (entry) {
-			if (bpf_probe_read_user(&s->backend_state, 4, (void *)(entry + layout->st_state_offset)) == 0 &&
-			    read_query_id(layout, entry, &s->query_id) == 0)
-				flags |= PGSCOPE_ATTR_STATUS;
-			else
-				faults++;
+			entry = 0;
+		} else if (task) {
+			task->status_entry = entry;
 		}
 	}
-	if (layout->my_wait_event_info) {
-		__u64 wait_ptr = 0;
-		if (bpf_probe_read_user(&wait_ptr, 8, (void *)layout->my_wait_event_info) == 0 && wait_ptr &&
-		    bpf_probe_read_user(&s->wait_event_info, 4, (void *)wait_ptr) == 0)
+	if (entry) {
+		if (bpf_probe_read_user(&a->backend_state, 4, (void *)(entry + layout->st_state_offset)) == 0 &&
+		    read_query_id(layout, entry, &a->query_id) == 0)
+			flags |= PGSCOPE_ATTR_STATUS;
+		else
+			faults++;
+	}
+
+	__u64 wait_ptr = task ? task->wait_event_ptr : 0;
+	if (!wait_ptr && layout->my_wait_event_info) {
+		if (bpf_probe_read_user(&wait_ptr, 8, (void *)layout->my_wait_event_info) != 0)
+			wait_ptr = 0;
+		/* With a status entry the backend has its PGPROC: my_wait_event_info points into it
+		 * for the rest of the backend's life. */
+		else if (task && entry)
+			task->wait_event_ptr = wait_ptr;
+		if (!wait_ptr)
+			faults++;
+	}
+	if (wait_ptr) {
+		if (bpf_probe_read_user(&a->wait_event_info, 4, (void *)wait_ptr) == 0)
 			flags |= PGSCOPE_ATTR_WAIT_EVENT;
 		else
 			faults++;
 	}
-	s->flags = flags;
+	a->flags = flags;
 	if (faults)
 		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
 }
@@ -279,7 +310,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		return 0;
 	}
 
-	read_attribution(&s->attr, tgid);
+	read_attribution(&s->attr, tgid, NULL);
 	s->off_cpu_ns = 0;
 	s->off_cpu_syscall = 0;
 	send_stacks(ctx, s, pid_tgid, true);
@@ -673,78 +704,6 @@ static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribu
 		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
 }
 
-/* read_attribution for a thread switched out, tens of thousands of times a second: what does
- * not change once set (backend type, database, the status entry's and the wait-event word's
- * addresses) is read once per thread, leaving three reads per switch (state, queryid, wait
- * event). Zero values are not cached: a backend still starting has not set them yet. */
-static __always_inline void read_attribution_cached(struct pgscope_off_cpu_task *task, __u32 tgid)
-{
-	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
-	struct pgscope_attribution *a = &task->attr;
-	__u32 flags = 0;
-	int faults = 0;
-
-	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
-	if (!layout) {
-		a->flags = 0;
-		return;
-	}
-	if ((a->flags & PGSCOPE_ATTR_BACKEND_TYPE) && a->backend_type)
-		flags |= PGSCOPE_ATTR_BACKEND_TYPE;
-	else if (layout->my_backend_type) {
-		if (bpf_probe_read_user(&a->backend_type, 4, (void *)layout->my_backend_type) == 0)
-			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
-		else
-			faults++;
-	}
-	if ((a->flags & PGSCOPE_ATTR_DATABASE) && a->database_id)
-		flags |= PGSCOPE_ATTR_DATABASE;
-	else if (layout->my_database_id) {
-		if (bpf_probe_read_user(&a->database_id, 4, (void *)layout->my_database_id) == 0)
-			flags |= PGSCOPE_ATTR_DATABASE;
-		else
-			faults++;
-	}
-	if (!task->status_entry && layout->my_be_entry) {
-		__u64 entry = status_entry(layout);
-		if (entry == STATUS_UNREADABLE)
-			faults++;
-		else
-			task->status_entry = entry;
-	}
-	a->backend_state = 0;
-	a->query_id = 0;
-	if (task->status_entry) {
-		if (bpf_probe_read_user(&a->backend_state, 4, (void *)(task->status_entry + layout->st_state_offset)) == 0 &&
-		    read_query_id(layout, task->status_entry, &a->query_id) == 0)
-			flags |= PGSCOPE_ATTR_STATUS;
-		else
-			faults++;
-		/* With a status entry the backend has its PGPROC: my_wait_event_info points into it
-		 * for the rest of the backend's life. */
-		if (!task->wait_event_ptr && layout->my_wait_event_info &&
-		    bpf_probe_read_user(&task->wait_event_ptr, 8, (void *)layout->my_wait_event_info) != 0)
-			faults++;
-	}
-	a->wait_event_info = 0;
-	if (task->wait_event_ptr) {
-		if (bpf_probe_read_user(&a->wait_event_info, 4, (void *)task->wait_event_ptr) == 0)
-			flags |= PGSCOPE_ATTR_WAIT_EVENT;
-		else
-			faults++;
-	} else if (layout->my_wait_event_info) {
-		__u64 wait_ptr = 0;
-		if (bpf_probe_read_user(&wait_ptr, 8, (void *)layout->my_wait_event_info) == 0 && wait_ptr &&
-		    bpf_probe_read_user(&a->wait_event_info, 4, (void *)wait_ptr) == 0)
-			flags |= PGSCOPE_ATTR_WAIT_EVENT;
-		else
-			faults++;
-	}
-	a->flags = flags;
-	if (faults)
-		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
-}
-
 /* prev is switched out, in its own context: remember when, why and in which wait. */
 static __always_inline void switch_out(struct task_struct *prev, bool preempt, unsigned int prev_state)
 {
@@ -768,7 +727,7 @@ static __always_inline void switch_out(struct task_struct *prev, bool preempt, u
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(prev);
 	long syscall = BPF_CORE_READ(regs, orig_ax);
 
-	read_attribution_cached(task, tgid);
+	read_attribution(&task->attr, tgid, task);
 	if (preempt || prev_state == TASK_RUNNING_STATE)
 		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_PREEMPTED;
 	else

@@ -88,6 +88,19 @@ fn debug_tree(install: &PgInstall) -> Result<&Path> {
         .context("the nofp build has a debug tree")
 }
 
+impl Traced {
+    /// pg_stat_statements stores each executed statement's statistics once (`pgss_store(exec)`).
+    fn expect_one_exec_store_per_statement(&self, context: &str) -> Result<()> {
+        ensure!(
+            self.exec == STATEMENTS,
+            "{context}{}pgss_store(exec) counted {} times for {STATEMENTS} statements",
+            if context.is_empty() { "" } else { ": " },
+            self.exec
+        );
+        Ok(())
+    }
+}
+
 /// The file `basename` as process `pid` maps it.
 fn mapped_library(pid: u32, basename: &str) -> Result<PathBuf> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
@@ -176,11 +189,7 @@ fn one_exec_store_per_statement_and_a_plan_store_with_track_planning() -> Result
             "with --debug-dir pgss_store must be found by name, not through the hooks:\n{}",
             traced.stderr
         );
-        ensure!(
-            traced.exec == STATEMENTS,
-            "track_planning = {track_planning}: pgss_store(exec) counted {} times for {STATEMENTS} statements",
-            traced.exec
-        );
+        traced.expect_one_exec_store_per_statement(&format!("track_planning = {track_planning}"))?;
         ensure!(
             traced.plan == plans,
             "track_planning = {track_planning}: pgss_store(plan) counted {} times, expected {plans}",
@@ -207,11 +216,7 @@ fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
         through_hooks == by_name,
         "the hooks led to {through_hooks:#x}, the debug file names pgss_store at {by_name:#x}"
     );
-    ensure!(
-        traced.exec == STATEMENTS,
-        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement("")?;
     Ok(())
 }
 
@@ -236,11 +241,7 @@ fn an_explicit_location_is_used_as_given() -> Result<()> {
 {}",
         traced.stderr
     );
-    ensure!(
-        traced.exec == STATEMENTS,
-        "--probe {spec}: pgss_store(exec) counted {} times for {STATEMENTS} statements",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement(&format!("--probe {spec}"))?;
 
     // A file the backend does not map: refused with the reason, the trace goes on.
     let stranger = install.bin("psql");
@@ -266,11 +267,7 @@ fn distro_build_without_debug_file_finds_pgss_store_through_the_hooks() -> Resul
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let traced = trace_statements(&cluster, "pgss_store,PortalStart", None)?;
     offset_found_through_hooks(&traced.stderr)?;
-    ensure!(
-        traced.exec == STATEMENTS,
-        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement("")?;
     ensure!(
         traced.portal_start == Some(STATEMENTS),
         "PortalStart counted {:?} times for {STATEMENTS} simple-protocol statements",
@@ -292,11 +289,7 @@ fn a_hook_chained_in_front_by_another_extension_is_skipped() -> Result<()> {
     mapped_library(cluster.postmaster_pid()?, "auto_explain.so")?;
     let traced = trace_statements(&cluster, "pgss_store", None)?;
     offset_found_through_hooks(&traced.stderr)?;
-    ensure!(
-        traced.exec == STATEMENTS,
-        "pgss_store(exec) counted {} times for {STATEMENTS} statements behind auto_explain",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement("behind auto_explain")?;
     Ok(())
 }
 
@@ -331,11 +324,7 @@ fn debuginfod_provides_the_debug_file_pgss_store_is_found_by_name_in() -> Result
         "with the debug file from debuginfod pgss_store must be found by name:\n{}",
         traced.stderr
     );
-    ensure!(
-        traced.exec == STATEMENTS,
-        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement("")?;
 
     let entry = cache.path().join(&build_id).join("debuginfo");
     let cached = std::fs::read(&entry).with_context(|| {
@@ -386,11 +375,7 @@ fn an_unreachable_debuginfod_falls_back_to_the_hook_functions() -> Result<()> {
             .env("DEBUGINFOD_CACHE_PATH", cache.path())
     })?;
     offset_found_through_hooks(&traced.stderr)?;
-    ensure!(
-        traced.exec == STATEMENTS,
-        "pgss_store(exec) counted {} times for {STATEMENTS} statements",
-        traced.exec
-    );
+    traced.expect_one_exec_store_per_statement("")?;
     ensure!(
         !traced.stderr.contains("panicked"),
         "pgscope panicked:\n{}",

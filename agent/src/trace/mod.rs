@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{
-    Counter, OffCpuClass, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_OFF_CPU, TARGET_PROFILE,
+    Counter, SampleHeader, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_OFF_CPU, TARGET_PROFILE,
 };
 use crate::bpf::OnCpuProbes;
 use crate::postgres::{self, attribution::Attribution, instance_names::InstanceNames, VersionTable};
@@ -290,13 +290,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
     let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results).await;
-    let mut labels = off_cpu::Labeller {
-        version: session.version,
-        names: &mut session.instance_names,
-        postmaster: session.layout_pid,
-    };
-    off_cpu::add_totals(&mut session.off_cpu, &off_cpu_totals, &mut labels);
-    off_cpu::add_open_waits(&mut session.off_cpu, &open_waits, &mut labels);
+    session.add_waits_without_stack(
+        off_cpu::WaitWithoutStack::from_totals(&off_cpu_totals)
+            .chain(off_cpu::WaitWithoutStack::from_open(&open_waits)),
+    );
     let measured = report::Measured {
         counters,
         probe_results,
@@ -348,6 +345,19 @@ pub(crate) struct Session {
 }
 
 impl Session {
+    /// What the process showed at the sample, decoded; the postmaster, which Postgres calls
+    /// "not initialized", is named.
+    fn attribution(&mut self, header: &SampleHeader) -> Attribution {
+        let mut attribution = match self.version {
+            Some(table) => Attribution::decode(header, table, &mut self.instance_names),
+            None => Attribution::default(),
+        };
+        if self.layout_pid == Some(header.tgid) {
+            attribution.backend_type = Some(Cow::Borrowed("postmaster"));
+        }
+        attribution
+    }
+
     fn handle(&mut self, bytes: &[u8]) {
         let record = match SampleRecord::parse(bytes) {
             Ok(record) => record,
@@ -358,14 +368,7 @@ impl Session {
             }
         };
         let header = record.header;
-        let mut attribution = match self.version {
-            Some(table) => Attribution::decode(&header, table, &mut self.instance_names),
-            None => Attribution::default(),
-        };
-        // Postgres calls the postmaster's type "not initialized"; say what it is.
-        if self.layout_pid == Some(header.tgid) {
-            attribution.backend_type = Some(Cow::Borrowed("postmaster"));
-        }
+        let attribution = self.attribution(&header);
         if let Some(wanted) = self.query_filter {
             if attribution.query_id != Some(wanted) {
                 self.filtered_out += 1;
@@ -384,15 +387,8 @@ impl Session {
             None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
         };
         self.live_pids.insert(header.tgid);
-        let class = OffCpuClass::from_raw(header.off_cpu_class).map(|class| {
-            // The postmaster's only waits are for connections and children: idle.
-            if self.layout_pid == Some(header.tgid) && class == OffCpuClass::Latch {
-                OffCpuClass::Idle
-            } else {
-                class
-            }
-        });
-        match class {
+        let postmaster = self.layout_pid == Some(header.tgid);
+        match off_cpu::class_of(header.off_cpu_class, postmaster) {
             Some(class) => self.off_cpu.add_off_cpu(
                 header.tgid,
                 attribution,

@@ -10,11 +10,7 @@ use std::time::Duration;
 
 use exporters::{FrameKind, Profile};
 
-use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution, SampleHeader};
-use crate::postgres::attribution::Attribution;
-use crate::postgres::instance_names::InstanceNames;
-use crate::postgres::VersionTable;
 
 /// The frame of waits measured without a stack because they were short.
 pub const SHORT_WAITS_FRAME: &str = "[off-CPU waits without a stack: below the threshold]";
@@ -75,74 +71,72 @@ pub fn beside(path: &Path) -> PathBuf {
     path.with_file_name(format!("{stem}.offcpu{extension}"))
 }
 
-/// What decodes the attribution of waits measured without a stack.
-pub struct Labeller<'a> {
-    pub version: Option<&'static VersionTable>,
-    pub names: &'a mut InstanceNames,
-    /// The instance's postmaster, when the whole instance is traced.
-    pub postmaster: Option<u32>,
-}
-
-impl Labeller<'_> {
-    /// Labels of a wait of process `tgid`: the attribution it had when it blocked, and its
-    /// class. The postmaster has no wait events and no backend type of its own; it only waits
-    /// for connections and children (idle), and is named.
-    pub fn classify(&mut self, tgid: u32, attr: &RawAttribution) -> Option<(Attribution, OffCpuClass)> {
-        let mut class = OffCpuClass::from_raw(attr.off_cpu_class)?;
-        let header = SampleHeader::with_attribution(tgid, attr);
-        let mut attribution = match self.version {
-            Some(table) => Attribution::decode(&header, table, self.names),
-            None => Attribution::default(),
-        };
-        if self.postmaster == Some(tgid) {
-            attribution.backend_type = Some("postmaster".into());
-            if class == OffCpuClass::Latch {
-                class = OffCpuClass::Idle;
-            }
-        }
-        Some((attribution, class))
-    }
-}
-
-/// Adds the kernel's totals of waits that came without a stack.
-pub fn add_totals(
-    aggregator: &mut StackAggregator,
-    totals: &[(OffCpuKey, OffCpuTotal)],
-    labels: &mut Labeller<'_>,
-) {
-    for (key, total) in totals {
-        let Some((attribution, class)) = labels.classify(key.tgid, &key.attr) else {
-            continue;
-        };
-        let frame = match class {
-            OffCpuClass::Idle => IDLE_FRAME,
-            OffCpuClass::Preempted => PREEMPTED_FRAME,
-            _ => SHORT_WAITS_FRAME,
-        };
-        aggregator.add_without_stack(key.tgid, attribution, Some(class), frame, total.ns);
-    }
+/// The class of an off-CPU wait, `None` for an on-CPU sample. The postmaster has no wait
+/// events; it only waits for connections and children, which is idle time.
+pub fn class_of(raw: u32, postmaster: bool) -> Option<OffCpuClass> {
+    let class = OffCpuClass::from_raw(raw)?;
+    Some(if postmaster && class == OffCpuClass::Latch {
+        OffCpuClass::Idle
+    } else {
+        class
+    })
 }
 
 /// The frame of waits still going on when the trace ended (counted up to that moment).
 pub const OPEN_FRAME: &str = "[still off CPU when the trace ended]";
 
-/// Adds the waits still open when the trace ended, up to that moment: a backend blocked on a
-/// lock for the whole trace is the finding, not a blind spot.
-pub fn add_open_waits(
-    aggregator: &mut StackAggregator,
-    open: &[(u32, RawAttribution, u64)],
-    labels: &mut Labeller<'_>,
-) {
-    for (tgid, attr, ns) in open {
-        let Some((attribution, class)) = labels.classify(*tgid, attr) else {
-            continue;
-        };
-        let frame = if class == OffCpuClass::Idle {
-            IDLE_FRAME
-        } else {
-            OPEN_FRAME
-        };
-        aggregator.add_without_stack(*tgid, attribution, Some(class), frame, *ns);
+/// Off-CPU time the kernel measured without a stack: short waits, preemptions and idle waits
+/// (totals per label set), and waits still open when the trace ended, counted up to that
+/// moment — a backend blocked on a lock for the whole trace is the finding, not a blind spot.
+pub struct WaitWithoutStack {
+    pub tgid: u32,
+    pub attr: RawAttribution,
+    pub ns: u64,
+    pub still_open: bool,
+}
+
+impl WaitWithoutStack {
+    pub fn from_totals(totals: &[(OffCpuKey, OffCpuTotal)]) -> impl Iterator<Item = Self> + '_ {
+        totals.iter().map(|(key, total)| Self {
+            tgid: key.tgid,
+            attr: key.attr,
+            ns: total.ns,
+            still_open: false,
+        })
+    }
+
+    pub fn from_open(open: &[(u32, RawAttribution, u64)]) -> impl Iterator<Item = Self> + '_ {
+        open.iter().map(|&(tgid, attr, ns)| Self {
+            tgid,
+            attr,
+            ns,
+            still_open: true,
+        })
+    }
+
+    /// The one frame that stands for it in the profile.
+    fn frame(&self, class: OffCpuClass) -> &'static str {
+        match class {
+            OffCpuClass::Idle => IDLE_FRAME,
+            OffCpuClass::Preempted if !self.still_open => PREEMPTED_FRAME,
+            _ if self.still_open => OPEN_FRAME,
+            _ => SHORT_WAITS_FRAME,
+        }
+    }
+}
+
+impl super::Session {
+    /// Adds off-CPU time measured without a stack, labelled like any sample of its process.
+    pub(super) fn add_waits_without_stack(&mut self, waits: impl Iterator<Item = WaitWithoutStack>) {
+        for wait in waits {
+            let postmaster = self.layout_pid == Some(wait.tgid);
+            let Some(class) = class_of(wait.attr.off_cpu_class, postmaster) else {
+                continue;
+            };
+            let attribution = self.attribution(&SampleHeader::with_attribution(wait.tgid, &wait.attr));
+            self.off_cpu
+                .add_without_stack(wait.tgid, attribution, Some(class), wait.frame(class), wait.ns);
+        }
     }
 }
 
