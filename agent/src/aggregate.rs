@@ -151,6 +151,11 @@ impl StackAggregator {
         *self.stacks.entry(key).or_insert(0) += weight;
     }
 
+    /// Distinct (process, labels, stack) keys held.
+    pub fn distinct(&self) -> usize {
+        self.stacks.len()
+    }
+
     pub fn stats(&self) -> UnwindStats {
         self.stats
     }

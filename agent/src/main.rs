@@ -1,7 +1,9 @@
 //! pgscope: an eBPF profiler for PostgreSQL.
 
+mod agent;
 mod aggregate;
 mod bpf;
+mod collect;
 mod postgres;
 mod preflight;
 mod target;
@@ -30,6 +32,12 @@ enum Command {
     /// Profile one backend (--pid) or every process of one instance (--instance) on CPU, then
     /// print the top functions and write flamegraphs.
     Trace(Box<TraceArgs>),
+    /// Profile every Postgres instance on this host continuously and send the profiles to
+    /// Grafana Pyroscope (one series per instance, query, backend type, database and wait
+    /// event). Serves /metrics, /healthz and /readyz. SIGHUP reloads the configuration;
+    /// SIGTERM sends what was collected and detaches. Exit codes: 0 stopped by a signal,
+    /// 1 could not run (e.g. no BPF), 2 invalid configuration.
+    Agent(Box<AgentArgs>),
     /// Measure what one probe hit costs on this machine: a bare uprobe (empty program) and a
     /// pgscope function probe (entry + return). `bench/probes.sh` quotes it.
     Calibrate,
@@ -109,6 +117,38 @@ struct TraceArgs {
     query_id: Option<i64>,
 }
 
+#[derive(Args)]
+struct AgentArgs {
+    /// Configuration file (TOML; see the README). Environment variables PGSCOPE_* override
+    /// it, flags override both.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Check the configuration, print it, and exit (0 valid, 2 invalid).
+    #[arg(long)]
+    check_config: bool,
+    /// Pyroscope's base URL, e.g. http://pyroscope:4040.
+    #[arg(long, value_name = "URL")]
+    pyroscope_url: Option<String>,
+    /// `service_name` of the series; `{instance}` becomes the instance's name.
+    #[arg(long, value_name = "NAME")]
+    service_name: Option<String>,
+    /// On-CPU samples per second per CPU (default 19).
+    #[arg(long, value_name = "HZ")]
+    frequency: Option<u64>,
+    /// How often profiles are sent (default 15s).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    upload_interval: Option<Duration>,
+    /// Address of /metrics, /healthz and /readyz (default 0.0.0.0:9437).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Profile off-CPU time too (where backends wait; costs more: see bench/offcpu.sh).
+    #[arg(long)]
+    off_cpu: bool,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
+}
+
 fn parse_explicit_probe(text: &str) -> Result<trace::ExplicitProbe, String> {
     trace::parse_explicit_probe(text).map_err(|error| format!("{error:#}"))
 }
@@ -135,12 +175,59 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(duration)
 }
 
+fn init_logs(default_level: &str, json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        // Colours only for a person: journald, kubectl logs and files get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+}
+
+/// Exit code of an invalid configuration (clap's usage errors use it too).
+const EXIT_BAD_CONFIG: u8 = 2;
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let (agent, config) = match &cli.command {
+        Command::Agent(args) => {
+            let source = agent::ConfigSource {
+                file: args.config.clone(),
+                flags: agent::config::Overrides {
+                    pyroscope_url: args.pyroscope_url.clone(),
+                    service_name: args.service_name.clone(),
+                    frequency: args.frequency,
+                    upload_interval: args.upload_interval,
+                    metrics_addr: args.metrics_addr,
+                    off_cpu: args.off_cpu.then_some(true),
+                    log_format: args.log_json.then_some(agent::config::LogFormat::Json),
+                },
+            };
+            let config = match source.load() {
+                Ok(config) => config,
+                Err(error) => {
+                    eprintln!("pgscope agent: invalid configuration: {error:#}");
+                    return ExitCode::from(EXIT_BAD_CONFIG);
+                }
+            };
+            if args.check_config {
+                // A summary, not the whole struct: passwords and tokens stay out of terminals.
+                println!("configuration is valid:\n{}", config.summary());
+                return ExitCode::SUCCESS;
+            }
+            init_logs("info", config.server.log_format == agent::config::LogFormat::Json);
+            (Some(source), Some(config))
+        }
+        _ => {
+            init_logs("warn", false);
+            (None, None)
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -151,6 +238,10 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Calibrate => trace::calibrate(),
+            Command::Agent(_) => match (agent, config) {
+                (Some(source), Some(config)) => agent::run(source, config).await,
+                _ => Err(anyhow::anyhow!("the agent's configuration was not loaded")),
+            },
             Command::Trace(args) => {
                 trace::run(trace::TraceOptions {
                     pid: args.pid,

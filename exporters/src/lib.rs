@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 pub mod folded;
 pub mod pprof;
+pub mod pyroscope;
 pub mod svg;
 pub mod top;
 
@@ -138,6 +139,9 @@ pub enum Error {
     /// Compressing the pprof profile failed.
     #[error("cannot gzip the pprof profile")]
     Gzip(#[source] std::io::Error),
+    /// A series has no `service_name`, which Pyroscope requires.
+    #[error("the series has no service_name label")]
+    NoServiceName,
     /// A value does not fit pprof's signed 64-bit integers.
     #[error("{field} {value} does not fit in a pprof int64")]
     PprofOverflow {

@@ -17,10 +17,14 @@ use crate::{display_name, Error, Frame, Profile};
 
 /// Encodes `profile` as a gzipped pprof protobuf; see [`to_pprof`] for the layout.
 pub fn encode_pprof_gzip(profile: &Profile) -> Result<Vec<u8>, Error> {
-    let bytes = to_pprof(profile)?.encode_to_vec();
+    gzip(&to_pprof(profile)?.encode_to_vec())
+}
+
+/// Gzips encoded pprof bytes (pprof files and Pyroscope's raw profiles are gzipped).
+pub fn gzip(bytes: &[u8]) -> Result<Vec<u8>, Error> {
     // The gzip header's mtime stays 0, so equal profiles give equal bytes.
     let mut encoder = GzEncoder::new(Vec::with_capacity(bytes.len() / 4), Compression::default());
-    encoder.write_all(&bytes).map_err(Error::Gzip)?;
+    encoder.write_all(bytes).map_err(Error::Gzip)?;
     encoder.finish().map_err(Error::Gzip)
 }
 

@@ -111,6 +111,23 @@ impl PgCluster {
         Ok(cluster)
     }
 
+    /// Stops the server (fast shutdown) and starts it again: a new postmaster and new backends,
+    /// as after a restart by an operator.
+    pub fn restart(&self) -> Result<()> {
+        run_checked(
+            self.as_postgres_user("pg_ctl")
+                .arg("restart")
+                .arg("-D")
+                .arg(&self.data)
+                .arg("-l")
+                .arg(&self.log)
+                .args(["-m", "fast", "-w", "-t", "60"]),
+            START_TIMEOUT,
+        )
+        .with_context(|| format!("cannot restart the cluster:\n{}", self.server_log()))?;
+        self.wait_ready()
+    }
+
     /// The build this cluster runs.
     pub fn install(&self) -> &PgInstall {
         &self.install

@@ -5,6 +5,7 @@
 //! `cargo test -p pgscope-tests -- --test-threads=1`.
 
 pub mod activity;
+pub mod agent;
 pub mod cluster;
 pub mod compare;
 pub mod connection;
@@ -17,6 +18,7 @@ pub mod pgstack;
 pub mod pprof;
 pub mod process;
 pub mod profile;
+pub mod pyroscope_capture;
 pub mod running_trace;
 pub mod session;
 pub mod summary;
@@ -26,6 +28,7 @@ pub mod workload;
 
 use std::path::{Path, PathBuf};
 
+pub use agent::RunningAgent;
 pub use cluster::PgCluster;
 pub use compare::{compare_top, disagreements, format_comparison, FunctionDiff, SelfTable};
 pub use connection::Connection;
@@ -38,6 +41,7 @@ pub use pgstack::{runs_under_exec_simple_query, Statics};
 pub use pprof::{LabeledProfile, LabeledSample};
 pub use process::wait_for;
 pub use profile::{Profile, Stack};
+pub use pyroscope_capture::PyroscopeCapture;
 pub use running_trace::RunningTrace;
 pub use session::Session;
 pub use summary::TraceSummary;

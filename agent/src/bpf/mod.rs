@@ -162,6 +162,18 @@ impl OnCpuProbes {
         })
     }
 
+    /// Drops the totals of processes that exited (read for the last time): the map is bounded
+    /// and backends come and go.
+    pub fn remove_off_cpu_totals(&mut self, keys: &[OffCpuKey]) -> Result<()> {
+        let mut map: PerCpuHashMap<_, OffCpuKey, OffCpuTotal> =
+            PerCpuHashMap::try_from(self.map_mut("off_cpu_totals")?)?;
+        for key in keys {
+            // Gone already is fine: the goal is that it is gone.
+            let _ = map.remove(key);
+        }
+        Ok(())
+    }
+
     /// Adds a process to the in-kernel filter.
     pub fn add_target(&mut self, tgid: u32, flags: u8) -> Result<()> {
         let map = self.map_mut("targets")?;

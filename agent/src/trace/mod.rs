@@ -4,7 +4,6 @@
 pub mod calibrate;
 mod duty;
 mod json;
-mod live;
 mod off_cpu;
 mod probe_set;
 mod probes;
@@ -15,9 +14,7 @@ mod spin_sites;
 mod sql_facts;
 mod statement_clock;
 
-use std::borrow::Cow;
-use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -25,19 +22,19 @@ use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::signal::unix::{signal, SignalKind};
-use tracing::{debug, warn};
+use tracing::warn;
 
-use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{
-    Counter, SampleHeader, SampleRecord, TARGET_FOLLOW_FORKS, TARGET_OFF_CPU, TARGET_PROFILE,
-};
+use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
-use crate::postgres::{self, attribution::Attribution, instance_names::InstanceNames, VersionTable};
+use crate::collect::instance::{self, Scope};
+use crate::collect::off_cpu::WaitWithoutStack;
+use crate::collect::{self, Session};
+use crate::postgres;
 use crate::preflight;
 use crate::target::{self, Target};
 use probe_set::ProbeSet;
 pub use probes::{parse_explicit_probe, ExplicitProbe};
-use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions, UserRegs};
+use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions};
 
 /// Options of one trace session (parsed from the command line in `main.rs`).
 #[derive(Clone, Debug)]
@@ -80,59 +77,30 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
     let layout_source = target.pid();
-    // Attribution is best effort: without it stacks are still right, only unlabelled.
-    let version_table = match postgres::resolve_layout(layout_source) {
-        Ok((layout, table)) => {
-            probes.set_layout(layout_source, layout)?;
-            Some((layout, table))
-        }
-        Err(error) => {
-            eprintln!("pgscope: no query or wait-event labels: {error:#}");
-            None
-        }
-    };
     // Targets are flagged for off-CPU now; its programs attach with the sampler, so that both
     // measure the same period (the probes' calibration comes in between).
     let off_cpu_flag = if options.off_cpu { TARGET_OFF_CPU } else { 0 };
-    // Read once: the postmaster fills the named tranches in at startup, and every process of
-    // the instance has MyBgworkerEntry at the same address.
-    let instance_names = match &version_table {
-        Some((_, table)) => match InstanceNames::resolve(layout_source, table) {
-            Ok(names) => {
-                debug!(tranches = names.tranche_count(), "named LWLock tranches read");
-                names
-            }
-            Err(error) => {
-                eprintln!(
-                    "pgscope: extension LWLock waits show as `LWLock:extension` and background workers \
-                     as `background worker`: {error:#}"
-                );
-                InstanceNames::default()
-            }
-        },
-        None => InstanceNames::default(),
+    let (root, scope) = match &target {
+        Target::Backend(process) => (process, Scope::Backend),
+        Target::Instance { postmaster } => (postmaster, Scope::Instance),
     };
-    match &target {
-        Target::Backend(process) => probes.add_target(process.pid, TARGET_PROFILE | off_cpu_flag)?,
-        Target::Instance { postmaster } => {
-            // The postmaster goes in first: a backend forked from now on is caught by the fork
-            // tracepoint, one forked earlier by the /proc scan that follows.
-            let flags = TARGET_PROFILE | TARGET_FOLLOW_FORKS | off_cpu_flag;
-            probes.add_target(postmaster.pid, flags)?;
-            let children = target::children_of(postmaster.pid);
-            for child in &children {
-                // Children forked before the postmaster's layout was set need their own copy.
-                if let Some((layout, _)) = version_table {
-                    probes.set_layout(child.pid, layout)?;
-                }
-                probes.add_target(child.pid, flags)?;
-            }
-            eprintln!(
-                "pgscope: instance has {} processes besides the postmaster",
-                children.len()
-            );
-        }
+    let attached = instance::attach(&mut probes, root, scope, off_cpu_flag)?;
+    if let Some(error) = &attached.no_attribution {
+        eprintln!("pgscope: no query or wait-event labels: {error:#}");
     }
+    if let Some(error) = &attached.no_instance_names {
+        eprintln!(
+            "pgscope: extension LWLock waits show as `LWLock:extension` and background workers \
+             as `background worker`: {error:#}"
+        );
+    }
+    if scope == Scope::Instance {
+        eprintln!(
+            "pgscope: instance has {} processes besides the postmaster",
+            attached.children
+        );
+    }
+    let version_table = attached.layout;
     let mut symbolizer = Symbolizer::new(SymbolizerOptions {
         debug_dirs: options.debug_dirs.clone(),
     });
@@ -218,26 +186,14 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
-    let layout_pid = match &target {
-        Target::Backend(_) => None,
-        Target::Instance { postmaster } => Some(postmaster.pid),
-    };
-    let mut session = Session {
-        symbolizer: Symbolizer::new(SymbolizerOptions {
+    let mut session = Session::new(
+        Symbolizer::new(SymbolizerOptions {
             debug_dirs: options.debug_dirs.clone(),
         }),
-        aggregator: StackAggregator::default(),
-        off_cpu: StackAggregator::default(),
         off_cpu_measured,
-        malformed: 0,
-        layout_pid,
-        live_pids: HashSet::new(),
-        version: version_table.map(|(_, table)| table),
-        instance_names,
-        query_filter: options.query_id,
-        filtered_out: 0,
-        live: live::LiveCounts::default(),
-    };
+        options.query_id,
+    );
+    session.add_instance(attached.context);
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
     eprintln!(
@@ -291,8 +247,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     }
     let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results).await;
     session.add_waits_without_stack(
-        off_cpu::WaitWithoutStack::from_totals(&off_cpu_totals)
-            .chain(off_cpu::WaitWithoutStack::from_open(&open_waits)),
+        WaitWithoutStack::from_totals(&off_cpu_totals).chain(WaitWithoutStack::from_open(&open_waits)),
     );
     let measured = report::Measured {
         counters,
@@ -317,113 +272,6 @@ impl Signals {
             interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
             terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
         })
-    }
-}
-
-/// Everything that is built up while samples arrive.
-pub(crate) struct Session {
-    pub symbolizer: Symbolizer,
-    pub aggregator: StackAggregator,
-    pub malformed: u64,
-    /// The postmaster of an instance: its backends are forked without exec and share its
-    /// layout, which names the stacks of a backend that exited before its first sample was read.
-    layout_pid: Option<u32>,
-    /// Processes the symbolizer holds state for.
-    live_pids: HashSet<u32>,
-    /// Off-CPU waits, weighted by nanoseconds.
-    off_cpu: StackAggregator,
-    /// Whether off-CPU time was measured (the programs attached).
-    off_cpu_measured: bool,
-    /// How to decode attribution, when the layout could be resolved.
-    version: Option<&'static VersionTable>,
-    /// Names only the server knows: extension tranches, background workers' types.
-    instance_names: InstanceNames,
-    /// `--queryid`: keep only samples of this query.
-    query_filter: Option<i64>,
-    pub filtered_out: u64,
-    live: live::LiveCounts,
-}
-
-impl Session {
-    /// What the process showed at the sample, decoded; the postmaster, which Postgres calls
-    /// "not initialized", is named.
-    fn attribution(&mut self, header: &SampleHeader) -> Attribution {
-        let mut attribution = match self.version {
-            Some(table) => Attribution::decode(header, table, &mut self.instance_names),
-            None => Attribution::default(),
-        };
-        if self.layout_pid == Some(header.tgid) {
-            attribution.backend_type = Some(Cow::Borrowed("postmaster"));
-        }
-        attribution
-    }
-
-    fn handle(&mut self, bytes: &[u8]) {
-        let record = match SampleRecord::parse(bytes) {
-            Ok(record) => record,
-            Err(error) => {
-                self.malformed += 1;
-                debug!("dropping malformed sample: {error}");
-                return;
-            }
-        };
-        let header = record.header;
-        let attribution = self.attribution(&header);
-        if let Some(wanted) = self.query_filter {
-            if attribution.query_id != Some(wanted) {
-                self.filtered_out += 1;
-                return;
-            }
-        }
-        let regs = UserRegs {
-            ip: header.user_ip,
-            sp: header.user_sp,
-            bp: header.user_bp,
-        };
-        let user = match self.layout_pid {
-            Some(layout_pid) => self
-                .symbolizer
-                .unwind_as(header.tgid, layout_pid, &regs, record.user_stack),
-            None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
-        };
-        self.live_pids.insert(header.tgid);
-        let postmaster = self.layout_pid == Some(header.tgid);
-        match off_cpu::class_of(header.off_cpu_class, postmaster) {
-            Some(class) => self.off_cpu.add_off_cpu(
-                header.tgid,
-                attribution,
-                class,
-                off_cpu::syscall_frame(header.off_cpu_syscall),
-                user,
-                header.off_cpu_ns,
-            ),
-            None => {
-                self.live.record(&attribution);
-                self.aggregator
-                    .add(header.tgid, attribution, record.kernel_stack(), user);
-            }
-        }
-    }
-
-    /// The major version attribution is decoded for.
-    pub fn postgres_major(&self) -> Option<u32> {
-        self.version.map(|table| table.major)
-    }
-
-    /// Drops the per-process state of exited processes: PIDs are reused, and a new process must
-    /// not be unwound with an old one's mappings nor named by an old one's worker type.
-    fn forget_exited(&mut self) {
-        let exited: Vec<u32> = self
-            .live_pids
-            .iter()
-            .copied()
-            .filter(|pid| !Path::new(&format!("/proc/{pid}")).exists())
-            .collect();
-        for pid in exited {
-            self.symbolizer.forget_process(pid);
-            self.instance_names.forget(pid);
-            self.live_pids.remove(&pid);
-        }
     }
 }
 
@@ -474,9 +322,7 @@ async fn collect(
         tokio::select! {
             readable = ring.readable_mut() => {
                 let mut guard = readable.context("waiting on the ring buffer")?;
-                while let Some(item) = guard.get_inner_mut().next() {
-                    session.handle(&item);
-                }
+                collect::drain(guard.get_inner_mut(), session);
                 guard.clear_ready();
             }
             _ = tick.tick() => {
@@ -491,7 +337,8 @@ async fn collect(
                         last_samples = samples;
                         let mut table = session.live.lines(LIVE_ROWS);
                         table.extend(probe_set.live_lines());
-                        progress.update(started.elapsed(), &counters, &session.aggregator.stats(), &table);
+                        let stats = session.only().map(|i| i.stacks.on_cpu.stats()).unwrap_or_default();
+                        progress.update(started.elapsed(), &counters, &stats, &table);
                     }
                     Err(error) => warn!("cannot read BPF counters: {error:#}"),
                 }
@@ -505,9 +352,7 @@ async fn collect(
         }
     };
     // Samples already in the ring buffer belong to the session.
-    while let Some(item) = ring.get_mut().next() {
-        session.handle(&item);
-    }
+    collect::drain(ring.get_mut(), session);
     progress.finish();
     Ok(ended_early)
 }

@@ -45,11 +45,8 @@ pub(super) fn finish(
         database_names,
     } = sql_facts;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
-    let profile =
-        session
-            .aggregator
-            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta, &database_names);
-    let stats = session.aggregator.stats();
+    let profile = session.profile(false, kernel.as_ref(), meta, &database_names);
+    let stats = session.on_cpu().map(|stacks| stacks.stats()).unwrap_or_default();
     let root_labels = match target {
         Target::Backend(_) => Vec::new(),
         Target::Instance { .. } => vec!["pid".to_string()],
@@ -92,9 +89,7 @@ pub(super) fn finish(
     }
     let off_cpu_profile = session.off_cpu_measured.then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
-        session
-            .off_cpu
-            .to_profile(&mut session.symbolizer, kernel.as_ref(), meta, &database_names)
+        session.profile(true, kernel.as_ref(), meta, &database_names)
     });
     if let Some(off_cpu) = &off_cpu_profile {
         println!(
@@ -107,7 +102,7 @@ pub(super) fn finish(
         if options.off_cpu_idle {
             profile.clone()
         } else {
-            super::off_cpu::without_idle(profile)
+            crate::collect::off_cpu::without_idle(profile)
         }
     });
     if session.filtered_out > 0 {
@@ -252,8 +247,9 @@ fn print_losses(counters: &Counters, malformed: u64) {
 /// functions are shown as `file+0x…`, and the user can fix that.
 fn print_missing_symbols(session: &Session) {
     let mut stripped: Vec<String> = session
-        .aggregator
-        .modules()
+        .on_cpu()
+        .map(|stacks| stacks.modules())
+        .unwrap_or_default()
         .iter()
         .filter_map(|module| session.symbolizer.module_info(module))
         .filter(|info| !info.has_symtab && info.debug_file.is_none())

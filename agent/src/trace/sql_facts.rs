@@ -25,7 +25,9 @@ pub async fn fetch(
 ) -> SqlFacts {
     let query_ids = wanted_query_ids(options, session, probe_results);
     let texts = !query_ids.is_empty();
-    let databases = !session.aggregator.database_oids().is_empty();
+    let databases = session
+        .on_cpu()
+        .is_some_and(|stacks| !stacks.database_oids().is_empty());
     // What the one line about a failed connection says is missing.
     let missing = match (texts, databases) {
         (false, false) => return SqlFacts::default(),
@@ -71,8 +73,9 @@ pub async fn fetch(
 /// The non-zero queryids the summary shows: the busiest by samples and by probe calls.
 fn wanted_query_ids(options: &TraceOptions, session: &Session, probe_results: &ProbeResults) -> Vec<i64> {
     let mut wanted: Vec<i64> = session
-        .aggregator
-        .query_ids()
+        .on_cpu()
+        .map(|stacks| stacks.query_ids())
+        .unwrap_or_default()
         .into_iter()
         .take(options.top)
         .map(|(query_id, _)| query_id)

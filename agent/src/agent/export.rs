@@ -1,0 +1,310 @@
+//! Each upload interval: every instance's stacks become a `process_cpu` and an `offcpu`
+//! profile, split into one series per label set, and go into the upload queue, which sends
+//! them to Pyroscope in the background (retrying, bounded, never blocking collection).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use exporters::pyroscope::{self, ClientConfig, Limits, Sender, SenderConfig};
+use exporters::{Profile, ProfileMeta};
+use symbolizer::KernelSymbols;
+use tracing::{debug, warn};
+
+use super::config::AgentConfig;
+use super::metrics::ExportStats;
+use crate::collect::instance::InstanceContext;
+use crate::collect::session::Instance;
+use crate::collect::{off_cpu, InstanceStacks, Session};
+use crate::postgres::sql;
+
+/// How often database names are looked up again for OIDs not known yet.
+const DATABASE_NAMES_RETRY: Duration = Duration::from_secs(60);
+/// How long a database-name lookup may hold up an upload.
+const SQL_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub struct Exporter {
+    sender: Sender,
+    host: String,
+    limits: Limits,
+    labels_dropped: u64,
+    /// Per instance (root PID): database OID → name, and when they were last looked up.
+    database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
+}
+
+impl Exporter {
+    pub fn start(config: &AgentConfig) -> Result<Self> {
+        let sender = Sender::start(client_config(config)?, sender_config(config))
+            .context("starting the Pyroscope sender")?;
+        Ok(Self {
+            sender,
+            host: host_name(),
+            limits: Limits::default(),
+            labels_dropped: 0,
+            database_names: HashMap::new(),
+        })
+    }
+
+    /// A reload: new URL, credentials or queue size apply to the batches sent from now on;
+    /// batches already queued stay queued.
+    pub fn reconfigure(&mut self, config: &AgentConfig) -> Result<()> {
+        self.sender
+            .reconfigure(client_config(config)?, sender_config(config))
+            .context("applying the new Pyroscope settings")
+    }
+
+    /// The instance's name in the `instance` label.
+    pub fn instance_name(&self, context: &InstanceContext) -> String {
+        context.facts.name(&self.host)
+    }
+
+    pub fn labels_dropped(&self) -> u64 {
+        self.labels_dropped
+    }
+
+    pub fn stats(&self) -> ExportStats {
+        let stats = self.sender.stats();
+        ExportStats {
+            pushes_ok: stats.pushes_ok,
+            pushes_failed_retryable: stats.pushes_failed_retryable,
+            pushes_failed_permanent: stats.pushes_failed_permanent,
+            retries: stats.retries,
+            dropped_queue_full_batches: stats.dropped_queue_full_batches,
+            dropped_queue_full_bytes: stats.dropped_queue_full_bytes,
+            dropped_permanent_batches: stats.dropped_permanent_batches,
+            queue_batches: stats.queue_depth_batches,
+            queue_bytes: stats.queue_depth_bytes,
+            last_success_unix: stats.last_success_unix,
+        }
+    }
+
+    /// Queues the stacks of every instance counted since `start` (unix ns), and starts the next
+    /// interval empty.
+    pub async fn upload(
+        &mut self,
+        session: &mut Session,
+        config: &AgentConfig,
+        start: u64,
+        end: u64,
+        enqueued: &mut BTreeMap<&'static str, u64>,
+    ) {
+        let names: HashMap<u32, String> = session
+            .instances()
+            .map(|instance| (instance.context.root, self.instance_name(&instance.context)))
+            .collect();
+        for instance in session.instances() {
+            let oids = instance.stacks.on_cpu.database_oids();
+            self.refresh_database_names(instance.context.root, &oids).await;
+        }
+        let kernel = kernel_symbols();
+        let (taken, symbolizer) = session.take_stacks();
+        for (root, stacks) in taken {
+            let Some(name) = names.get(&root) else { continue };
+            let databases = self
+                .database_names
+                .get(&root)
+                .map(|(names, _)| names.clone())
+                .unwrap_or_default();
+            let profiles = profiles_of(
+                &stacks,
+                symbolizer,
+                kernel.as_ref(),
+                &databases,
+                config,
+                start,
+                end,
+            );
+            self.enqueue(name, profiles, config, enqueued);
+        }
+    }
+
+    /// Queues what is left of an instance that is gone.
+    pub fn upload_instance(&mut self, session: &mut Session, gone: Instance, config: &AgentConfig) {
+        let name = self.instance_name(&gone.context);
+        let end = super::unix_nanos();
+        let kernel = kernel_symbols();
+        let databases = self
+            .database_names
+            .remove(&gone.context.root)
+            .map(|(names, _)| names)
+            .unwrap_or_default();
+        // The interval it belonged to is not known here: it ends now.
+        let start = end.saturating_sub(config.collection.upload_interval.as_nanos() as u64);
+        let profiles = profiles_of(
+            &gone.stacks,
+            &mut session.symbolizer,
+            kernel.as_ref(),
+            &databases,
+            config,
+            start,
+            end,
+        );
+        let mut enqueued = BTreeMap::new();
+        self.enqueue(&name, profiles, config, &mut enqueued);
+    }
+
+    fn enqueue(
+        &mut self,
+        instance: &str,
+        profiles: Vec<(&'static str, Profile)>,
+        config: &AgentConfig,
+        enqueued: &mut BTreeMap<&'static str, u64>,
+    ) {
+        let base = base_labels(instance, config);
+        for (kind, profile) in profiles {
+            if profile.samples.is_empty() {
+                continue;
+            }
+            let profile = without_pid(profile, config.labels.pid);
+            match pyroscope::build_series(&profile, kind, &base, &self.limits) {
+                Ok(built) => {
+                    self.labels_dropped += built.labels_dropped;
+                    if built.series.is_empty() {
+                        continue;
+                    }
+                    self.sender.enqueue(built.series);
+                    *enqueued.entry(kind).or_insert(0) += 1;
+                }
+                Err(error) => warn!(instance, profile = kind, "profile not sent: {error:#}"),
+            }
+        }
+    }
+
+    /// Looks up database names over SQL when OIDs without a name show up (at most once a
+    /// minute per instance: a failing connection must not slow every upload down).
+    async fn refresh_database_names(&mut self, root: u32, oids: &std::collections::HashSet<u32>) {
+        let entry = self
+            .database_names
+            .entry(root)
+            .or_insert_with(|| (HashMap::new(), None));
+        let unknown = oids.iter().any(|oid| !entry.0.contains_key(oid));
+        let due = entry.1.is_none_or(|last| last.elapsed() >= DATABASE_NAMES_RETRY);
+        if !unknown || !due {
+            return;
+        }
+        entry.1 = Some(Instant::now());
+        let lookup = async {
+            let target = sql::Connect::for_process(root)?;
+            let client = sql::connect(&target).await?;
+            sql::database_names(&client).await
+        };
+        match tokio::time::timeout(SQL_TIMEOUT, lookup).await {
+            Ok(Ok(names)) => entry.0 = names,
+            Ok(Err(error)) => debug!(postmaster = root, "database labels stay OIDs: {error:#}"),
+            Err(_) => debug!(
+                postmaster = root,
+                "database labels stay OIDs: the lookup timed out"
+            ),
+        }
+    }
+
+    /// Sends what is queued until `deadline`; returns the batches left unsent.
+    pub async fn shutdown(self, deadline: Duration) -> u64 {
+        self.sender.flush(deadline).await
+    }
+}
+
+/// The on-CPU and off-CPU profiles of one instance's interval.
+fn profiles_of(
+    stacks: &InstanceStacks,
+    symbolizer: &mut symbolizer::Symbolizer,
+    kernel: Option<&KernelSymbols>,
+    databases: &HashMap<u32, String>,
+    config: &AgentConfig,
+    start: u64,
+    end: u64,
+) -> Vec<(&'static str, Profile)> {
+    let duration = end.saturating_sub(start);
+    let cpu_meta = ProfileMeta::cpu(config.collection.frequency, start, duration);
+    let mut profiles = vec![(
+        "process_cpu",
+        stacks.on_cpu.to_profile(symbolizer, kernel, cpu_meta, databases),
+    )];
+    if stacks.off_cpu.distinct() > 0 {
+        let meta = ProfileMeta::off_cpu(start, duration);
+        let profile = stacks.off_cpu.to_profile(symbolizer, kernel, meta, databases);
+        let profile = match config.collection.off_cpu_idle {
+            true => profile,
+            false => off_cpu::without_idle(&profile),
+        };
+        profiles.push(("offcpu", profile));
+    }
+    profiles
+}
+
+/// `service_name`, `instance` and the static labels, shared by every series of an instance.
+fn base_labels(instance: &str, config: &AgentConfig) -> Vec<(String, String)> {
+    let mut labels = vec![
+        (
+            "service_name".to_string(),
+            config.labels.service_name.replace("{instance}", instance),
+        ),
+        ("instance".to_string(), instance.to_string()),
+    ];
+    labels.extend(
+        config
+            .labels
+            .static_labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    labels
+}
+
+/// The `pid` label makes one series per backend: kept only on request.
+fn without_pid(mut profile: Profile, keep: bool) -> Profile {
+    if !keep {
+        for sample in &mut profile.samples {
+            sample.labels.retain(|(name, _)| name != "pid");
+        }
+    }
+    profile
+}
+
+/// Kernel symbols are read per upload: modules load and unload.
+fn kernel_symbols() -> Option<KernelSymbols> {
+    match KernelSymbols::load() {
+        Ok(symbols) => Some(symbols),
+        Err(error) => {
+            debug!("kernel frames will be unnamed: {error}");
+            None
+        }
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+fn client_config(config: &AgentConfig) -> Result<ClientConfig> {
+    let pyroscope = &config.pyroscope;
+    let ca_cert_pem = match &pyroscope.ca_file {
+        Some(path) => Some(
+            std::fs::read(path).with_context(|| format!("reading pyroscope.ca_file `{}`", path.display()))?,
+        ),
+        None => None,
+    };
+    Ok(ClientConfig {
+        url: pyroscope.url.clone().unwrap_or_default(),
+        basic_auth: pyroscope
+            .basic_auth_user
+            .clone()
+            .zip(pyroscope.basic_auth_password.clone()),
+        bearer_token: pyroscope.bearer_token.clone(),
+        tenant_id: pyroscope.tenant_id.clone(),
+        ca_cert_pem,
+        timeout: pyroscope.timeout,
+        user_agent: format!("pgscope/{}", env!("CARGO_PKG_VERSION")),
+    })
+}
+
+fn sender_config(config: &AgentConfig) -> SenderConfig {
+    SenderConfig {
+        queue_max_bytes: config.pyroscope.queue_max_bytes,
+        ..SenderConfig::default()
+    }
+}

@@ -1,0 +1,317 @@
+//! The agent's own metrics in the Prometheus text format (version 0.0.4). The values are
+//! snapshots the main loop publishes once a second (BPF counters, instances, export state)
+//! plus the process's own CPU and memory read at scrape time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// What the main loop publishes.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// BPF counters by name (`samples`, `lost_ringbuf_full`, …), cumulative.
+    pub bpf_counters: Vec<(&'static str, u64)>,
+    /// Samples dropped in user space, per reason (malformed, no instance owns them).
+    pub dropped_in_agent: Vec<(&'static str, u64)>,
+    /// Instance name → processes of it being profiled.
+    pub instances: BTreeMap<String, u64>,
+    /// Distinct stacks held for the current upload interval.
+    pub stacks_held: u64,
+    /// Off-CPU profiling is attached.
+    pub off_cpu: bool,
+    /// Profiles built and handed to the upload queue, per profile type.
+    pub profiles_enqueued: BTreeMap<&'static str, u64>,
+    /// Label sets cut because a series would exceed Pyroscope's limits.
+    pub labels_dropped: u64,
+    /// The upload queue and its sender.
+    pub export: ExportStats,
+    /// Config reloads that worked / failed.
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+}
+
+/// The sender's counters, cumulative except the queue depth.
+#[derive(Clone, Debug, Default)]
+pub struct ExportStats {
+    pub pushes_ok: u64,
+    pub pushes_failed_retryable: u64,
+    pub pushes_failed_permanent: u64,
+    pub retries: u64,
+    pub dropped_queue_full_batches: u64,
+    pub dropped_queue_full_bytes: u64,
+    pub dropped_permanent_batches: u64,
+    pub queue_batches: u64,
+    pub queue_bytes: u64,
+    pub last_success_unix: u64,
+}
+
+/// Renders the snapshot, with the agent's own CPU seconds and resident memory.
+pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
+    let mut out = Text::default();
+    out.family(
+        "pgscope_bpf_events_total",
+        "counter",
+        "Events counted by the BPF programs, per kind (samples taken, sent, lost per reason).",
+    );
+    for (name, value) in &snapshot.bpf_counters {
+        out.value("pgscope_bpf_events_total", &[("kind", name)], *value);
+    }
+    out.family(
+        "pgscope_samples_dropped_total",
+        "counter",
+        "Samples the agent dropped after reading them, per reason.",
+    );
+    for (reason, value) in &snapshot.dropped_in_agent {
+        out.value("pgscope_samples_dropped_total", &[("reason", reason)], *value);
+    }
+    out.family("pgscope_instances", "gauge", "Postgres instances being profiled.");
+    out.value("pgscope_instances", &[], snapshot.instances.len() as u64);
+    out.family(
+        "pgscope_instance_processes",
+        "gauge",
+        "Processes of each instance profiled so far and still running.",
+    );
+    for (instance, processes) in &snapshot.instances {
+        out.value(
+            "pgscope_instance_processes",
+            &[("instance", instance)],
+            *processes,
+        );
+    }
+    out.family(
+        "pgscope_stacks_held",
+        "gauge",
+        "Distinct stacks held for the current upload interval.",
+    );
+    out.value("pgscope_stacks_held", &[], snapshot.stacks_held);
+    out.family(
+        "pgscope_off_cpu_enabled",
+        "gauge",
+        "1 when off-CPU profiling is attached.",
+    );
+    out.value("pgscope_off_cpu_enabled", &[], u64::from(snapshot.off_cpu));
+    out.family(
+        "pgscope_profiles_enqueued_total",
+        "counter",
+        "Profiles built and queued for Pyroscope, per profile type.",
+    );
+    for (kind, value) in &snapshot.profiles_enqueued {
+        out.value("pgscope_profiles_enqueued_total", &[("profile", kind)], *value);
+    }
+    out.family(
+        "pgscope_labels_dropped_total",
+        "counter",
+        "Labels left out of series to stay within Pyroscope's label limit.",
+    );
+    out.value("pgscope_labels_dropped_total", &[], snapshot.labels_dropped);
+
+    let export = &snapshot.export;
+    out.family(
+        "pgscope_export_pushes_total",
+        "counter",
+        "Pushes to Pyroscope, per result.",
+    );
+    out.value(
+        "pgscope_export_pushes_total",
+        &[("result", "ok")],
+        export.pushes_ok,
+    );
+    out.value(
+        "pgscope_export_pushes_total",
+        &[("result", "retryable_error")],
+        export.pushes_failed_retryable,
+    );
+    out.value(
+        "pgscope_export_pushes_total",
+        &[("result", "permanent_error")],
+        export.pushes_failed_permanent,
+    );
+    out.family(
+        "pgscope_export_retries_total",
+        "counter",
+        "Pushes retried after a retryable error.",
+    );
+    out.value("pgscope_export_retries_total", &[], export.retries);
+    out.family(
+        "pgscope_export_dropped_batches_total",
+        "counter",
+        "Batches never delivered, per reason.",
+    );
+    out.value(
+        "pgscope_export_dropped_batches_total",
+        &[("reason", "queue_full")],
+        export.dropped_queue_full_batches,
+    );
+    out.value(
+        "pgscope_export_dropped_batches_total",
+        &[("reason", "rejected")],
+        export.dropped_permanent_batches,
+    );
+    out.family(
+        "pgscope_export_dropped_bytes_total",
+        "counter",
+        "Bytes of batches dropped because the queue was full.",
+    );
+    out.value(
+        "pgscope_export_dropped_bytes_total",
+        &[("reason", "queue_full")],
+        export.dropped_queue_full_bytes,
+    );
+    out.family(
+        "pgscope_export_queue_batches",
+        "gauge",
+        "Batches waiting to be sent.",
+    );
+    out.value("pgscope_export_queue_batches", &[], export.queue_batches);
+    out.family("pgscope_export_queue_bytes", "gauge", "Bytes waiting to be sent.");
+    out.value("pgscope_export_queue_bytes", &[], export.queue_bytes);
+    out.family(
+        "pgscope_export_last_success_timestamp_seconds",
+        "gauge",
+        "When a push last succeeded (0: never).",
+    );
+    out.value(
+        "pgscope_export_last_success_timestamp_seconds",
+        &[],
+        export.last_success_unix,
+    );
+
+    out.family(
+        "pgscope_config_reloads_total",
+        "counter",
+        "Configuration reloads (SIGHUP), per result.",
+    );
+    out.value(
+        "pgscope_config_reloads_total",
+        &[("result", "ok")],
+        snapshot.reloads_ok,
+    );
+    out.value(
+        "pgscope_config_reloads_total",
+        &[("result", "failed")],
+        snapshot.reloads_failed,
+    );
+
+    out.family(
+        "process_cpu_seconds_total",
+        "counter",
+        "CPU time of the agent (user + system).",
+    );
+    out.float("process_cpu_seconds_total", own.cpu_seconds);
+    out.family(
+        "process_resident_memory_bytes",
+        "gauge",
+        "Resident memory of the agent.",
+    );
+    out.value("process_resident_memory_bytes", &[], own.rss_bytes);
+    out.0
+}
+
+#[derive(Default)]
+struct Text(String);
+
+impl Text {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}");
+        let _ = writeln!(self.0, "# TYPE {name} {kind}");
+    }
+
+    fn value(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
+        self.0.push_str(name);
+        if !labels.is_empty() {
+            self.0.push('{');
+            for (index, (key, label_value)) in labels.iter().enumerate() {
+                if index > 0 {
+                    self.0.push(',');
+                }
+                let _ = write!(self.0, "{key}=\"{}\"", escape(label_value));
+            }
+            self.0.push('}');
+        }
+        let _ = writeln!(self.0, " {value}");
+    }
+
+    fn float(&mut self, name: &str, value: f64) {
+        let _ = writeln!(self.0, "{name} {value}");
+    }
+}
+
+/// Label values escape backslash, double quote and newline.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The agent's own resource use.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OwnUsage {
+    pub cpu_seconds: f64,
+    pub rss_bytes: u64,
+}
+
+impl OwnUsage {
+    /// From `/proc/self/stat` (utime, stime in clock ticks) and `/proc/self/statm` (pages).
+    pub fn read() -> Self {
+        // SAFETY: sysconf has no preconditions.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        // SAFETY: as above.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64;
+        let cpu_seconds = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|stat| {
+                let rest = stat.get(stat.rfind(')')? + 2..)?;
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                // After the comm: state is field 3 of stat, utime 14 and stime 15.
+                let utime: f64 = fields.get(11)?.parse().ok()?;
+                let stime: f64 = fields.get(12)?.parse().ok()?;
+                Some((utime + stime) / ticks)
+            })
+            .unwrap_or(0.0);
+        let rss_bytes = std::fs::read_to_string("/proc/self/statm")
+            .ok()
+            .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map(|pages| pages * page)
+            .unwrap_or(0);
+        Self {
+            cpu_seconds,
+            rss_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_valid_exposition_lines() {
+        let mut snapshot = Snapshot {
+            bpf_counters: vec![("samples", 10), ("lost_ringbuf_full", 1)],
+            ..Snapshot::default()
+        };
+        snapshot.instances.insert("15/\"main\"".to_string(), 12);
+        snapshot.export.pushes_ok = 3;
+        let text = render(
+            &snapshot,
+            &OwnUsage {
+                cpu_seconds: 1.5,
+                rss_bytes: 4096,
+            },
+        );
+        assert!(text.contains("pgscope_bpf_events_total{kind=\"samples\"} 10\n"));
+        assert!(text.contains("pgscope_instance_processes{instance=\"15/\\\"main\\\"\"} 12\n"));
+        assert!(text.contains("pgscope_export_pushes_total{result=\"ok\"} 3\n"));
+        assert!(text.contains("process_resident_memory_bytes 4096\n"));
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (_, value) = line.rsplit_once(' ').expect("name and value");
+            assert!(value.parse::<f64>().is_ok(), "bad value in {line}");
+        }
+    }
+
+    #[test]
+    fn own_usage_is_read_from_proc() {
+        let usage = OwnUsage::read();
+        assert!(usage.rss_bytes > 0);
+    }
+}

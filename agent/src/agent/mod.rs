@@ -1,0 +1,323 @@
+//! `pgscope agent`: profiles every Postgres instance on the host continuously and ships the
+//! profiles to Grafana Pyroscope — the collection core of `trace`, run without end, with
+//! discovery, an upload interval, an upload queue and its own metrics.
+
+pub mod config;
+mod discovery;
+mod export;
+mod http;
+mod metrics;
+mod off_cpu_totals;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use aya::maps::{MapData, RingBuf};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{info, warn};
+
+use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
+use crate::bpf::OnCpuProbes;
+use crate::collect::instance::{self, Scope};
+use crate::collect::{self, Session};
+use crate::preflight;
+use config::AgentConfig;
+use symbolizer::{Symbolizer, SymbolizerOptions};
+
+/// How often new and vanished postmasters are looked for.
+const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
+/// How long SIGTERM waits for the queue to drain to Pyroscope.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
+
+/// Where the configuration comes from, to load it again on SIGHUP.
+pub struct ConfigSource {
+    pub file: Option<PathBuf>,
+    pub flags: config::Overrides,
+}
+
+impl ConfigSource {
+    pub fn load(&self) -> Result<AgentConfig> {
+        AgentConfig::load(
+            self.file.as_deref(),
+            &|name| std::env::var(name).ok(),
+            &self.flags,
+        )
+    }
+}
+
+/// Runs until SIGTERM or SIGINT: then flushes what it can within a deadline and detaches.
+pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
+    preflight::check_all()?;
+    let shared = Arc::new(http::Shared::default());
+    shared.beat();
+    let metrics_addr = http::serve(config.server.metrics_addr, shared.clone()).await?;
+    info!(%metrics_addr, "serving /metrics, /healthz and /readyz");
+    let mut exporter = export::Exporter::start(&config)?;
+
+    let mut probes = OnCpuProbes::load()?;
+    probes.attach_process_tracking()?;
+    let off_cpu = config.collection.off_cpu
+        && match probes.attach_off_cpu(config.collection.off_cpu_min_stack.as_nanos() as u64) {
+            Ok(()) => true,
+            Err(error) => {
+                warn!("no off-CPU profiles: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
+    let ring = probes.take_samples()?;
+    probes.attach_sampling(config.collection.frequency)?;
+    let symbolizer = Symbolizer::new(SymbolizerOptions {
+        debug_dirs: config.collection.debug_dirs.clone(),
+    });
+    let mut session = Session::new(symbolizer, off_cpu, None);
+    let mut totals = off_cpu_totals::Tracker::default();
+    let mut state = LoopState::default();
+    discover(&mut probes, &mut session, &mut exporter, &config, off_cpu);
+    shared.ready.store(true, Ordering::Relaxed);
+
+    // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
+    // always returns that same fd.
+    let mut ring: AsyncFd<RingBuf<MapData>> =
+        unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)
+            .context("registering the ring buffer with tokio")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut second = tokio::time::interval(Duration::from_secs(1));
+    let mut discovery = tokio::time::interval(DISCOVERY_INTERVAL);
+    let mut upload = tokio::time::interval(config.collection.upload_interval);
+    upload.reset();
+    let mut interval_start = unix_nanos();
+    info!(
+        frequency_hz = config.collection.frequency,
+        upload_interval = ?config.collection.upload_interval,
+        off_cpu,
+        "profiling"
+    );
+    loop {
+        tokio::select! {
+            readable = ring.readable_mut() => {
+                let mut guard = readable.context("waiting on the ring buffer")?;
+                collect::drain(guard.get_inner_mut(), &mut session);
+                guard.clear_ready();
+            }
+            _ = second.tick() => {
+                shared.beat();
+                session.forget_exited();
+                shared.publish(state.snapshot(&probes, &session, &exporter, off_cpu));
+            }
+            _ = discovery.tick() => {
+                discover(&mut probes, &mut session, &mut exporter, &config, off_cpu);
+            }
+            _ = upload.tick() => {
+                let now = unix_nanos();
+                totals.add_new_waits(&mut probes, &mut session);
+                exporter.upload(&mut session, &config, interval_start, now, &mut state.enqueued).await;
+                interval_start = now;
+            }
+            _ = hangup.recv() => {
+                match source.load() {
+                    Ok(new) => {
+                        apply_reload(&config, &new);
+                        exporter.reconfigure(&new)?;
+                        if new.collection.upload_interval != config.collection.upload_interval {
+                            upload = tokio::time::interval(new.collection.upload_interval);
+                            upload.reset();
+                        }
+                        config = new;
+                        state.reloads_ok += 1;
+                        info!("configuration reloaded");
+                    }
+                    Err(error) => {
+                        state.reloads_failed += 1;
+                        warn!("configuration not reloaded, the old one stays: {error:#}");
+                    }
+                }
+            }
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
+        }
+    }
+    info!("stopping: sending what was collected");
+    shared.ready.store(false, Ordering::Relaxed);
+    collect::drain(ring.get_mut(), &mut session);
+    totals.add_new_waits(&mut probes, &mut session);
+    exporter
+        .upload(
+            &mut session,
+            &config,
+            interval_start,
+            unix_nanos(),
+            &mut state.enqueued,
+        )
+        .await;
+    // Detach before waiting on the network: the databases are left alone at once.
+    drop(ring);
+    drop(probes);
+    let unsent = exporter.shutdown(SHUTDOWN_FLUSH).await;
+    if unsent > 0 {
+        warn!(
+            batches = unsent,
+            "Pyroscope did not take everything before the shutdown deadline; those profiles are lost"
+        );
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// Settings a reload cannot change in a running agent, said once.
+fn apply_reload(old: &AgentConfig, new: &AgentConfig) {
+    let fixed = [
+        (
+            "collection.frequency",
+            old.collection.frequency != new.collection.frequency,
+        ),
+        (
+            "collection.off_cpu",
+            old.collection.off_cpu != new.collection.off_cpu,
+        ),
+        (
+            "collection.off_cpu_min_stack",
+            old.collection.off_cpu_min_stack != new.collection.off_cpu_min_stack,
+        ),
+        (
+            "server.metrics_addr",
+            old.server.metrics_addr != new.server.metrics_addr,
+        ),
+        (
+            "server.log_format",
+            old.server.log_format != new.server.log_format,
+        ),
+    ];
+    for (key, changed) in fixed {
+        if changed {
+            warn!("{key} changed: it takes effect when the agent restarts");
+        }
+    }
+}
+
+/// Attaches postmasters that appeared (and that the configuration lets in); sends and drops
+/// instances whose postmaster is gone or that the configuration now leaves out.
+fn discover(
+    probes: &mut OnCpuProbes,
+    session: &mut Session,
+    exporter: &mut export::Exporter,
+    config: &AgentConfig,
+    off_cpu: bool,
+) {
+    let found = discovery::scan(&config.discovery);
+    let attached: Vec<u32> = session
+        .instances()
+        .map(|instance| instance.context.root)
+        .collect();
+    for root in &attached {
+        if found.iter().any(|f| f.postmaster.pid == *root) {
+            continue;
+        }
+        if let Some(gone) = session.remove_instance(*root) {
+            info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
+            exporter.upload_instance(session, gone, config);
+        }
+        // Its processes leave the filter as they exit; a still-running excluded one now.
+        let _ = probes.remove_target(*root);
+    }
+    let flags = if off_cpu { TARGET_OFF_CPU } else { 0 };
+    for found in found {
+        if attached.contains(&found.postmaster.pid) {
+            continue;
+        }
+        match instance::attach(probes, &found.postmaster, Scope::Instance, flags) {
+            Ok(attached) => {
+                if let Some(error) = &attached.no_attribution {
+                    warn!(
+                        postmaster = found.postmaster.pid,
+                        "no query or wait-event labels: {error:#}"
+                    );
+                }
+                if let Some(error) = &attached.no_instance_names {
+                    warn!(
+                        postmaster = found.postmaster.pid,
+                        "extension LWLocks and background workers keep generic names: {error:#}"
+                    );
+                }
+                info!(
+                    postmaster = found.postmaster.pid,
+                    instance = %exporter.instance_name(&attached.context),
+                    data_dir = ?found.facts.data_dir,
+                    major = ?found.facts.major,
+                    processes = attached.children + 1,
+                    "profiling instance"
+                );
+                session.add_instance(attached.context);
+            }
+            Err(error) => warn!(
+                postmaster = found.postmaster.pid,
+                "cannot profile this instance, the others go on: {error:#}"
+            ),
+        }
+    }
+}
+
+/// Counters the loop keeps for /metrics.
+#[derive(Default)]
+struct LoopState {
+    enqueued: BTreeMap<&'static str, u64>,
+    reloads_ok: u64,
+    reloads_failed: u64,
+}
+
+impl LoopState {
+    fn snapshot(
+        &self,
+        probes: &OnCpuProbes,
+        session: &Session,
+        exporter: &export::Exporter,
+        off_cpu: bool,
+    ) -> metrics::Snapshot {
+        let bpf_counters = match probes.counters() {
+            Ok(counters) => Counter::ALL
+                .iter()
+                .map(|&c| (c.name(), counters.get(c)))
+                .collect(),
+            Err(error) => {
+                warn!("cannot read BPF counters: {error:#}");
+                Vec::new()
+            }
+        };
+        let instances = session
+            .instances()
+            .map(|instance| {
+                (
+                    exporter.instance_name(&instance.context),
+                    session.processes_of(instance.context.root) as u64,
+                )
+            })
+            .collect();
+        metrics::Snapshot {
+            bpf_counters,
+            dropped_in_agent: vec![("malformed", session.malformed), ("no_instance", session.unowned)],
+            instances,
+            stacks_held: session.instances().map(|i| i.stacks.distinct() as u64).sum(),
+            off_cpu,
+            profiles_enqueued: self.enqueued.clone(),
+            labels_dropped: exporter.labels_dropped(),
+            export: exporter.stats(),
+            reloads_ok: self.reloads_ok,
+            reloads_failed: self.reloads_failed,
+        }
+    }
+}
+
+fn unix_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,62 @@
+//! Off-CPU time measured without a stack (short waits, preemptions, idle waits) is kept by the
+//! kernel as running totals per (process, wait): each upload interval takes what grew since
+//! the last one, and totals of exited processes are read one last time and removed, so the
+//! bounded map does not fill up under connection churn.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tracing::warn;
+
+use crate::bpf::abi::OffCpuKey;
+use crate::bpf::OnCpuProbes;
+use crate::collect::off_cpu::WaitWithoutStack;
+use crate::collect::Session;
+
+#[derive(Default)]
+pub struct Tracker {
+    /// Nanoseconds already handed to the session, per key.
+    taken: HashMap<OffCpuKey, u64>,
+}
+
+impl Tracker {
+    /// Adds the time that grew since the last call to the session's off-CPU stacks.
+    pub fn add_new_waits(&mut self, probes: &mut OnCpuProbes, session: &mut Session) {
+        if !session.off_cpu_measured {
+            return;
+        }
+        let totals = match probes.off_cpu_totals() {
+            Ok(totals) => totals,
+            Err(error) => {
+                warn!("cannot read the off-CPU totals: {error:#}");
+                return;
+            }
+        };
+        let mut waits = Vec::new();
+        let mut exited = Vec::new();
+        let mut taken = HashMap::with_capacity(totals.len());
+        for (key, total) in totals {
+            let before = self.taken.get(&key).copied().unwrap_or(0);
+            let grown = total.ns.saturating_sub(before);
+            if grown > 0 {
+                waits.push(WaitWithoutStack {
+                    tgid: key.tgid,
+                    attr: key.attr,
+                    ns: grown,
+                    still_open: false,
+                });
+            }
+            if Path::new(&format!("/proc/{}", key.tgid)).exists() {
+                taken.insert(key, total.ns);
+            } else {
+                exited.push(key);
+            }
+        }
+        // Keys that left the map are forgotten with it.
+        self.taken = taken;
+        session.add_waits_without_stack(waits.into_iter());
+        if let Err(error) = probes.remove_off_cpu_totals(&exited) {
+            warn!("cannot remove the off-CPU totals of exited processes: {error:#}");
+        }
+    }
+}

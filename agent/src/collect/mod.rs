@@ -1,0 +1,20 @@
+//! The collection core: one code path from the BPF ring buffer to per-instance stacks, with two
+//! front ends — `trace` (one instance or backend, for a while) and `agent` (every instance on
+//! the host, continuously).
+
+pub mod instance;
+pub mod live;
+pub mod off_cpu;
+pub mod session;
+
+use aya::maps::{MapData, RingBuf};
+
+pub use instance::InstanceFacts;
+pub use session::{InstanceStacks, Session};
+
+/// Hands every sample waiting in the ring buffer to the session.
+pub fn drain(ring: &mut RingBuf<MapData>, session: &mut Session) {
+    while let Some(item) = ring.next() {
+        session.handle(&item);
+    }
+}

@@ -1,0 +1,118 @@
+//! Off-CPU time as the collection core records it: the class of each wait, the syscall it
+//! blocked in, and the waits the kernel measured without a stack (short waits, preemptions,
+//! idle waits, waits still open), each shown as one placeholder frame so that every
+//! nanosecond is in the profile.
+
+use exporters::Profile;
+
+use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution};
+
+/// The frame of waits measured without a stack because they were short.
+pub const SHORT_WAITS_FRAME: &str = "[off-CPU waits without a stack: below the threshold]";
+/// The frame of run-queue delay: runnable, waiting for a CPU (no stack: it was not blocked
+/// anywhere in particular).
+pub const PREEMPTED_FRAME: &str = "[preempted: runnable, waiting for a CPU]";
+/// The frame of idle waits, never given a stack: a backend waiting for its client's next
+/// statement, a background process waiting in its main loop for work.
+pub const IDLE_FRAME: &str = "[idle: waiting for the next statement or for work]";
+
+/// The kernel frame of a wait: the syscall it blocked in (x86-64 numbers, the ones
+/// `class_of_syscall` in the BPF program tells apart, and a few more Postgres makes).
+pub fn syscall_frame(nr: u32) -> &'static str {
+    match nr {
+        0 => "read (syscall)",
+        1 => "write (syscall)",
+        7 => "poll (syscall)",
+        17 => "pread64 (syscall)",
+        18 => "pwrite64 (syscall)",
+        19 => "readv (syscall)",
+        20 => "writev (syscall)",
+        23 => "select (syscall)",
+        35 => "nanosleep (syscall)",
+        44 => "sendto (syscall)",
+        45 => "recvfrom (syscall)",
+        61 => "wait4 (syscall)",
+        74 => "fsync (syscall)",
+        75 => "fdatasync (syscall)",
+        202 => "futex (syscall)",
+        230 => "clock_nanosleep (syscall)",
+        232 => "epoll_wait (syscall)",
+        270 => "pselect6 (syscall)",
+        271 => "ppoll (syscall)",
+        277 => "sync_file_range (syscall)",
+        281 => "epoll_pwait (syscall)",
+        295 => "preadv (syscall)",
+        296 => "pwritev (syscall)",
+        327 => "preadv2 (syscall)",
+        328 => "pwritev2 (syscall)",
+        441 => "epoll_pwait2 (syscall)",
+        449 => "futex_waitv (syscall)",
+        _ => "other syscall",
+    }
+}
+
+/// The class of an off-CPU wait, `None` for an on-CPU sample. The postmaster has no wait
+/// events; it only waits for connections and children, which is idle time.
+pub fn class_of(raw: u32, postmaster: bool) -> Option<OffCpuClass> {
+    let class = OffCpuClass::from_raw(raw)?;
+    Some(if postmaster && class == OffCpuClass::Latch {
+        OffCpuClass::Idle
+    } else {
+        class
+    })
+}
+
+/// The frame of waits still going on when the trace ended (counted up to that moment).
+pub const OPEN_FRAME: &str = "[still off CPU when the trace ended]";
+
+/// Off-CPU time the kernel measured without a stack: short waits, preemptions and idle waits
+/// (totals per label set), and waits still open when the trace ended, counted up to that
+/// moment — a backend blocked on a lock for the whole trace is the finding, not a blind spot.
+pub struct WaitWithoutStack {
+    pub tgid: u32,
+    pub attr: RawAttribution,
+    pub ns: u64,
+    pub still_open: bool,
+}
+
+impl WaitWithoutStack {
+    pub fn from_totals(totals: &[(OffCpuKey, OffCpuTotal)]) -> impl Iterator<Item = Self> + '_ {
+        totals.iter().map(|(key, total)| Self {
+            tgid: key.tgid,
+            attr: key.attr,
+            ns: total.ns,
+            still_open: false,
+        })
+    }
+
+    pub fn from_open(open: &[(u32, RawAttribution, u64)]) -> impl Iterator<Item = Self> + '_ {
+        open.iter().map(|&(tgid, attr, ns)| Self {
+            tgid,
+            attr,
+            ns,
+            still_open: true,
+        })
+    }
+
+    /// The one frame that stands for it in the profile.
+    pub fn frame(&self, class: OffCpuClass) -> &'static str {
+        match class {
+            OffCpuClass::Idle => IDLE_FRAME,
+            OffCpuClass::Preempted if !self.still_open => PREEMPTED_FRAME,
+            _ if self.still_open => OPEN_FRAME,
+            _ => SHORT_WAITS_FRAME,
+        }
+    }
+}
+
+/// The profile without idle client waits: they are the client's think time, which would
+/// dwarf every real wait in a flamegraph.
+pub fn without_idle(profile: &Profile) -> Profile {
+    let mut kept = profile.clone();
+    kept.samples.retain(|s| {
+        !s.labels
+            .iter()
+            .any(|(k, v)| k == "off_cpu" && v == OffCpuClass::Idle.name())
+    });
+    kept
+}

@@ -1,0 +1,295 @@
+//! The collection core shared by `trace` and `agent`: samples from the ring buffer are decoded,
+//! attributed to their instance, unwound and counted per instance, on CPU and off CPU.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use tracing::debug;
+
+use super::instance::InstanceContext;
+use super::live::LiveCounts;
+use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
+use crate::aggregate::StackAggregator;
+use crate::bpf::abi::{SampleHeader, SampleRecord};
+use crate::postgres::attribution::Attribution;
+use exporters::{Profile, ProfileMeta};
+use symbolizer::{KernelSymbols, Symbolizer, UserRegs};
+
+/// The stacks of one instance, counted since they were last taken.
+#[derive(Default)]
+pub struct InstanceStacks {
+    /// On-CPU samples, weight 1 each.
+    pub on_cpu: StackAggregator,
+    /// Off-CPU waits, weighted by nanoseconds.
+    pub off_cpu: StackAggregator,
+}
+
+impl InstanceStacks {
+    /// Distinct stacks held, on and off CPU: what memory grows with.
+    pub fn distinct(&self) -> usize {
+        self.on_cpu.distinct() + self.off_cpu.distinct()
+    }
+}
+
+/// An attached instance and the stacks counted for it.
+pub struct Instance {
+    pub context: InstanceContext,
+    pub stacks: InstanceStacks,
+}
+
+/// Everything that is built up while samples arrive.
+pub struct Session {
+    pub symbolizer: Symbolizer,
+    /// Attached instances by root PID (the postmaster, or the one traced backend).
+    instances: BTreeMap<u32, Instance>,
+    /// Which instance a process belongs to, learnt from its parent at its first sample.
+    owners: HashMap<u32, u32>,
+    pub malformed: u64,
+    /// Samples of processes no attached instance owns (e.g. an instance detached meanwhile).
+    pub unowned: u64,
+    /// Processes the symbolizer holds state for.
+    live_pids: HashSet<u32>,
+    /// Whether off-CPU time is measured (the programs attached).
+    pub off_cpu_measured: bool,
+    /// `--queryid`: keep only samples of this query.
+    query_filter: Option<i64>,
+    pub filtered_out: u64,
+    /// Per-query and per-wait counts so far, for a live view.
+    pub live: LiveCounts,
+}
+
+impl Session {
+    pub fn new(symbolizer: Symbolizer, off_cpu_measured: bool, query_filter: Option<i64>) -> Self {
+        Self {
+            symbolizer,
+            instances: BTreeMap::new(),
+            owners: HashMap::new(),
+            malformed: 0,
+            unowned: 0,
+            live_pids: HashSet::new(),
+            off_cpu_measured,
+            query_filter,
+            filtered_out: 0,
+            live: LiveCounts::default(),
+        }
+    }
+
+    pub fn add_instance(&mut self, context: InstanceContext) {
+        let root = context.root;
+        self.owners.insert(root, root);
+        self.instances.insert(
+            root,
+            Instance {
+                context,
+                stacks: InstanceStacks::default(),
+            },
+        );
+    }
+
+    /// Removes an instance (its postmaster exited) with the stacks not taken yet.
+    pub fn remove_instance(&mut self, root: u32) -> Option<Instance> {
+        self.owners.retain(|_, owner| *owner != root);
+        self.instances.remove(&root)
+    }
+
+    pub fn instances(&self) -> impl Iterator<Item = &Instance> {
+        self.instances.values()
+    }
+
+    /// The one instance of a trace.
+    pub fn only(&self) -> Option<&Instance> {
+        self.instances.values().next()
+    }
+
+    /// The stacks of every instance, leaving empty ones in their place (the agent's upload
+    /// interval), with the symbolizer that names their frames.
+    pub fn take_stacks(&mut self) -> (Vec<(u32, InstanceStacks)>, &mut Symbolizer) {
+        let taken = self
+            .instances
+            .iter_mut()
+            .map(|(&root, instance)| (root, std::mem::take(&mut instance.stacks)))
+            .collect();
+        (taken, &mut self.symbolizer)
+    }
+
+    /// The on-CPU (or off-CPU) profile of every instance together, frames named.
+    pub fn profile(
+        &mut self,
+        off_cpu: bool,
+        kernel: Option<&KernelSymbols>,
+        meta: ProfileMeta,
+        database_names: &HashMap<u32, String>,
+    ) -> Profile {
+        let mut profile = Profile {
+            meta: meta.clone(),
+            samples: Vec::new(),
+        };
+        for instance in self.instances.values() {
+            let stacks = match off_cpu {
+                false => &instance.stacks.on_cpu,
+                true => &instance.stacks.off_cpu,
+            };
+            let part = stacks.to_profile(&mut self.symbolizer, kernel, meta.clone(), database_names);
+            profile.samples.extend(part.samples);
+        }
+        profile
+    }
+
+    /// The on-CPU stacks of the one instance of a trace (empty before one is added).
+    pub fn on_cpu(&self) -> Option<&StackAggregator> {
+        self.only().map(|instance| &instance.stacks.on_cpu)
+    }
+
+    /// Processes of instance `root` seen so far and still running.
+    pub fn processes_of(&self, root: u32) -> usize {
+        self.live_pids
+            .iter()
+            .filter(|pid| self.owners.get(pid) == Some(&root))
+            .count()
+    }
+
+    /// The instance `tgid` belongs to: known, itself a root, or a child of a root. A process
+    /// that exited before its first sample was read can only be placed when one instance is
+    /// attached.
+    fn owner_of(&mut self, tgid: u32) -> Option<u32> {
+        if let Some(&owner) = self.owners.get(&tgid) {
+            return Some(owner);
+        }
+        let owner = match crate::target::ProcessInfo::read(tgid) {
+            Some(process) if self.instances.contains_key(&process.ppid) => Some(process.ppid),
+            _ if self.instances.len() == 1 => self.instances.keys().next().copied(),
+            _ => None,
+        }?;
+        self.owners.insert(tgid, owner);
+        Some(owner)
+    }
+
+    /// What the process showed at the sample, decoded; the postmaster, which Postgres calls
+    /// "not initialized", is named.
+    fn attribution(instance: &mut Instance, header: &SampleHeader) -> Attribution {
+        let context = &mut instance.context;
+        let mut attribution = match context.version {
+            Some(table) => Attribution::decode(header, table, &mut context.names),
+            None => Attribution::default(),
+        };
+        if context.postmaster() == Some(header.tgid) {
+            attribution.backend_type = Some(Cow::Borrowed("postmaster"));
+        }
+        attribution
+    }
+
+    pub fn handle(&mut self, bytes: &[u8]) {
+        let record = match SampleRecord::parse(bytes) {
+            Ok(record) => record,
+            Err(error) => {
+                self.malformed += 1;
+                debug!("dropping malformed sample: {error}");
+                return;
+            }
+        };
+        let header = record.header;
+        let Some(root) = self.owner_of(header.tgid) else {
+            self.unowned += 1;
+            return;
+        };
+        let Some(instance) = self.instances.get_mut(&root) else {
+            self.unowned += 1;
+            return;
+        };
+        let attribution = Self::attribution(instance, &header);
+        if let Some(wanted) = self.query_filter {
+            if attribution.query_id != Some(wanted) {
+                self.filtered_out += 1;
+                return;
+            }
+        }
+        let regs = UserRegs {
+            ip: header.user_ip,
+            sp: header.user_sp,
+            bp: header.user_bp,
+        };
+        let postmaster = instance.context.postmaster();
+        let user = match postmaster {
+            Some(layout_pid) => self
+                .symbolizer
+                .unwind_as(header.tgid, layout_pid, &regs, record.user_stack),
+            None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
+        };
+        self.live_pids.insert(header.tgid);
+        match class_of(header.off_cpu_class, postmaster == Some(header.tgid)) {
+            Some(class) => instance.stacks.off_cpu.add_off_cpu(
+                header.tgid,
+                attribution,
+                class,
+                syscall_frame(header.off_cpu_syscall),
+                user,
+                header.off_cpu_ns,
+            ),
+            None => {
+                self.live.record(&attribution);
+                instance
+                    .stacks
+                    .on_cpu
+                    .add(header.tgid, attribution, record.kernel_stack(), user);
+            }
+        }
+    }
+
+    /// Adds off-CPU time measured without a stack, labelled like any sample of its process.
+    pub fn add_waits_without_stack(&mut self, waits: impl Iterator<Item = WaitWithoutStack>) {
+        for wait in waits {
+            let Some(root) = self.owner_of(wait.tgid) else {
+                self.unowned += 1;
+                continue;
+            };
+            let Some(instance) = self.instances.get_mut(&root) else {
+                continue;
+            };
+            let postmaster = instance.context.postmaster() == Some(wait.tgid);
+            let Some(class) = class_of(wait.attr.off_cpu_class, postmaster) else {
+                continue;
+            };
+            let attribution =
+                Self::attribution(instance, &SampleHeader::with_attribution(wait.tgid, &wait.attr));
+            instance.stacks.off_cpu.add_without_stack(
+                wait.tgid,
+                attribution,
+                Some(class),
+                wait.frame(class),
+                wait.ns,
+            );
+        }
+    }
+
+    /// The major version attribution is decoded for (of the first instance).
+    pub fn postgres_major(&self) -> Option<u32> {
+        self.only()
+            .and_then(|instance| instance.context.version)
+            .map(|table| table.major)
+    }
+
+    /// Drops the per-process state of exited processes: PIDs are reused, and a new process must
+    /// not be unwound with an old one's mappings nor named by an old one's worker type. Returns
+    /// the PIDs dropped.
+    pub fn forget_exited(&mut self) -> Vec<u32> {
+        let exited: Vec<u32> = self
+            .live_pids
+            .iter()
+            .copied()
+            .filter(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+            .collect();
+        for &pid in &exited {
+            self.symbolizer.forget_process(pid);
+            // A root keeps its entry: its late samples still belong to its instance.
+            if let Some(&root) = self.owners.get(&pid).filter(|&&root| root != pid) {
+                self.owners.remove(&pid);
+                if let Some(instance) = self.instances.get_mut(&root) {
+                    instance.context.names.forget(pid);
+                }
+            }
+            self.live_pids.remove(&pid);
+        }
+        exited
+    }
+}

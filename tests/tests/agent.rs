@@ -1,0 +1,400 @@
+//! `pgscope agent` end to end against a real Postgres under pgbench, shipping to a push endpoint
+//! that decodes every request with Pyroscope's published protobuf types: series and labels,
+//! queryids as pg_stat_statements has them, on-CPU and off-CPU profiles, an outage of the
+//! endpoint, a Postgres restart, connection churn, and bad configurations.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::pyroscope_capture::Series;
+use pgscope_tests::{
+    require_root_and_bpf, runs_under_exec_simple_query, wait_for, PgCluster, PgInstall, PyroscopeCapture,
+    RunningAgent, Statics,
+};
+
+/// A config that profiles only `cluster` (other Postgres instances on the machine stay out),
+/// uploads every 2 s, and sends to `url`.
+fn config_for(cluster: &PgCluster, url: &str, extra: &str) -> String {
+    format!(
+        "[pyroscope]\nurl = \"{url}\"\n\
+         [collection]\nupload_interval = \"2s\"\nfrequency = 49\n{extra}\n\
+         [[discovery.include]]\ndata_dir = \"{}\"\n",
+        cluster.data_dir().display()
+    )
+}
+
+/// The queryid pg_stat_statements gives pgbench's select-only statement.
+fn pgbench_select_queryid(cluster: &PgCluster) -> Result<String> {
+    let id = cluster.psql(
+        "SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT abalance FROM pgbench_accounts%' \
+         ORDER BY calls DESC LIMIT 1",
+    )?;
+    ensure!(
+        !id.trim().is_empty(),
+        "pgbench's select is not in pg_stat_statements"
+    );
+    Ok(id.trim().to_string())
+}
+
+fn named<'a>(series: &'a [Series], name: &str) -> Vec<&'a Series> {
+    series
+        .iter()
+        .filter(|s| s.label("__name__") == Some(name))
+        .collect()
+}
+
+fn label_values(series: &[&Series], label: &str) -> BTreeSet<String> {
+    series
+        .iter()
+        .filter_map(|s| s.label(label).map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn profiles_reach_pyroscope_per_query_on_and_off_cpu() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(
+        &config_for(
+            &cluster,
+            &capture.url(),
+            "off_cpu = true\n[labels]\nstatic = { env = \"test\" }",
+        ),
+        &[],
+    )?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
+    agent.wait_metric(
+        "pgscope_export_pushes_total{result=\"ok\"}",
+        "three successful pushes",
+        Duration::from_secs(60),
+        |pushes| pushes >= 3.0,
+    )?;
+    ensure!(agent.metric("pgscope_instances")? == 1.0, "one instance expected");
+    ensure!(agent.metric("pgscope_off_cpu_enabled")? == 1.0);
+    ensure!(agent.metric("process_resident_memory_bytes")? > 0.0);
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    ensure!(
+        status.success(),
+        "the agent exited with {status} on SIGTERM:\n{log}"
+    );
+    ensure!(log.contains("stopped"), "no clean stop in the log:\n{log}");
+
+    let requests = capture.requests();
+    ensure!(!requests.is_empty(), "nothing was pushed");
+    for request in &requests {
+        ensure!(request.method == "POST");
+        ensure!(
+            request.headers.get("content-type").map(String::as_str) == Some("application/proto"),
+            "push without Content-Type application/proto: {:?}",
+            request.headers
+        );
+    }
+    let series = capture.accepted_series()?;
+    let cpu = named(&series, "process_cpu");
+    let off_cpu = named(&series, "offcpu");
+    ensure!(!cpu.is_empty(), "no process_cpu series");
+    ensure!(!off_cpu.is_empty(), "no offcpu series");
+
+    let queryid = pgbench_select_queryid(&cluster)?;
+    let queryids = label_values(&cpu, "queryid");
+    ensure!(
+        queryids.contains(&queryid),
+        "queryid {queryid} of pgbench's select is not among the queryid label values {queryids:?}"
+    );
+    // The one query's stacks run through the simple-query protocol (pgbench's default);
+    // exec_simple_query is static, unnamed in the stripped distro build.
+    let of_query: Vec<&Series> = cpu
+        .iter()
+        .copied()
+        .filter(|s| s.label("queryid") == Some(queryid.as_str()))
+        .collect();
+    let through_simple_query = of_query
+        .iter()
+        .flat_map(|s| s.stacks())
+        .filter(|(frames, _)| runs_under_exec_simple_query(frames, Statics::Unnamed))
+        .count();
+    ensure!(
+        through_simple_query > 0,
+        "no stack of queryid {queryid} runs through exec_simple_query"
+    );
+
+    for series in &cpu {
+        ensure!(
+            series
+                .label("service_name")
+                .is_some_and(|s| s.starts_with("postgres/")),
+            "service_name: {:?}",
+            series.labels
+        );
+        ensure!(
+            series.label("instance").is_some(),
+            "no instance label: {:?}",
+            series.labels
+        );
+        ensure!(
+            series.label("env") == Some("test"),
+            "static label missing: {:?}",
+            series.labels
+        );
+        ensure!(
+            series.label("pid").is_none(),
+            "pid is off by default: {:?}",
+            series.labels
+        );
+        for profile in &series.profiles {
+            let string = |i: i64| profile.string_table[i as usize].clone();
+            let types: Vec<(String, String)> = profile
+                .sample_type
+                .iter()
+                .map(|t| (string(t.r#type), string(t.unit)))
+                .collect();
+            ensure!(
+                types.contains(&("cpu".to_string(), "nanoseconds".to_string())),
+                "sample types {types:?}"
+            );
+            ensure!(profile.period == 1_000_000_000 / 49, "period {}", profile.period);
+            ensure!(
+                profile.sample.iter().all(|s| s.label.is_empty()),
+                "sample labels left in the pprof"
+            );
+            ensure!(profile.time_nanos > 0 && profile.duration_nanos > 0);
+        }
+    }
+    let backend_types = label_values(&cpu, "backend_type");
+    ensure!(
+        backend_types.contains("client backend"),
+        "backend types {backend_types:?}"
+    );
+    for series in &off_cpu {
+        for profile in &series.profiles {
+            let unit = profile
+                .sample_type
+                .iter()
+                .map(|t| profile.string_table[t.unit as usize].clone())
+                .collect::<Vec<_>>();
+            ensure!(unit.contains(&"nanoseconds".to_string()), "offcpu units {unit:?}");
+        }
+    }
+    Ok(())
+}
+
+/// Pyroscope down for 60 s: sampling goes on, the queue holds the profiles and delivers them
+/// once it is back; the intervals received then cover the whole run without a gap.
+#[test]
+fn an_outage_of_pyroscope_loses_nothing_that_fits_the_queue() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let port = capture.port();
+    let agent = RunningAgent::start(&config_for(&cluster, &capture.url(), ""), &[])?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "150"], 2)?;
+    agent.wait_metric(
+        "pgscope_export_pushes_total{result=\"ok\"}",
+        "a first successful push",
+        Duration::from_secs(60),
+        |pushes| pushes >= 1.0,
+    )?;
+    let before = capture.requests();
+    capture.stop();
+    std::thread::sleep(Duration::from_secs(60));
+    let failed = agent.metric("pgscope_export_pushes_total{result=\"retryable_error\"}")?;
+    let queued = agent.metric("pgscope_export_queue_batches")?;
+    let samples_during = agent.metric("pgscope_bpf_events_total{kind=\"samples\"}")?;
+    ensure!(failed >= 1.0, "no failed push counted during the outage");
+    ensure!(
+        queued >= 10.0,
+        "only {queued} batches queued after 60 s of outage"
+    );
+    let capture = PyroscopeCapture::start_on(port)?;
+    agent.wait_metric(
+        "pgscope_export_queue_batches",
+        "the queue to drain after the outage",
+        Duration::from_secs(120),
+        |depth| depth <= 1.0,
+    )?;
+    ensure!(
+        agent.metric("pgscope_bpf_events_total{kind=\"samples\"}")? > samples_during,
+        "sampling stopped"
+    );
+    ensure!(
+        agent.metric("pgscope_export_dropped_batches_total{reason=\"queue_full\"}")? == 0.0,
+        "batches dropped although the queue had room"
+    );
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "exit {status}:\n{log}");
+
+    // Every interval's process_cpu profile, before and after the outage, in one timeline.
+    let mut intervals: Vec<(i64, i64)> = Vec::new();
+    for request in before
+        .iter()
+        .chain(capture.requests().iter())
+        .filter(|r| r.status == 200)
+    {
+        for series in pgscope_tests::pyroscope_capture::decode_push(request)? {
+            if series.label("__name__") == Some("process_cpu") {
+                intervals.extend(series.profiles.iter().map(|p| (p.time_nanos, p.duration_nanos)));
+            }
+        }
+    }
+    intervals.sort();
+    intervals.dedup();
+    ensure!(
+        intervals.len() >= 30,
+        "only {} intervals arrived",
+        intervals.len()
+    );
+    for pair in intervals.windows(2) {
+        let (start, duration) = pair[0];
+        ensure!(
+            pair[1].0 == start + duration,
+            "gap in the delivered timeline: interval {pair:?} does not continue the previous one"
+        );
+    }
+    Ok(())
+}
+
+/// A restarted Postgres (new postmaster, new backends) is found and profiled without touching
+/// the agent.
+#[test]
+fn a_restarted_instance_is_profiled_again() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(&config_for(&cluster, &capture.url(), "[labels]\npid = true"), &[])?;
+    let old_postmaster = cluster.postmaster_pid()?;
+    cluster.restart()?;
+    let new_postmaster = cluster.postmaster_pid()?;
+    ensure!(new_postmaster != old_postmaster, "the postmaster did not change");
+    wait_for(
+        "the agent to attach the new postmaster",
+        Duration::from_secs(30),
+        || {
+            Ok(agent
+                .log()
+                .contains(&format!("postmaster={new_postmaster}"))
+                .then_some(()))
+        },
+    )
+    .with_context(|| agent.log())?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
+    let backends: BTreeSet<String> = cluster
+        .process_pids()?
+        .into_iter()
+        .map(|pid| pid.to_string())
+        .collect();
+    wait_for(
+        "samples of the new instance's backends",
+        Duration::from_secs(60),
+        || {
+            let series = capture.accepted_series()?;
+            let pids = label_values(&named(&series, "process_cpu"), "pid");
+            Ok((pids.intersection(&backends).count() > 0).then_some(()))
+        },
+    )
+    .with_context(|| agent.log())?;
+    ensure!(
+        agent.metric("pgscope_instances")? == 1.0,
+        "the old instance is still tracked"
+    );
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "exit {status}:\n{log}");
+    Ok(())
+}
+
+/// 60 s of `pgbench -C` (a new backend per transaction): the backends tracked follow the
+/// instance, the agent's memory stays flat and the kernel-side process table does not fill.
+#[test]
+fn connection_churn_keeps_tracking_and_memory_flat() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(&config_for(&cluster, &capture.url(), "off_cpu = true"), &[])?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-C", "-c", "2", "-j", "2", "-T", "60"], 0)?;
+    std::thread::sleep(Duration::from_secs(20));
+    let rss_early = agent.metric("process_resident_memory_bytes")?;
+    std::thread::sleep(Duration::from_secs(40));
+    let rss_late = agent.metric("process_resident_memory_bytes")?;
+    pgbench.stop()?;
+    let forks = agent.metric("pgscope_bpf_events_total{kind=\"forks_followed\"}")?;
+    ensure!(
+        forks > 1000.0,
+        "only {forks} forks followed in 60 s of pgbench -C"
+    );
+    ensure!(
+        agent.metric("pgscope_bpf_events_total{kind=\"targets_full\"}")? == 0.0,
+        "the target map filled up"
+    );
+    let processes = cluster.process_pids()?.len() as f64;
+    let instance_label = wait_for("tracked processes to settle", Duration::from_secs(20), || {
+        let (_, body) = agent.get("/metrics")?;
+        let line = body
+            .lines()
+            .find(|l| l.starts_with("pgscope_instance_processes{"))
+            .map(str::to_string);
+        Ok(line.filter(|l| {
+            l.rsplit_once(' ')
+                .and_then(|(_, v)| v.parse::<f64>().ok())
+                .is_some_and(|tracked| tracked <= processes + 1.0)
+        }))
+    })?;
+    eprintln!(
+        "churn: {forks} forks followed; RSS {:.1} MiB after 20 s, {:.1} MiB after 60 s; {instance_label} \
+         ({processes} processes now)",
+        rss_early / 1048576.0,
+        rss_late / 1048576.0
+    );
+    ensure!(
+        rss_late <= rss_early * 1.25 + 8.0 * 1048576.0,
+        "agent memory grew from {rss_early} to {rss_late} bytes under churn"
+    );
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "exit {status}:\n{log}");
+    Ok(())
+}
+
+/// Wrong credentials: the agent says so in its log and counts the rejected pushes, and keeps
+/// profiling.
+#[test]
+fn rejected_credentials_are_reported_and_counted() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    let capture = PyroscopeCapture::start()?;
+    capture.answer_with(401);
+    let config = format!(
+        "{}\n",
+        config_for(&cluster, &capture.url(), "").replace(
+            "[collection]",
+            "basic_auth_user = \"u\"\nbasic_auth_password = \"wrong\"\n[collection]"
+        )
+    );
+    let agent = RunningAgent::start(&config, &[])?;
+    cluster.psql("SELECT count(*) FROM generate_series(1, 3000000)")?;
+    agent.wait_metric(
+        "pgscope_export_dropped_batches_total{reason=\"rejected\"}",
+        "a rejected batch",
+        Duration::from_secs(60),
+        |n| n >= 1.0,
+    )?;
+    let basic = capture
+        .requests()
+        .first()
+        .and_then(|r| r.headers.get("authorization").cloned())
+        .unwrap_or_default();
+    ensure!(basic.starts_with("Basic "), "no basic auth header: `{basic}`");
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "exit {status}:\n{log}");
+    ensure!(
+        log.to_lowercase().contains("auth"),
+        "the log does not point at authentication:\n{log}"
+    );
+    Ok(())
+}
