@@ -330,8 +330,12 @@ fn connection_churn_keeps_tracking_and_memory_flat() -> Result<()> {
         "only {forks} forks followed in 60 s of pgbench -C"
     );
     ensure!(
-        agent.metric("pgscope_bpf_events_total{kind=\"targets_full\"}")? == 0.0,
+        agent.metric("pgscope_bpf_events_total{kind=\"lost_targets_full\"}")? == 0.0,
         "the target map filled up"
+    );
+    ensure!(
+        agent.metric("pgscope_bpf_events_total{kind=\"lost_off_cpu_map_full\"}")? == 0.0,
+        "the off-CPU maps filled up"
     );
     let processes = cluster.process_pids()?.len() as f64;
     let instance_label = wait_for("tracked processes to settle", Duration::from_secs(20), || {
@@ -343,7 +347,7 @@ fn connection_churn_keeps_tracking_and_memory_flat() -> Result<()> {
         Ok(line.filter(|l| {
             l.rsplit_once(' ')
                 .and_then(|(_, v)| v.parse::<f64>().ok())
-                .is_some_and(|tracked| tracked <= processes + 1.0)
+                .is_some_and(|tracked| tracked == processes)
         }))
     })?;
     eprintln!(
@@ -396,5 +400,76 @@ fn rejected_credentials_are_reported_and_counted() -> Result<()> {
         log.to_lowercase().contains("auth"),
         "the log does not point at authentication:\n{log}"
     );
+    Ok(())
+}
+
+/// Configuration mistakes stop the agent before it touches anything: exit code 2 and a
+/// message naming the key; `--check-config` says whether a file is valid.
+#[test]
+fn bad_configurations_exit_2_naming_the_key() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases = [
+        ("[collection]\nfrequncy = 19\n", "frequncy"),
+        ("[pyroscope]\nurl = \"pyroscope:4040\"\n", "pyroscope.url"),
+        ("[collection]\nupload_interval = \"soon\"\n", "upload_interval"),
+        (
+            "[pyroscope]\nurl = \"http://p:4040\"\nbasic_auth_user = \"u\"\n",
+            "basic_auth_password",
+        ),
+        (
+            "[pyroscope]\nurl = \"http://p:4040\"\n[labels]\nstatic = { \"bad-name\" = \"x\" }\n",
+            "bad-name",
+        ),
+        ("", "pyroscope.url is not set"),
+    ];
+    for (index, (text, expected)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{index}.toml"));
+        std::fs::write(&path, text)?;
+        let output = pgscope_tests::pgscope::run_pgscope([
+            "agent",
+            "--check-config",
+            "--config",
+            path.to_str().context("path")?,
+        ])?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(
+            output.status.code() == Some(2),
+            "{text:?}: exit {:?}, stderr {stderr}",
+            output.status
+        );
+        ensure!(
+            stderr.contains(expected),
+            "{text:?}: the error does not name `{expected}`: {stderr}"
+        );
+    }
+    let good = dir.path().join("good.toml");
+    std::fs::write(
+        &good,
+        "[pyroscope]\nurl = \"http://p:4040\"\nbearer_token = \"secret-token\"\n",
+    )?;
+    let output = pgscope_tests::pgscope::run_pgscope([
+        "agent",
+        "--check-config",
+        "--config",
+        good.to_str().context("path")?,
+    ])?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(
+        output.status.success(),
+        "valid config refused: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        stdout.contains("configuration is valid") && stdout.contains("19 Hz"),
+        "{stdout}"
+    );
+    ensure!(
+        !stdout.contains("secret-token"),
+        "--check-config prints the token: {stdout}"
+    );
+    // A missing file is named.
+    let output = pgscope_tests::pgscope::run_pgscope(["agent", "--config", "/nonexistent/agent.toml"])?;
+    ensure!(output.status.code() == Some(2));
+    ensure!(String::from_utf8_lossy(&output.stderr).contains("/nonexistent/agent.toml"));
     Ok(())
 }

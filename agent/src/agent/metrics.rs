@@ -12,7 +12,7 @@ pub struct Snapshot {
     pub bpf_counters: Vec<(&'static str, u64)>,
     /// Samples dropped in user space, per reason (malformed, no instance owns them).
     pub dropped_in_agent: Vec<(&'static str, u64)>,
-    /// Instance name → processes of it being profiled.
+    /// Instance name → processes of it in the kernel's filter.
     pub instances: BTreeMap<String, u64>,
     /// Distinct stacks held for the current upload interval.
     pub stacks_held: u64,
@@ -68,7 +68,7 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
     out.family(
         "pgscope_instance_processes",
         "gauge",
-        "Processes of each instance profiled so far and still running.",
+        "Processes of each instance being profiled: the postmaster and the processes it forked that still run.",
     );
     for (instance, processes) in &snapshot.instances {
         out.value(

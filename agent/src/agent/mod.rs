@@ -291,12 +291,23 @@ impl LoopState {
                 Vec::new()
             }
         };
+        // Processes in the kernel's filter, per instance: the postmaster and every process
+        // forked from it and still running (the exit tracepoint removes the others).
+        let mut per_root: BTreeMap<u32, u64> = BTreeMap::new();
+        for pid in probes.target_pids().unwrap_or_default() {
+            let root = match crate::target::ProcessInfo::read(pid) {
+                Some(process) if session.instances().any(|i| i.context.root == process.ppid) => process.ppid,
+                _ => pid,
+            };
+            *per_root.entry(root).or_insert(0) += 1;
+        }
         let instances = session
             .instances()
             .map(|instance| {
+                let root = instance.context.root;
                 (
                     exporter.instance_name(&instance.context),
-                    session.processes_of(instance.context.root) as u64,
+                    per_root.get(&root).copied().unwrap_or(0),
                 )
             })
             .collect();

@@ -141,14 +141,6 @@ impl Session {
         self.only().map(|instance| &instance.stacks.on_cpu)
     }
 
-    /// Processes of instance `root` seen so far and still running.
-    pub fn processes_of(&self, root: u32) -> usize {
-        self.live_pids
-            .iter()
-            .filter(|pid| self.owners.get(pid) == Some(&root))
-            .count()
-    }
-
     /// The instance `tgid` belongs to: known, itself a root, or a child of a root. A process
     /// that exited before its first sample was read can only be placed when one instance is
     /// attached.
