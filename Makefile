@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build pg-nofp demo test unit-test integration-test lint clean
+.PHONY: all deps build pg-nofp pyroscope-server demo test unit-test integration-test lint clean
 
 all: build
 
@@ -18,6 +18,11 @@ build: deps
 pg-nofp: deps
 	@scripts/build-postgres-nofp.sh >/dev/null
 
+# Grafana Pyroscope v1.12 for the end-to-end test, built from the Go module proxy once into
+# /var/cache/pgscope (a few minutes; later runs reuse it).
+pyroscope-server: deps
+	@scripts/pyroscope-server.sh build >/dev/null
+
 demo: build
 	@scripts/demo.sh "$(PGSCOPE_BIN)"
 
@@ -30,7 +35,7 @@ unit-test: deps
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test).
-integration-test: build pg-nofp
+integration-test: build pg-nofp pyroscope-server
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
 
 test: unit-test integration-test

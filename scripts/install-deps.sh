@@ -15,6 +15,7 @@ packages=(
   postgresql-server-dev-15            # server headers: tests check offsets and enum values
   dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build
   time bc python3                     # bench/overhead.sh and the demo's free-port pick
+  curl                                # bench/agent.sh and the Pyroscope server's readiness check
 )
 
 missing=()
@@ -31,6 +32,13 @@ fi
 # and do not need it.
 if command -v pg_lsclusters >/dev/null && pg_lsclusters -h 2>/dev/null | grep -q online; then
   echo "install-deps: note: a system Postgres cluster is running; pgscope leaves it alone" >&2
+fi
+
+# Go builds the Pyroscope server of the end-to-end test (scripts/pyroscope-server.sh); Debian 12's
+# golang-go (1.19) is too old for it.
+if ! command -v go >/dev/null && [[ ! -x /usr/local/go/bin/go ]]; then
+  echo "install-deps: go not found: install Go 1.22 or newer (https://go.dev/dl, or the Go module proxy's toolchains) and run again" >&2
+  exit 1
 fi
 
 if ! command -v cargo >/dev/null; then

@@ -473,3 +473,59 @@ fn bad_configurations_exit_2_naming_the_key() -> Result<()> {
     ensure!(String::from_utf8_lossy(&output.stderr).contains("/nonexistent/agent.toml"));
     Ok(())
 }
+
+/// SIGHUP reloads the configuration without a restart: series sent after it carry the new
+/// static label, nothing queued is lost, and a broken file keeps the old configuration.
+#[test]
+fn sighup_reloads_the_configuration() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let config = config_for(
+        &cluster,
+        &capture.url(),
+        "[labels]\nstatic = { stage = \"before\" }",
+    );
+    let agent = RunningAgent::start(&config, &[])?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
+    let stage_seen = |stage: &str| -> Result<bool> {
+        Ok(capture
+            .accepted_series()?
+            .iter()
+            .any(|s| s.label("stage") == Some(stage)))
+    };
+    wait_for("series labelled stage=before", Duration::from_secs(30), || {
+        Ok(stage_seen("before")?.then_some(()))
+    })?;
+    std::fs::write(
+        agent.config_path(),
+        "[collection]\nfrequency = \"not a number\"\n",
+    )?;
+    agent.signal(libc::SIGHUP);
+    agent.wait_metric(
+        "pgscope_config_reloads_total{result=\"failed\"}",
+        "the broken file to be refused",
+        Duration::from_secs(10),
+        |n| n == 1.0,
+    )?;
+    std::fs::write(agent.config_path(), config.replace("\"before\"", "\"after\""))?;
+    agent.signal(libc::SIGHUP);
+    agent.wait_metric(
+        "pgscope_config_reloads_total{result=\"ok\"}",
+        "the reload",
+        Duration::from_secs(10),
+        |n| n == 1.0,
+    )?;
+    wait_for("series labelled stage=after", Duration::from_secs(30), || {
+        Ok(stage_seen("after")?.then_some(()))
+    })?;
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "exit {status}:\n{log}");
+    ensure!(
+        log.contains("configuration not reloaded"),
+        "the refusal is not logged:\n{log}"
+    );
+    Ok(())
+}

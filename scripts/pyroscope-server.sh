@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# A real Grafana Pyroscope server for the end-to-end tests, built from the Go module proxy.
+#
+#   scripts/pyroscope-server.sh build            builds once into $PGSCOPE_CACHE, prints the binary
+#   scripts/pyroscope-server.sh start PORT DIR   starts it (HTTP on PORT, gRPC PORT+1, gossip
+#                                                PORT+2, all data under DIR), waits until ready,
+#                                                prints its PID
+#
+# Why the detour: `github.com/grafana/pyroscope` v1.12.0 replaces its `api` module with the
+# `./api` folder, which the module zip leaves out (it is a module of its own), and the proxy has
+# no api version tagged for that commit. The api module's v1.1.0 (2025-01-08, a week before
+# v1.12.0) carries the same generated push/querier types: the server builds and answers with it.
+set -euo pipefail
+
+PYROSCOPE_VERSION=v1.12.0
+API_VERSION=v1.1.0
+cache=${PGSCOPE_CACHE:-/var/cache/pgscope}
+bin_dir="$cache/pyroscope-$PYROSCOPE_VERSION-api-$API_VERSION"
+bin="$bin_dir/pyroscope"
+
+build() {
+  if [[ -x $bin ]]; then
+    echo "$bin"
+    return
+  fi
+  command -v go >/dev/null || export PATH="$PATH:/usr/local/go/bin"
+  command -v go >/dev/null || { echo "pyroscope-server.sh: Go is not installed (scripts/install-deps.sh installs it)" >&2; exit 1; }
+  # Modules and the build cache live in the cache directory: the next CI run reuses them.
+  export GOPATH="$cache/go" GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build-cache"
+  export GOFLAGS=-mod=mod GOWORK=off GOTOOLCHAIN=local
+  local src; src=$(mktemp -d /tmp/pyroscope-src.XXXXXX)
+  trap 'rm -rf "$src"' RETURN
+  local module
+  module=$(go mod download -json "github.com/grafana/pyroscope@$PYROSCOPE_VERSION" |
+    sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+  cp -r "$module/." "$src/"
+  chmod -R u+w "$src"
+  rm -f "$src/go.work" "$src/go.work.sum"
+  sed -i "s#github.com/grafana/pyroscope/api => ./api#github.com/grafana/pyroscope/api => github.com/grafana/pyroscope/api $API_VERSION#" "$src/go.mod"
+  mkdir -p "$bin_dir"
+  (cd "$src" && nice go build -o "$bin.tmp" ./cmd/pyroscope) >&2
+  mv "$bin.tmp" "$bin"
+  echo "$bin"
+}
+
+start() {
+  local port=$1 dir=$2
+  mkdir -p "$dir"
+  build >/dev/null
+  # Single binary (-target=all), filesystem storage, nothing sent anywhere (no usage stats, no
+  # self-profiling pushes), gossip bound to loopback.
+  "$bin" -target=all \
+    -server.http-listen-port="$port" -server.grpc-listen-port="$((port + 1))" \
+    -memberlist.bind-addr=127.0.0.1 -memberlist.advertise-addr=127.0.0.1 \
+    -memberlist.bind-port="$((port + 2))" -memberlist.advertise-port="$((port + 2))" \
+    -storage.backend=filesystem -storage.filesystem.dir="$dir/store" \
+    -pyroscopedb.data-path="$dir/data" \
+    -usage-stats.enabled=false -self-profiling.disable-push=true \
+    >"$dir/pyroscope.log" 2>&1 &
+  local pid=$!
+  # The ingester reports ready 15 s after joining its ring.
+  for _ in $(seq 120); do
+    if [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/ready") == 200 ]]; then
+      echo "$pid"
+      return
+    fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 1
+  done
+  echo "pyroscope-server.sh: Pyroscope did not become ready on port $port:" >&2
+  tail -20 "$dir/pyroscope.log" >&2
+  kill "$pid" 2>/dev/null || true
+  exit 1
+}
+
+case ${1:-} in
+  build) build ;;
+  start) start "${2:?PORT}" "${3:?DIR}" ;;
+  *) echo "usage: $0 build | start PORT DIR" >&2; exit 2 ;;
+esac
