@@ -47,6 +47,11 @@ start() {
   local port=$1 dir=$2
   mkdir -p "$dir"
   build >/dev/null
+  # A server already on the port would answer /ready and pass for this one.
+  if curl -s -o /dev/null "http://127.0.0.1:$port/ready"; then
+    echo "pyroscope-server.sh: port $port is already in use" >&2
+    exit 1
+  fi
   # Single binary (-target=all), filesystem storage, nothing sent anywhere (no usage stats, no
   # self-profiling pushes), gossip bound to loopback.
   "$bin" -target=all \
@@ -56,9 +61,10 @@ start() {
     -storage.backend=filesystem -storage.filesystem.dir="$dir/store" \
     -pyroscopedb.data-path="$dir/data" \
     -usage-stats.enabled=false -self-profiling.disable-push=true \
+    -ingester.min-ready-duration=0s \
     >"$dir/pyroscope.log" 2>&1 &
   local pid=$!
-  # The ingester reports ready 15 s after joining its ring.
+  # Ready within a few seconds (the ingester's 15 s settling time is for rings of many).
   for _ in $(seq 120); do
     if [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/ready") == 200 ]]; then
       echo "$pid"

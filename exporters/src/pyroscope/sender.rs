@@ -85,6 +85,9 @@ struct Queue {
     batches: VecDeque<Batch>,
     bytes: u64,
     next_id: u64,
+    /// The batch being sent: never evicted for room, so that a batch is either delivered or
+    /// counted as dropped, not both.
+    in_flight: Option<u64>,
 }
 
 pub struct Sender {
@@ -230,11 +233,11 @@ async fn send_loop(shared: Arc<Shared>) {
     let mut backoff: Option<Duration> = None;
     let mut warnings = Warnings::default();
     loop {
-        let head = shared
-            .queue
-            .lock()
-            .ok()
-            .and_then(|q| q.batches.front().map(|b| (b.id, b.body.clone())));
+        let head = shared.queue.lock().ok().and_then(|mut q| {
+            let head = q.batches.front().map(|b| (b.id, b.body.clone()));
+            q.in_flight = head.as_ref().map(|(id, _)| *id);
+            head
+        });
         let Some((id, body)) = head else {
             shared.wake.notified().await;
             continue;
@@ -256,6 +259,10 @@ async fn send_loop(shared: Arc<Shared>) {
                 warnings.reset();
             }
             Err(error) if error.is_retryable() => {
+                // Not in flight while waiting: a full queue may drop it like any oldest batch.
+                if let Ok(mut queue) = shared.queue.lock() {
+                    queue.in_flight = None;
+                }
                 counters.pushes_failed_retryable.fetch_add(1, Ordering::Relaxed);
                 counters.retries.fetch_add(1, Ordering::Relaxed);
                 let next = match backoff {
@@ -289,6 +296,7 @@ async fn send_loop(shared: Arc<Shared>) {
 /// Removes the batch just sent, unless it was dropped for room meanwhile.
 fn remove_if_head(shared: &Shared, id: u64) {
     if let Ok(mut queue) = shared.queue.lock() {
+        queue.in_flight = None;
         if queue.batches.front().is_some_and(|b| b.id == id) {
             if let Some(batch) = queue.batches.pop_front() {
                 queue.bytes -= batch.body.len() as u64;
