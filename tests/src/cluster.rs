@@ -128,6 +128,20 @@ impl PgCluster {
         self.wait_ready()
     }
 
+    /// The pg_stat_statements queryid of pgbench's select-only statement (`pgbench -S`), the
+    /// busiest if there are several.
+    pub fn pgbench_select_queryid(&self) -> Result<String> {
+        let id = self.psql(
+            "SELECT queryid FROM pg_stat_statements \
+             WHERE query LIKE 'SELECT abalance FROM pgbench_accounts%' ORDER BY calls DESC LIMIT 1",
+        )?;
+        anyhow::ensure!(
+            !id.trim().is_empty(),
+            "pgbench's select is not in pg_stat_statements"
+        );
+        Ok(id.trim().to_string())
+    }
+
     /// The build this cluster runs.
     pub fn install(&self) -> &PgInstall {
         &self.install

@@ -24,19 +24,6 @@ fn config_for(cluster: &PgCluster, url: &str, extra: &str) -> String {
     )
 }
 
-/// The queryid pg_stat_statements gives pgbench's select-only statement.
-fn pgbench_select_queryid(cluster: &PgCluster) -> Result<String> {
-    let id = cluster.psql(
-        "SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT abalance FROM pgbench_accounts%' \
-         ORDER BY calls DESC LIMIT 1",
-    )?;
-    ensure!(
-        !id.trim().is_empty(),
-        "pgbench's select is not in pg_stat_statements"
-    );
-    Ok(id.trim().to_string())
-}
-
 fn named<'a>(series: &'a [Series], name: &str) -> Vec<&'a Series> {
     series
         .iter()
@@ -99,7 +86,7 @@ fn profiles_reach_pyroscope_per_query_on_and_off_cpu() -> Result<()> {
     ensure!(!cpu.is_empty(), "no process_cpu series");
     ensure!(!off_cpu.is_empty(), "no offcpu series");
 
-    let queryid = pgbench_select_queryid(&cluster)?;
+    let queryid = cluster.pgbench_select_queryid()?;
     let queryids = label_values(&cpu, "queryid");
     ensure!(
         queryids.contains(&queryid),

@@ -131,17 +131,7 @@ fn pyroscope_answers_per_query_flamegraphs_on_and_off_cpu() -> Result<()> {
     pgbench.stop()?;
     let (status, log) = agent.terminate()?;
     ensure!(status.success(), "agent exit {status}:\n{log}");
-    let queryid = cluster
-        .psql(
-            "SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT abalance FROM pgbench_accounts%' \
-             ORDER BY calls DESC LIMIT 1",
-        )?
-        .trim()
-        .to_string();
-    ensure!(
-        !queryid.is_empty(),
-        "pgbench's select is not in pg_stat_statements"
-    );
+    let queryid = cluster.pgbench_select_queryid()?;
     let end = now_ms() + 1000;
     let selector = format!("{{service_name=\"{service}\"}}");
 

@@ -7,13 +7,12 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use exporters::pyroscope::{self, ClientConfig, Limits, Sender, SenderConfig};
+use exporters::pyroscope::{self, ClientConfig, Limits, Sender, SenderConfig, SenderStats};
 use exporters::{Profile, ProfileMeta};
 use symbolizer::KernelSymbols;
 use tracing::{debug, warn};
 
 use super::config::AgentConfig;
-use super::metrics::ExportStats;
 use super::pods::PodIndex;
 use crate::collect::instance::InstanceContext;
 use crate::collect::session::Instance;
@@ -22,6 +21,8 @@ use crate::postgres::sql;
 
 /// How often database names are looked up again for OIDs not known yet.
 const DATABASE_NAMES_RETRY: Duration = Duration::from_secs(60);
+/// How long kernel symbols are used before /proc/kallsyms is read again.
+const KERNEL_SYMBOLS_MAX_AGE: Duration = Duration::from_secs(300);
 /// How long a database-name lookup may hold up an upload.
 const SQL_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -33,6 +34,8 @@ pub struct Exporter {
     node: Option<String>,
     /// Container ID → pod, from the Kubernetes API when there is one.
     pods: Arc<RwLock<PodIndex>>,
+    /// Kernel symbols and when they were read.
+    kernel: Option<(KernelSymbols, Instant)>,
     labels_dropped: u64,
     /// Per instance (root PID): database OID → name, and when they were last looked up.
     database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
@@ -48,6 +51,7 @@ impl Exporter {
             limits: Limits::default(),
             node: std::env::var("PGSCOPE_NODE_NAME").ok().filter(|n| !n.is_empty()),
             pods,
+            kernel: None,
             labels_dropped: 0,
             database_names: HashMap::new(),
         })
@@ -70,20 +74,8 @@ impl Exporter {
         self.labels_dropped
     }
 
-    pub fn stats(&self) -> ExportStats {
-        let stats = self.sender.stats();
-        ExportStats {
-            pushes_ok: stats.pushes_ok,
-            pushes_failed_retryable: stats.pushes_failed_retryable,
-            pushes_failed_permanent: stats.pushes_failed_permanent,
-            retries: stats.retries,
-            dropped_queue_full_batches: stats.dropped_queue_full_batches,
-            dropped_queue_full_bytes: stats.dropped_queue_full_bytes,
-            dropped_permanent_batches: stats.dropped_permanent_batches,
-            queue_batches: stats.queue_depth_batches,
-            queue_bytes: stats.queue_depth_bytes,
-            last_success_unix: stats.last_success_unix,
-        }
+    pub fn stats(&self) -> SenderStats {
+        self.sender.stats()
     }
 
     /// Queues the stacks of every instance counted since `start` (unix ns), and starts the next
@@ -110,7 +102,9 @@ impl Exporter {
             let oids = instance.stacks.on_cpu.database_oids();
             self.refresh_database_names(instance.context.root, &oids).await;
         }
-        let kernel = kernel_symbols();
+        // Out of `self` while frames are named: enqueueing needs `self` mutably.
+        let cached = self.kernel_symbols();
+        let kernel = cached.as_ref().map(|(symbols, _)| symbols);
         let (taken, symbolizer) = session.take_stacks();
         for (root, stacks) in taken {
             let Some((name, container)) = names.get(&root) else {
@@ -121,17 +115,10 @@ impl Exporter {
                 .get(&root)
                 .map(|(names, _)| names.clone())
                 .unwrap_or_default();
-            let profiles = profiles_of(
-                &stacks,
-                symbolizer,
-                kernel.as_ref(),
-                &databases,
-                config,
-                start,
-                end,
-            );
+            let profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
             self.enqueue(name, container, profiles, config, enqueued);
         }
+        self.kernel = cached;
     }
 
     /// Queues what is left of an instance that is gone.
@@ -139,7 +126,8 @@ impl Exporter {
         let name = self.instance_name(&gone.context);
         let container = container_labels(&gone.context);
         let end = super::unix_nanos();
-        let kernel = kernel_symbols();
+        let cached = self.kernel_symbols();
+        let kernel = cached.as_ref().map(|(symbols, _)| symbols);
         let databases = self
             .database_names
             .remove(&gone.context.root)
@@ -150,12 +138,13 @@ impl Exporter {
         let profiles = profiles_of(
             &gone.stacks,
             &mut session.symbolizer,
-            kernel.as_ref(),
+            kernel,
             &databases,
             config,
             start,
             end,
         );
+        self.kernel = cached;
         let mut enqueued = BTreeMap::new();
         self.enqueue(&name, &container, profiles, config, &mut enqueued);
     }
@@ -234,6 +223,26 @@ impl Exporter {
         }
     }
 
+    /// The kernel's symbols, read again every few minutes (modules load and unload; reading
+    /// /proc/kallsyms costs tens of milliseconds), taken out of the cache for the caller to put
+    /// back.
+    fn kernel_symbols(&mut self) -> Option<(KernelSymbols, Instant)> {
+        let fresh = self
+            .kernel
+            .as_ref()
+            .is_some_and(|(_, read)| read.elapsed() < KERNEL_SYMBOLS_MAX_AGE);
+        if fresh {
+            return self.kernel.take();
+        }
+        match KernelSymbols::load() {
+            Ok(symbols) => Some((symbols, Instant::now())),
+            Err(error) => {
+                debug!("kernel frames will be unnamed: {error}");
+                None
+            }
+        }
+    }
+
     /// Sends what is queued until `deadline`; returns the batches left unsent.
     pub async fn shutdown(self, deadline: Duration) -> u64 {
         self.sender.flush(deadline).await
@@ -309,17 +318,6 @@ fn without_pid(mut profile: Profile, keep: bool) -> Profile {
         }
     }
     profile
-}
-
-/// Kernel symbols are read per upload: modules load and unload.
-fn kernel_symbols() -> Option<KernelSymbols> {
-    match KernelSymbols::load() {
-        Ok(symbols) => Some(symbols),
-        Err(error) => {
-            debug!("kernel frames will be unnamed: {error}");
-            None
-        }
-    }
 }
 
 fn host_name() -> String {

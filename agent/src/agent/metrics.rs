@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use exporters::pyroscope::SenderStats;
+
 /// What the main loop publishes.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
@@ -23,25 +25,10 @@ pub struct Snapshot {
     /// Label sets cut because a series would exceed Pyroscope's limits.
     pub labels_dropped: u64,
     /// The upload queue and its sender.
-    pub export: ExportStats,
+    pub export: SenderStats,
     /// Config reloads that worked / failed.
     pub reloads_ok: u64,
     pub reloads_failed: u64,
-}
-
-/// The sender's counters, cumulative except the queue depth.
-#[derive(Clone, Debug, Default)]
-pub struct ExportStats {
-    pub pushes_ok: u64,
-    pub pushes_failed_retryable: u64,
-    pub pushes_failed_permanent: u64,
-    pub retries: u64,
-    pub dropped_queue_full_batches: u64,
-    pub dropped_queue_full_bytes: u64,
-    pub dropped_permanent_batches: u64,
-    pub queue_batches: u64,
-    pub queue_bytes: u64,
-    pub last_success_unix: u64,
 }
 
 /// Renders the snapshot, with the agent's own CPU seconds and resident memory.
@@ -161,9 +148,9 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         "gauge",
         "Batches waiting to be sent.",
     );
-    out.value("pgscope_export_queue_batches", &[], export.queue_batches);
+    out.value("pgscope_export_queue_batches", &[], export.queue_depth_batches);
     out.family("pgscope_export_queue_bytes", "gauge", "Bytes waiting to be sent.");
-    out.value("pgscope_export_queue_bytes", &[], export.queue_bytes);
+    out.value("pgscope_export_queue_bytes", &[], export.queue_depth_bytes);
     out.family(
         "pgscope_export_last_success_timestamp_seconds",
         "gauge",
