@@ -232,7 +232,11 @@ fn discover(
             info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
             exporter.upload_instance(session, gone, config);
         }
-        // Its processes leave the filter as they exit; a still-running excluded one now.
+        // Its processes leave the filter as they exit; those of a still-running instance that
+        // the configuration now excludes leave it now (errors: already gone).
+        for child in crate::target::children_of(*root) {
+            let _ = probes.remove_target(child.pid);
+        }
         let _ = probes.remove_target(*root);
     }
     let flags = if off_cpu { TARGET_OFF_CPU } else { 0 };
