@@ -37,6 +37,8 @@ pub struct Exporter {
     /// Kernel symbols and when they were read.
     kernel: Option<(KernelSymbols, Instant)>,
     labels_dropped: u64,
+    /// Stacks left out because a profile of that one stack alone exceeds Pyroscope's size limit.
+    stacks_dropped: u64,
     /// Per instance (root PID): database OID → name, and when they were last looked up.
     database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
 }
@@ -53,6 +55,7 @@ impl Exporter {
             pods,
             kernel: None,
             labels_dropped: 0,
+            stacks_dropped: 0,
             database_names: HashMap::new(),
         })
     }
@@ -72,6 +75,10 @@ impl Exporter {
 
     pub fn labels_dropped(&self) -> u64 {
         self.labels_dropped
+    }
+
+    pub fn stacks_dropped(&self) -> u64 {
+        self.stacks_dropped
     }
 
     pub fn stats(&self) -> SenderStats {
@@ -184,6 +191,7 @@ impl Exporter {
             match pyroscope::build_series(&profile, kind, &base, &self.limits) {
                 Ok(built) => {
                     self.labels_dropped += built.labels_dropped;
+                    self.stacks_dropped += built.samples_dropped;
                     if built.series.is_empty() {
                         continue;
                     }

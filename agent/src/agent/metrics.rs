@@ -24,6 +24,8 @@ pub struct Snapshot {
     pub profiles_enqueued: BTreeMap<&'static str, u64>,
     /// Label sets cut because a series would exceed Pyroscope's limits.
     pub labels_dropped: u64,
+    /// Stacks left out because one stack alone is over Pyroscope's profile size limit.
+    pub stacks_dropped: u64,
     /// The upload queue and its sender.
     pub export: SenderStats,
     /// Config reloads that worked / failed.
@@ -90,6 +92,12 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         "Labels left out of series to stay within Pyroscope's label limit.",
     );
     out.value("pgscope_labels_dropped_total", &[], snapshot.labels_dropped);
+    out.family(
+        "pgscope_stacks_dropped_total",
+        "counter",
+        "Stacks left out because a profile of that one stack is over Pyroscope's size limit.",
+    );
+    out.value("pgscope_stacks_dropped_total", &[], snapshot.stacks_dropped);
 
     let export = &snapshot.export;
     out.family(

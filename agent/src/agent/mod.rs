@@ -82,7 +82,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let symbolizer = Symbolizer::new(SymbolizerOptions {
         debug_dirs: config.collection.debug_dirs.clone(),
     });
-    let mut session = Session::new(symbolizer, off_cpu, None);
+    let mut session = Session::new(symbolizer, off_cpu, None, None);
     let mut totals = off_cpu_totals::Tracker::default();
     let mut state = LoopState::default();
     discover(&mut probes, &mut session, &mut exporter, &config, off_cpu);
@@ -330,6 +330,7 @@ impl LoopState {
             off_cpu,
             profiles_enqueued: self.enqueued.clone(),
             labels_dropped: exporter.labels_dropped(),
+            stacks_dropped: exporter.stacks_dropped(),
             export: exporter.stats(),
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,

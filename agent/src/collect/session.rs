@@ -55,12 +55,18 @@ pub struct Session {
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     pub filtered_out: u64,
-    /// Per-query and per-wait counts so far, for a live view.
-    pub live: LiveCounts,
+    /// Per-query and per-wait counts so far, for `trace`'s live view; the agent keeps none
+    /// (they would grow with every queryid it ever sees).
+    pub live: Option<LiveCounts>,
 }
 
 impl Session {
-    pub fn new(symbolizer: Symbolizer, off_cpu_measured: bool, query_filter: Option<i64>) -> Self {
+    pub fn new(
+        symbolizer: Symbolizer,
+        off_cpu_measured: bool,
+        query_filter: Option<i64>,
+        live: Option<LiveCounts>,
+    ) -> Self {
         Self {
             symbolizer,
             instances: BTreeMap::new(),
@@ -71,7 +77,7 @@ impl Session {
             off_cpu_measured,
             query_filter,
             filtered_out: 0,
-            live: LiveCounts::default(),
+            live,
         }
     }
 
@@ -154,6 +160,9 @@ impl Session {
             _ => None,
         }?;
         self.owners.insert(tgid, owner);
+        // Tracked like a sampled process, so that its entry goes when it exits (off-CPU totals
+        // place processes that may never be sampled).
+        self.live_pids.insert(tgid);
         Some(owner)
     }
 
@@ -219,7 +228,9 @@ impl Session {
                 header.off_cpu_ns,
             ),
             None => {
-                self.live.record(&attribution);
+                if let Some(live) = &mut self.live {
+                    live.record(&attribution);
+                }
                 instance
                     .stacks
                     .on_cpu

@@ -192,6 +192,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         }),
         off_cpu_measured,
         options.query_id,
+        Some(collect::live::LiveCounts::default()),
     );
     session.add_instance(attached.context);
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
@@ -335,7 +336,7 @@ async fn collect(
                             instance_cpu_ns_per_s = per_second / options.frequency_hz as f64 * 1e9;
                         }
                         last_samples = samples;
-                        let mut table = session.live.lines(LIVE_ROWS);
+                        let mut table = session.live.as_ref().map(|live| live.lines(LIVE_ROWS)).unwrap_or_default();
                         table.extend(probe_set.live_lines());
                         let stats = session.only().map(|i| i.stacks.on_cpu.stats()).unwrap_or_default();
                         progress.update(started.elapsed(), &counters, &stats, &table);

@@ -7,8 +7,8 @@ use std::time::Duration;
 use reqwest::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use reqwest::StatusCode;
 
-/// How to reach Pyroscope.
-#[derive(Clone, Debug, Default)]
+/// How to reach Pyroscope. Its `Debug` leaves the password and token out.
+#[derive(Clone, Default)]
 pub struct ClientConfig {
     /// Base URL, e.g. `http://pyroscope:4040` (a path prefix is kept).
     pub url: String,
@@ -20,6 +20,19 @@ pub struct ClientConfig {
     pub ca_cert_pem: Option<Vec<u8>>,
     pub timeout: Duration,
     pub user_agent: String,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("url", &self.url)
+            .field("basic_auth_user", &self.basic_auth.as_ref().map(|(user, _)| user))
+            .field("bearer_token", &self.bearer_token.as_ref().map(|_| "<redacted>"))
+            .field("tenant_id", &self.tenant_id)
+            .field("ca_cert_pem", &self.ca_cert_pem.as_ref().map(|pem| pem.len()))
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +205,20 @@ mod tests {
             message: String::new()
         }
         .is_retryable());
+    }
+
+    #[test]
+    fn debug_output_keeps_secrets_out() {
+        let config = ClientConfig {
+            basic_auth: Some(("agent".into(), "hunter2".into())),
+            bearer_token: Some("tok-123".into()),
+            ..ClientConfig::default()
+        };
+        let text = format!("{config:?}");
+        assert!(
+            text.contains("agent") && !text.contains("hunter2") && !text.contains("tok-123"),
+            "{text}"
+        );
     }
 
     #[test]
