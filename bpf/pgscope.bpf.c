@@ -400,6 +400,15 @@ struct {
 	__type(value, struct pgscope_spin_site_stats);
 } spin_sites SEC(".maps");
 
+/* Per attachment of a function probe (the upper half of its cookie; 0: ungated): 1 while user
+ * space counts the probe as attached. Returns are not counted while it is 0. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} function_gates SEC(".maps");
+
 /* Entries per function, for the duty cycle's hit-rate measurement (user space reads deltas). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -521,7 +530,9 @@ int on_function_return(struct pt_regs *ctx)
 	__u64 now = bpf_ktime_get_ns();
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
-	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
+	__u64 cookie = bpf_get_attach_cookie(ctx);
+	__u32 function = (__u32)cookie;
+	__u32 gate = cookie >> 32;
 	__u64 key = (pid_tgid << 32) | function;
 	struct call_entry *entry = bpf_map_lookup_elem(&calls_in_flight, &key);
 
@@ -530,6 +541,14 @@ int on_function_return(struct pt_regs *ctx)
 		if (bpf_map_lookup_elem(&targets, &tgid))
 			count(PGSCOPE_CNT_PROBE_NO_ENTRY);
 		return 0;
+	}
+	if (gate) {
+		__u32 *open = bpf_map_lookup_elem(&function_gates, &gate);
+		if (!open || !*open) {
+			/* Being detached: user space counts this time as detached already. */
+			bpf_map_delete_elem(&calls_in_flight, &key);
+			return 0;
+		}
 	}
 	__u64 elapsed = now - entry->start_ns;
 	__u32 detail = function == PGSCOPE_FN_S_LOCK ? 0 : entry->detail;

@@ -148,6 +148,10 @@ struct AgentArgs {
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
+    /// Probe these Postgres functions (comma-separated, or `all`): calls and time per
+    /// queryid, shipped as the pg_function_calls and pg_function_time profiles.
+    #[arg(long, value_delimiter = ',', value_name = "FUNCTIONS")]
+    probes: Option<Vec<String>>,
 }
 
 fn parse_explicit_probe(text: &str) -> Result<trace::ExplicitProbe, String> {
@@ -207,6 +211,7 @@ fn main() -> ExitCode {
                     metrics_addr: args.metrics_addr,
                     off_cpu: args.off_cpu.then_some(true),
                     log_format: args.log_json.then_some(agent::config::LogFormat::Json),
+                    probes: args.probes.clone(),
                 },
             };
             let config = match source.load() {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use tempfile::TempDir;
 
 use crate::install::PgInstall;
@@ -48,7 +48,8 @@ pub struct PgCluster {
     log: PathBuf,
     // Dropped after `Drop::drop` stopped the server: files first, then the lock.
     dir: TempDir,
-    _lock: ClusterLock,
+    /// None for a cluster started beside another, whose lock covers both.
+    _lock: Option<ClusterLock>,
 }
 
 impl PgCluster {
@@ -70,7 +71,24 @@ impl PgCluster {
     }
 
     pub fn start_with(install: &PgInstall, settings: &[(&str, &str)]) -> Result<Self> {
-        let lock = ClusterLock::acquire()?;
+        Self::start_locked(install, settings, Some(ClusterLock::acquire()?))
+    }
+
+    /// A second (third, …) cluster while the test holds `first`: tests of several instances
+    /// side by side. `first`'s lock keeps other tests' clusters away from all of them.
+    pub fn start_beside(install: &PgInstall, settings: &[(&str, &str)], first: &PgCluster) -> Result<Self> {
+        ensure!(
+            first._lock.is_some(),
+            "start_beside needs the cluster that holds the lock"
+        );
+        Self::start_locked(install, settings, None)
+    }
+
+    fn start_locked(
+        install: &PgInstall,
+        settings: &[(&str, &str)],
+        lock: Option<ClusterLock>,
+    ) -> Result<Self> {
         let user = ensure_test_user()?;
         let dir = tempfile::Builder::new()
             .prefix("pgscope-test-")

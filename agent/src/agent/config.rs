@@ -18,7 +18,30 @@ pub struct AgentConfig {
     pub collection: CollectionConfig,
     pub labels: LabelsConfig,
     pub discovery: DiscoveryConfig,
+    pub probes: ProbesConfig,
     pub server: ServerConfig,
+}
+
+/// Function probes (uprobes on Postgres functions): calls and time per function and queryid,
+/// shipped as the `pg_function_calls` and `pg_function_time` profiles. None by default.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProbesConfig {
+    /// Function names (`GetCachedPlan`, `LockRelationOid`, `PortalStart`, `pgss_store`,
+    /// `s_lock`, `_bt_getroot`, `vac_update_datfrozenxid`) or `all`.
+    pub functions: Vec<String>,
+    /// Share of each instance's CPU the probes may cost: hot probes are attached part of the
+    /// time and their counts scaled up. 0 measures every call whatever it costs.
+    pub budget: f64,
+}
+
+impl Default for ProbesConfig {
+    fn default() -> Self {
+        Self {
+            functions: Vec::new(),
+            budget: 0.02,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -179,6 +202,8 @@ pub struct Overrides {
     pub metrics_addr: Option<SocketAddr>,
     pub off_cpu: Option<bool>,
     pub log_format: Option<LogFormat>,
+    /// `--probes`: replaces `probes.functions`.
+    pub probes: Option<Vec<String>>,
 }
 
 impl AgentConfig {
@@ -255,6 +280,9 @@ impl AgentConfig {
         if let Some(format) = flags.log_format {
             self.server.log_format = format;
         }
+        if let Some(functions) = &flags.probes {
+            self.probes.functions = functions.clone();
+        }
     }
 
     /// What the agent will do, for `--check-config` and the start log; secrets left out.
@@ -269,6 +297,7 @@ impl AgentConfig {
              collection: {} Hz, upload every {:?}, off-CPU {}\n  \
              labels: service_name `{}`, pid {}, {} static\n  \
              discovery: {} include / {} exclude filters\n  \
+             probes: {}\n  \
              server: {}, {:?} logs",
             self.pyroscope.url.as_deref().unwrap_or("?"),
             self.pyroscope
@@ -290,6 +319,17 @@ impl AgentConfig {
             self.labels.static_labels.len(),
             self.discovery.include.len(),
             self.discovery.exclude.len(),
+            if self.probes.functions.is_empty() {
+                "none".to_string()
+            } else if self.probes.budget == 0.0 {
+                format!("{} (every call)", self.probes.functions.join(", "))
+            } else {
+                format!(
+                    "{} (budget {:.1}% of each instance's CPU)",
+                    self.probes.functions.join(", "),
+                    self.probes.budget * 100.0
+                )
+            },
             self.server.metrics_addr,
             self.server.log_format,
         )
@@ -328,6 +368,15 @@ impl AgentConfig {
         }
         if self.collection.upload_interval < Duration::from_secs(1) {
             bail!("collection.upload_interval must be at least 1s");
+        }
+        if let Err(error) = crate::collect::probes::parse_probe_list(&self.probes.functions) {
+            bail!("probes.functions: {error:#}");
+        }
+        if !(0.0..=1.0).contains(&self.probes.budget) {
+            bail!(
+                "probes.budget {} must be a share of CPU between 0 (no budget: every call) and 1",
+                self.probes.budget
+            );
         }
         if self.labels.service_name.trim().is_empty() {
             bail!("labels.service_name must not be empty");

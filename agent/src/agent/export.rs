@@ -93,6 +93,7 @@ impl Exporter {
         config: &AgentConfig,
         start: u64,
         end: u64,
+        probe_rows: &BTreeMap<u32, Vec<super::probes::CallRow>>,
         enqueued: &mut BTreeMap<&'static str, u64>,
     ) {
         let names: HashMap<u32, (String, Vec<(String, String)>)> = session
@@ -122,7 +123,10 @@ impl Exporter {
                 .get(&root)
                 .map(|(names, _)| names.clone())
                 .unwrap_or_default();
-            let profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
+            let mut profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
+            if let Some(rows) = probe_rows.get(&root) {
+                profiles.extend(super::probes::profiles(rows, start, end));
+            }
             self.enqueue(name, container, profiles, config, enqueued);
         }
         self.kernel = cached;

@@ -2,6 +2,7 @@
 //! snapshots the main loop publishes once a second (BPF counters, instances, export state)
 //! plus the process's own CPU and memory read at scrape time.
 
+use super::probes::ProbeMetrics;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -31,6 +32,8 @@ pub struct Snapshot {
     /// Config reloads that worked / failed.
     pub reloads_ok: u64,
     pub reloads_failed: u64,
+    /// Function probes: hits per function, duty cycle and state per executable.
+    pub probes: ProbeMetrics,
 }
 
 /// Renders the snapshot, with the agent's own CPU seconds and resident memory.
@@ -185,6 +188,7 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         &[("result", "failed")],
         snapshot.reloads_failed,
     );
+    render_probes(&mut out, &snapshot.probes);
 
     out.family(
         "process_cpu_seconds_total",
@@ -201,6 +205,48 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
     out.0
 }
 
+/// The function probes' families; none when no probe is configured.
+fn render_probes(out: &mut Text, probes: &ProbeMetrics) {
+    if probes.hits.is_empty() && probes.groups.is_empty() {
+        return;
+    }
+    out.family(
+        "pgscope_probe_calls_total",
+        "counter",
+        "Calls of each probed function seen while its probe was attached (not scaled by the duty cycle).",
+    );
+    for (function, hits) in &probes.hits {
+        out.value("pgscope_probe_calls_total", &[("function", function)], *hits);
+    }
+    out.family(
+        "pgscope_probe_duty_cycle",
+        "gauge",
+        "Share of the time the hot probes of an executable are attached (1: always).",
+    );
+    for (executable, duty, _) in &probes.groups {
+        out.value("pgscope_probe_duty_cycle", &[("executable", executable)], duty);
+    }
+    out.family(
+        "pgscope_probe_attached",
+        "gauge",
+        "1 while a function's probe is attached; mode is `cycled` for hot probes under the duty cycle, else `always`.",
+    );
+    for (executable, _, states) in &probes.groups {
+        for state in states {
+            let mode = if state.cycled { "cycled" } else { "always" };
+            out.value(
+                "pgscope_probe_attached",
+                &[
+                    ("executable", executable),
+                    ("function", state.function.name()),
+                    ("mode", mode),
+                ],
+                u64::from(state.attached),
+            );
+        }
+    }
+}
+
 #[derive(Default)]
 struct Text(String);
 
@@ -210,7 +256,7 @@ impl Text {
         let _ = writeln!(self.0, "# TYPE {name} {kind}");
     }
 
-    fn value(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
+    fn value(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
         self.0.push_str(name);
         if !labels.is_empty() {
             self.0.push('{');

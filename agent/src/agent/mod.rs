@@ -9,6 +9,7 @@ mod http;
 mod metrics;
 mod off_cpu_totals;
 mod pods;
+mod probes;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -26,6 +27,7 @@ use tracing::{info, warn};
 use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
 use crate::collect::instance::{self, Scope};
+use crate::collect::probes::statement_clock::CounterLayout;
 use crate::collect::{self, Session};
 use crate::preflight;
 use config::AgentConfig;
@@ -33,6 +35,8 @@ use symbolizer::{Symbolizer, SymbolizerOptions};
 
 /// How often new and vanished postmasters are looked for.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
+/// How often the function probes' duty cycles advance.
+const DUTY_TICK: Duration = Duration::from_millis(50);
 /// How long SIGTERM waits for the queue to drain to Pyroscope.
 const SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
 
@@ -85,7 +89,14 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut session = Session::new(symbolizer, off_cpu, None, None);
     let mut totals = off_cpu_totals::Tracker::default();
     let mut state = LoopState::default();
-    discover(&mut probes, &mut session, &mut exporter, &config, off_cpu);
+    let mut function_probes = probes::AgentProbes::new(&config);
+    let mut found = Found {
+        probes: &mut probes,
+        session: &mut session,
+        exporter: &mut exporter,
+        function_probes: &mut function_probes,
+    };
+    found.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
 
     // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
@@ -98,6 +109,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut second = tokio::time::interval(Duration::from_secs(1));
+    let mut duty_tick = tokio::time::interval(DUTY_TICK);
     let mut discovery = tokio::time::interval(DISCOVERY_INTERVAL);
     let mut upload = tokio::time::interval(config.collection.upload_interval);
     upload.reset();
@@ -118,15 +130,26 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
             _ = second.tick() => {
                 shared.beat();
                 session.forget_exited();
-                shared.publish(state.snapshot(&probes, &session, &exporter, off_cpu));
+                function_probes.measure_cpu(&session, Duration::from_secs(1));
+                shared.publish(state.snapshot(&probes, &session, &exporter, &function_probes, off_cpu));
+            }
+            _ = duty_tick.tick() => {
+                function_probes.tick(&mut probes, &session, DUTY_TICK);
             }
             _ = discovery.tick() => {
-                discover(&mut probes, &mut session, &mut exporter, &config, off_cpu);
+                Found {
+                    probes: &mut probes,
+                    session: &mut session,
+                    exporter: &mut exporter,
+                    function_probes: &mut function_probes,
+                }
+                .discover(&config, off_cpu);
             }
             _ = upload.tick() => {
                 let now = unix_nanos();
                 totals.add_new_waits(&mut probes, &mut session);
-                exporter.upload(&mut session, &config, interval_start, now, &mut state.enqueued).await;
+                let rows = function_probes.take_interval(&mut probes, &session);
+                exporter.upload(&mut session, &config, interval_start, now, &rows, &mut state.enqueued).await;
                 interval_start = now;
             }
             _ = hangup.recv() => {
@@ -156,12 +179,15 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     shared.ready.store(false, Ordering::Relaxed);
     collect::drain(ring.get_mut(), &mut session);
     totals.add_new_waits(&mut probes, &mut session);
+    let rows = function_probes.take_interval(&mut probes, &session);
+    function_probes.detach_all(&mut probes, &session);
     exporter
         .upload(
             &mut session,
             &config,
             interval_start,
             unix_nanos(),
+            &rows,
             &mut state.enqueued,
         )
         .await;
@@ -210,68 +236,92 @@ fn apply_reload(old: &AgentConfig, new: &AgentConfig) {
     }
 }
 
-/// Attaches postmasters that appeared (and that the configuration lets in); sends and drops
-/// instances whose postmaster is gone or that the configuration now leaves out.
-fn discover(
-    probes: &mut OnCpuProbes,
-    session: &mut Session,
-    exporter: &mut export::Exporter,
-    config: &AgentConfig,
-    off_cpu: bool,
-) {
-    let found = discovery::scan(&config.discovery);
-    let attached: Vec<u32> = session
-        .instances()
-        .map(|instance| instance.context.root)
-        .collect();
-    for root in &attached {
-        if found.iter().any(|f| f.postmaster.pid == *root) {
-            continue;
-        }
-        if let Some(gone) = session.remove_instance(*root) {
-            info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
-            exporter.upload_instance(session, gone, config);
-        }
-        // Its processes leave the filter as they exit; those of a still-running instance that
-        // the configuration now excludes leave it now (errors: already gone).
-        for child in crate::target::children_of(*root) {
-            let _ = probes.remove_target(child.pid);
-        }
-        let _ = probes.remove_target(*root);
-    }
-    let flags = if off_cpu { TARGET_OFF_CPU } else { 0 };
-    for found in found {
-        if attached.contains(&found.postmaster.pid) {
-            continue;
-        }
-        match instance::attach(probes, &found.postmaster, Scope::Instance, flags) {
-            Ok(attached) => {
-                if let Some(error) = &attached.no_attribution {
-                    warn!(
-                        postmaster = found.postmaster.pid,
-                        "no query or wait-event labels: {error:#}"
-                    );
-                }
-                if let Some(error) = &attached.no_instance_names {
-                    warn!(
-                        postmaster = found.postmaster.pid,
-                        "extension LWLocks and background workers keep generic names: {error:#}"
-                    );
-                }
-                info!(
-                    postmaster = found.postmaster.pid,
-                    instance = %exporter.instance_name(&attached.context),
-                    data_dir = ?found.facts.data_dir,
-                    major = ?found.facts.major,
-                    processes = attached.children + 1,
-                    "profiling instance"
-                );
-                session.add_instance(attached.context);
+/// What discovery changes: the kernel's filter, the session's instances, the exporter's
+/// last uploads and the function probes.
+struct Found<'a> {
+    probes: &'a mut OnCpuProbes,
+    session: &'a mut Session,
+    exporter: &'a mut export::Exporter,
+    function_probes: &'a mut probes::AgentProbes,
+}
+
+impl Found<'_> {
+    /// Attaches postmasters that appeared (and that the configuration lets in); sends and drops
+    /// instances whose postmaster is gone or that the configuration now leaves out.
+    fn discover(&mut self, config: &AgentConfig, off_cpu: bool) {
+        let Found {
+            probes,
+            session,
+            exporter,
+            function_probes,
+        } = self;
+        let found = discovery::scan(&config.discovery);
+        let attached: Vec<u32> = session
+            .instances()
+            .map(|instance| instance.context.root)
+            .collect();
+        for root in &attached {
+            if found.iter().any(|f| f.postmaster.pid == *root) {
+                continue;
             }
-            Err(error) => warn!(
-                postmaster = found.postmaster.pid,
-                "cannot profile this instance, the others go on: {error:#}"
-            ),
+            function_probes.remove_instance(probes, session, *root);
+            if let Some(gone) = session.remove_instance(*root) {
+                info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
+                exporter.upload_instance(session, gone, config);
+            }
+            // Its processes leave the filter as they exit; those of a still-running instance that
+            // the configuration now excludes leave it now (errors: already gone).
+            for child in crate::target::children_of(*root) {
+                let _ = probes.remove_target(child.pid);
+            }
+            let _ = probes.remove_target(*root);
+        }
+        let flags = if off_cpu { TARGET_OFF_CPU } else { 0 };
+        for found in found {
+            if attached.contains(&found.postmaster.pid) {
+                continue;
+            }
+            match instance::attach(probes, &found.postmaster, Scope::Instance, flags) {
+                Ok(attached) => {
+                    if let Some(error) = &attached.no_attribution {
+                        warn!(
+                            postmaster = found.postmaster.pid,
+                            "no query or wait-event labels: {error:#}"
+                        );
+                    }
+                    if let Some(error) = &attached.no_instance_names {
+                        warn!(
+                            postmaster = found.postmaster.pid,
+                            "extension LWLocks and background workers keep generic names: {error:#}"
+                        );
+                    }
+                    info!(
+                        postmaster = found.postmaster.pid,
+                        instance = %exporter.instance_name(&attached.context),
+                        data_dir = ?found.facts.data_dir,
+                        major = ?found.facts.major,
+                        processes = attached.children + 1,
+                        "profiling instance"
+                    );
+                    let root = attached.context.root;
+                    let counter = attached.layout.as_ref().and_then(|(layout, table)| {
+                        CounterLayout::for_process(root, layout, table)
+                            .map_err(|error| {
+                                warn!(
+                                    postmaster = root,
+                                    "duty-cycled probe counts will be scaled by time: {error:#}"
+                                )
+                            })
+                            .ok()
+                    });
+                    session.add_instance(attached.context);
+                    function_probes.add_instance(probes, session, root, counter);
+                }
+                Err(error) => warn!(
+                    postmaster = found.postmaster.pid,
+                    "cannot profile this instance, the others go on: {error:#}"
+                ),
+            }
         }
     }
 }
@@ -290,6 +340,7 @@ impl LoopState {
         probes: &OnCpuProbes,
         session: &Session,
         exporter: &export::Exporter,
+        function_probes: &probes::AgentProbes,
         off_cpu: bool,
     ) -> metrics::Snapshot {
         let bpf_counters = match probes.counters() {
@@ -334,6 +385,7 @@ impl LoopState {
             export: exporter.stats(),
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,
+            probes: function_probes.metrics(probes),
         }
     }
 }

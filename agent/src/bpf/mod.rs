@@ -36,11 +36,19 @@ const CALIBRATION_COOKIE: u64 = Function::ALL.len() as u64;
 pub struct FunctionLinks {
     entry: UProbeLinkId,
     exit: UProbeLinkId,
+    /// Its slot in `function_gates` (0: none, it always counts).
+    gate: u32,
 }
+
+/// Slots of `function_gates` (bpf/pgscope.bpf.c); slot 0 means ungated.
+const GATE_SLOTS: u32 = 1024;
 
 /// The loaded on-CPU profiler programs and their maps.
 pub struct OnCpuProbes {
     ebpf: Ebpf,
+    /// Gate slots of detached probes, for the next attach; `next_gate` was never used.
+    free_gates: Vec<u32>,
+    next_gate: u32,
 }
 
 impl OnCpuProbes {
@@ -50,7 +58,11 @@ impl OnCpuProbes {
             "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
              ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
         )?;
-        Ok(Self { ebpf })
+        Ok(Self {
+            ebpf,
+            free_gates: Vec::new(),
+            next_gate: 1,
+        })
     }
 
     /// Starts sampling every online CPU at `frequency_hz` on the CPU clock. Only processes in
@@ -221,7 +233,33 @@ impl OnCpuProbes {
         target: &Path,
         file_offset: u64,
     ) -> Result<FunctionLinks> {
-        self.attach_with_cookie(function as u64, function.name(), target, file_offset)
+        // A gate counts calls only from the moment both programs are attached until detaching
+        // starts: detaching takes a grace period during which returns would still be counted
+        // while the duty cycle already credits the time as detached.
+        let gate = match self.free_gates.pop() {
+            Some(gate) => gate,
+            None if self.next_gate < GATE_SLOTS => {
+                self.next_gate += 1;
+                self.next_gate - 1
+            }
+            None => 0,
+        };
+        let cookie = function as u64 | (u64::from(gate) << 32);
+        let mut links = self.attach_with_cookie(cookie, function.name(), target, file_offset)?;
+        links.gate = gate;
+        self.set_gate(gate, true)?;
+        Ok(links)
+    }
+
+    fn set_gate(&mut self, gate: u32, open: bool) -> Result<()> {
+        if gate == 0 {
+            return Ok(());
+        }
+        let mut gates: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(self.map_mut("function_gates")?)?;
+        gates
+            .set(gate, u32::from(open), 0)
+            .context("switching a function probe's gate")
     }
 
     /// Attaches the function-probe programs to a function of no [`Function`] (its statistics
@@ -248,7 +286,7 @@ impl OnCpuProbes {
         };
         let entry = attach(EMPTY_PROGRAMS[0])?;
         let exit = attach(EMPTY_PROGRAMS[1])?;
-        Ok(FunctionLinks { entry, exit })
+        Ok(FunctionLinks { entry, exit, gate: 0 })
     }
 
     /// Detaches what [`OnCpuProbes::attach_empty`] attached.
@@ -286,7 +324,7 @@ impl OnCpuProbes {
         }
         let mut links = links.into_iter();
         match (links.next(), links.next()) {
-            (Some(entry), Some(exit)) => Ok(FunctionLinks { entry, exit }),
+            (Some(entry), Some(exit)) => Ok(FunctionLinks { entry, exit, gate: 0 }),
             _ => Err(anyhow!("attaching `{name}` produced no links")),
         }
     }
@@ -295,8 +333,12 @@ impl OnCpuProbes {
     /// goes first: detaching takes a grace period, and a return probe left alone would fire for
     /// calls whose entry was no longer recorded.
     pub fn detach_function(&mut self, links: FunctionLinks) -> Result<()> {
+        self.set_gate(links.gate, false)?;
         self.function_program(FUNCTION_PROGRAMS[1])?.detach(links.exit)?;
         self.function_program(FUNCTION_PROGRAMS[0])?.detach(links.entry)?;
+        if links.gate != 0 {
+            self.free_gates.push(links.gate);
+        }
         Ok(())
     }
 
@@ -344,6 +386,26 @@ impl OnCpuProbes {
             per_cpu.iter().for_each(|cpu| total.merge(cpu));
             total
         })
+    }
+
+    /// Drops the function-probe entries of processes that exited (read for the last time):
+    /// the maps are bounded and backends come and go.
+    pub fn remove_probe_entries_of(&mut self, exited: &std::collections::HashSet<u32>) -> Result<()> {
+        let calls: Vec<CallKey> = self.call_stats()?.into_iter().map(|(k, _)| k).collect();
+        remove_keys::<CallKey, CallStats>(
+            self.map_mut("call_stats")?,
+            calls.iter().filter(|k| exited.contains(&k.tgid)),
+        )?;
+        let locks: Vec<RelationLockKey> = self.relation_locks()?.into_iter().map(|(k, _)| k).collect();
+        remove_keys::<RelationLockKey, u64>(
+            self.map_mut("relation_locks")?,
+            locks.iter().filter(|k| exited.contains(&k.tgid)),
+        )?;
+        let sites: Vec<SpinSiteKey> = self.spin_sites()?.into_iter().map(|(k, _)| k).collect();
+        remove_keys::<SpinSiteKey, SpinSiteStats>(
+            self.map_mut("spin_sites")?,
+            sites.iter().filter(|k| exited.contains(&k.tgid)),
+        )
     }
 
     /// Every entry of a per-CPU hash map, its per-CPU values folded into one.
@@ -444,4 +506,17 @@ fn monotonic_ns() -> u64 {
     // SAFETY: clock_gettime writes one timespec through a valid pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Removes `keys` from a per-CPU hash map; keys already gone are fine (the goal is that they
+/// are gone).
+fn remove_keys<'a, K: aya::Pod + 'a, V: aya::Pod>(
+    map: &mut Map,
+    keys: impl Iterator<Item = &'a K>,
+) -> Result<()> {
+    let mut map: PerCpuHashMap<_, K, V> = PerCpuHashMap::try_from(map)?;
+    for key in keys {
+        let _ = map.remove(key);
+    }
+    Ok(())
 }

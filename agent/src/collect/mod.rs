@@ -5,6 +5,7 @@
 pub mod instance;
 pub mod live;
 pub mod off_cpu;
+pub mod probes;
 pub mod session;
 
 use aya::maps::{MapData, RingBuf};

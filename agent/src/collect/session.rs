@@ -36,6 +36,8 @@ impl InstanceStacks {
 pub struct Instance {
     pub context: InstanceContext,
     pub stacks: InstanceStacks,
+    /// On-CPU samples of the instance since it was added (never reset): its CPU use.
+    pub on_cpu_samples: u64,
 }
 
 /// Everything that is built up while samples arrive.
@@ -89,6 +91,7 @@ impl Session {
             Instance {
                 context,
                 stacks: InstanceStacks::default(),
+                on_cpu_samples: 0,
             },
         );
     }
@@ -101,6 +104,25 @@ impl Session {
 
     pub fn instances(&self) -> impl Iterator<Item = &Instance> {
         self.instances.values()
+    }
+
+    /// Each instance's root PID first, then every process placed in it so far.
+    pub fn pids_by_root(&self) -> BTreeMap<u32, Vec<u32>> {
+        let mut out: BTreeMap<u32, Vec<u32>> =
+            self.instances.keys().map(|&root| (root, vec![root])).collect();
+        for (&pid, &root) in &self.owners {
+            if pid != root {
+                if let Some(pids) = out.get_mut(&root) {
+                    pids.push(pid);
+                }
+            }
+        }
+        out
+    }
+
+    /// The instance a process was placed in, if it was.
+    pub fn placed_in(&self, pid: u32) -> Option<u32> {
+        self.owners.get(&pid).copied()
     }
 
     /// The one instance of a trace.
@@ -228,6 +250,7 @@ impl Session {
                 header.off_cpu_ns,
             ),
             None => {
+                instance.on_cpu_samples += 1;
                 if let Some(live) = &mut self.live {
                     live.record(&attribution);
                 }

@@ -8,12 +8,13 @@ use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
 use super::off_cpu;
-use super::probes::{lock_mode_name, Extrapolation, ProbeResults};
+use super::probes::{lock_mode_name, ProbeResults};
 use super::queries::QuerySummary;
 use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::abi::{CallStats, Function};
 use crate::bpf::Counters;
+use crate::collect::probes::Extrapolation;
 use crate::postgres::phase::Phase;
 use crate::target::Target;
 

@@ -1,18 +1,14 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
-pub mod calibrate;
-mod duty;
 mod json;
 mod off_cpu;
-mod probe_set;
 mod probes;
 mod progress;
 mod queries;
 mod report;
 mod spin_sites;
 mod sql_facts;
-mod statement_clock;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -28,12 +24,12 @@ use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
 use crate::collect::instance::{self, Scope};
 use crate::collect::off_cpu::WaitWithoutStack;
+use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
 use crate::collect::{self, Session};
 use crate::postgres;
 use crate::preflight;
 use crate::target::{self, Target};
-use probe_set::ProbeSet;
-pub use probes::{parse_explicit_probe, ExplicitProbe};
+pub use probing::{parse_explicit_probe, ExplicitProbe};
 use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions};
 
 /// Options of one trace session (parsed from the command line in `main.rs`).
@@ -104,7 +100,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let mut symbolizer = Symbolizer::new(SymbolizerOptions {
         debug_dirs: options.debug_dirs.clone(),
     });
-    let mut functions = probes::parse_probe_list(&options.probes)?;
+    let mut functions = probing::parse_probe_list(&options.probes)?;
     functions.extend(options.explicit_probes.iter().map(|p| p.function));
     functions.sort();
     functions.dedup();
@@ -154,19 +150,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         )?
     };
     if let Some((layout, table)) = &version_table {
-        match postgres::status_slot_globals(layout_source) {
-            Ok((my_backend_id, my_aux_proc_type, max_backends)) => probe_set.count_statements(
-                &probes,
-                statement_clock::CounterLayout {
-                    my_be_entry: layout.my_be_entry,
-                    my_backend_id,
-                    my_aux_proc_type,
-                    max_backends,
-                    entry_size: table.status_entry_size,
-                    st_changecount_offset: table.st_changecount_offset,
-                    aux_slots: table.aux_proc_types,
-                },
-            ),
+        match statement_clock::CounterLayout::for_process(layout_source, layout, table) {
+            Ok(counter) => {
+                probe_set.count_statements(layout_source, counter, &traced_pids(&probes, layout_source))
+            }
             Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
         }
     }
@@ -216,7 +203,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let elapsed = started.elapsed();
     // All probe counts are read at one instant, and attached time ends there: detaching takes a
     // kernel grace period per probe, during which functions detached later would count on.
-    probe_set.stop_clock(&probes);
+    probe_set.stop_clock(&traced_pids(&probes, layout_source));
     let counters = probes.counters()?;
     let (off_cpu_totals, open_waits) = if session.off_cpu_measured {
         let totals = probes.off_cpu_totals().unwrap_or_else(|error| {
@@ -232,7 +219,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         (Vec::new(), Vec::new())
     };
     let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
-    probe_set.detach_all(&mut probes)?;
+    let pids = traced_pids(&probes, layout_source);
+    probe_set.detach_all(&mut probes, &pids)?;
     // Kernel symbols while pgscope's own BPF programs are still loaded: they name its frames.
     let kernel = match KernelSymbols::load() {
         Ok(symbols) => Some(symbols),
@@ -259,6 +247,15 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         sql_facts,
     };
     report::finish(&options, &target, session, measured)
+}
+
+/// The traced processes, all of the one instance (or backend) rooted at `root`.
+fn traced_pids(probes: &OnCpuProbes, root: u32) -> PidsByRoot {
+    let pids = probes.target_pids().unwrap_or_else(|error| {
+        warn!("cannot list the traced processes to count statements: {error:#}");
+        Vec::new()
+    });
+    PidsByRoot::from([(root, pids)])
 }
 
 /// SIGINT and SIGTERM end a trace early, with its output written.
@@ -319,6 +316,7 @@ async fn collect(
     // CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
     let mut instance_cpu_ns_per_s = 1e9;
     let mut last_samples = 0u64;
+    let target_pid = session.only().map_or(0, |instance| instance.context.root);
     let ended_early = loop {
         tokio::select! {
             readable = ring.readable_mut() => {
@@ -345,7 +343,7 @@ async fn collect(
                 }
             }
             _ = duty_tick.tick() => {
-                probe_set.tick(probes, DUTY_TICK, instance_cpu_ns_per_s).context("duty-cycling the probes")?;
+                probe_set.tick(probes, DUTY_TICK, instance_cpu_ns_per_s, &traced_pids(probes, target_pid)).context("duty-cycling the probes")?;
             }
             _ = &mut deadline => break false,
             _ = signals.interrupt.recv() => break true,

@@ -6,93 +6,15 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use std::path::PathBuf;
+use anyhow::Result;
 
-use anyhow::{bail, Context, Result};
-
-use super::probe_set::ProbeSet;
 use super::spin_sites::{self, SpinSite};
 use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall, RelationLockKey};
 use crate::bpf::OnCpuProbes;
+use crate::collect::probes::{Extrapolation, ProbeSet};
 
 /// `ProbedCall::detail` of pgss_store's exec call (PGSS_EXEC + 2).
 const PGSS_EXEC: u32 = 3;
-
-/// Parses one `--probes` item: a function name, or `all`.
-pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {
-    let mut functions = Vec::new();
-    for item in items {
-        if item == "all" {
-            functions.extend(Function::ALL);
-            continue;
-        }
-        match Function::ALL.into_iter().find(|f| f.name() == item) {
-            Some(function) => functions.push(function),
-            None => bail!(
-                "unknown probe `{item}`: choose from {} or `all`",
-                Function::ALL.map(|f| f.name()).join(", ")
-            ),
-        }
-    }
-    functions.sort();
-    functions.dedup();
-    Ok(functions)
-}
-
-/// `--probe FUNCTION=PATH:OFFSET`: where a function is, given by the user (e.g. from `nm` on a
-/// debug file kept elsewhere, or a disassembly), for files pgscope cannot name it in.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExplicitProbe {
-    pub function: Function,
-    pub path: PathBuf,
-    /// Offset of the function's first instruction in the file (not its virtual address).
-    pub file_offset: u64,
-}
-
-/// Parses `FUNCTION=PATH:OFFSET`; the offset is hexadecimal with `0x`, else decimal.
-pub fn parse_explicit_probe(text: &str) -> Result<ExplicitProbe> {
-    let (name, location) = text
-        .split_once('=')
-        .context("expected FUNCTION=PATH:OFFSET, e.g. pgss_store=/usr/lib/postgresql/15/lib/pg_stat_statements.so:0x4d80")?;
-    let [function] = parse_probe_list(&[name.to_string()])?[..] else {
-        bail!("`{name}` names more than one function; give one per --probe");
-    };
-    let (path, offset) = location
-        .rsplit_once(':')
-        .with_context(|| format!("`{location}` has no `:OFFSET`"))?;
-    let file_offset = match offset.strip_prefix("0x").or_else(|| offset.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => offset.parse(),
-    }
-    .with_context(|| format!("`{offset}` is not a file offset (hexadecimal with 0x, or decimal)"))?;
-    if path.is_empty() {
-        bail!("`{text}` has an empty path");
-    }
-    Ok(ExplicitProbe {
-        function,
-        path: PathBuf::from(path),
-        file_offset,
-    })
-}
-
-/// How a function's measured counts relate to the whole trace.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Extrapolation {
-    pub factor: f64,
-    pub extrapolated: bool,
-    /// Share of the trace the probe was attached (its effective duty cycle).
-    pub attached_share: f64,
-}
-
-impl Default for Extrapolation {
-    fn default() -> Self {
-        Self {
-            factor: 1.0,
-            extrapolated: false,
-            attached_share: 1.0,
-        }
-    }
-}
 
 fn scaled(stats: &CallStats, factor: f64) -> CallStats {
     let scale = |n: u64| (n as f64 * factor).round() as u64;
@@ -318,48 +240,6 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn probe_list_accepts_names_and_all() {
-        let parsed = parse_probe_list(&["LockRelationOid".into(), "_bt_getroot".into()]).expect("valid");
-        assert_eq!(parsed, vec![Function::LockRelationOid, Function::BtGetroot]);
-        assert_eq!(
-            parse_probe_list(&["all".into()]).expect("valid").len(),
-            Function::ALL.len()
-        );
-        let err = parse_probe_list(&["LockRelation".into()]).expect_err("unknown");
-        assert!(err.to_string().contains("LockRelationOid"), "{err}");
-    }
-
-    #[test]
-    fn explicit_probes_name_a_function_a_file_and_an_offset() {
-        let probe =
-            parse_explicit_probe("pgss_store=/usr/lib/x:y/pg_stat_statements.so:0x4d80").expect("valid");
-        assert_eq!(
-            probe,
-            ExplicitProbe {
-                function: Function::PgssStore,
-                path: PathBuf::from("/usr/lib/x:y/pg_stat_statements.so"),
-                file_offset: 0x4d80
-            }
-        );
-        assert_eq!(
-            parse_explicit_probe("s_lock=/bin/postgres:4096")
-                .expect("valid")
-                .file_offset,
-            4096
-        );
-        for bad in [
-            "pgss_store",
-            "pgss_store=/x.so",
-            "pgss_store=/x.so:zz",
-            "all=/x.so:0x10",
-            "nosuch=/x.so:0x10",
-            "pgss_store=:0x10",
-        ] {
-            assert!(parse_explicit_probe(bad).is_err(), "{bad} accepted");
-        }
-    }
 
     #[test]
     fn results_merge_backends_per_query() {

@@ -15,7 +15,9 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
+use crate::bpf::abi::PgLayout;
 use crate::postgres::memory::read_u64;
+use crate::postgres::VersionTable;
 
 /// Where the status array is, from the exported globals of the postmaster's executable (every
 /// process of an instance maps it at the same address) and the version table.
@@ -38,6 +40,23 @@ pub struct CounterLayout {
 }
 
 /// The array once found: its address, slot count, and the counters at the last read.
+impl CounterLayout {
+    /// The layout of the instance `pid` belongs to: the attribution layout's `MyBEEntry`, the
+    /// exported globals that place a process in the array, and the version's sizes.
+    pub fn for_process(pid: u32, layout: &PgLayout, table: &VersionTable) -> anyhow::Result<Self> {
+        let (my_backend_id, my_aux_proc_type, max_backends) = crate::postgres::status_slot_globals(pid)?;
+        Ok(Self {
+            my_be_entry: layout.my_be_entry,
+            my_backend_id,
+            my_aux_proc_type,
+            max_backends,
+            entry_size: table.status_entry_size,
+            st_changecount_offset: table.st_changecount_offset,
+            aux_slots: table.aux_proc_types,
+        })
+    }
+}
+
 #[derive(Debug)]
 struct StatusArray {
     base: u64,

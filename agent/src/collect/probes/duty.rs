@@ -83,6 +83,11 @@ impl DutyCycle {
         }
     }
 
+    /// Share of the time the hot probes are attached (1: always).
+    pub fn duty(&self) -> f64 {
+        self.duty
+    }
+
     /// Whether the shared window is open now.
     pub fn is_attached(&self) -> bool {
         self.attached

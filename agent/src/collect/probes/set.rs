@@ -11,8 +11,8 @@ use symbolizer::{FindFunctionError, FunctionLocation, Symbolizer};
 use tracing::warn;
 
 use super::duty::{plan_shared_duty, DutyCycle};
-use super::probes::{ExplicitProbe, Extrapolation};
 use super::statement_clock::{CounterLayout, StatementClock};
+use super::{ExplicitProbe, Extrapolation};
 use crate::bpf::abi::Function;
 use crate::bpf::{FunctionLinks, OnCpuProbes};
 use crate::postgres::pgss_hooks;
@@ -120,6 +120,10 @@ fn locate(
     }
 }
 
+/// The processes of each instance, by root PID: statement clocks read the instance's shared
+/// memory through any of them.
+pub type PidsByRoot = BTreeMap<u32, Vec<u32>>;
+
 /// One probed function, attached or between duty-cycle windows.
 struct ActiveProbe {
     function: Function,
@@ -138,6 +142,8 @@ struct ActiveProbe {
     attached_window: Duration,
     /// Statements the instance ran while this probe was attached.
     statements_attached: u64,
+    /// `statements_attached` and attached time when the agent's current interval began.
+    mark: (u64, Duration),
 }
 
 /// The probed functions of a trace and their duty cycle.
@@ -154,11 +160,32 @@ pub struct ProbeSet {
     /// Hit counters and time of the last live-view line.
     live_hits: [u64; Function::ALL.len()],
     live_since: Option<Instant>,
-    /// The instance's statement count, read at every switch; None without attribution.
-    statements: Option<StatementClock>,
+    /// Each instance's statement count (by root PID), read at every switch; none without
+    /// attribution.
+    statements: BTreeMap<u32, StatementClock>,
     statements_total: u64,
     /// Set once the counts are read: nothing is accounted after.
     stopped: bool,
+    /// `statements_total` and the time when the agent's current interval began.
+    mark: (u64, Instant),
+}
+
+/// How much of an interval a probe was attached for: statements when the instances' statement
+/// clocks work (a probe slows what it measures, so time would undercount), else time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum IntervalShare {
+    Statements { all: u64, attached: u64 },
+    Time { all: Duration, attached: Duration },
+}
+
+/// What /metrics shows of one probed function.
+#[derive(Clone, Debug)]
+pub struct ProbeState {
+    pub function: Function,
+    /// Attached right now.
+    pub attached: bool,
+    /// Follows the shared duty cycle (it is hot) rather than staying attached.
+    pub cycled: bool,
 }
 
 /// How often the duty cycle is re-planned from the measured hit rates.
@@ -191,9 +218,10 @@ impl ProbeSet {
             planned: false,
             live_hits: [0; Function::ALL.len()],
             live_since: None,
-            statements: None,
+            statements: BTreeMap::new(),
             statements_total: 0,
             stopped: false,
+            mark: (0, Instant::now()),
         };
         if functions.is_empty() {
             return Ok(set);
@@ -226,6 +254,7 @@ impl ProbeSet {
                     hits_window: 0,
                     attached_window: Duration::ZERO,
                     statements_attached: 0,
+                    mark: (0, Duration::ZERO),
                 }),
                 Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
@@ -233,27 +262,31 @@ impl ProbeSet {
         Ok(set)
     }
 
-    /// Counts statements from now on (at every switch of the duty cycle), so that duty-cycled
-    /// counts are scaled by statements rather than time. Without it they are scaled by time.
-    pub fn count_statements(&mut self, probes: &OnCpuProbes, layout: CounterLayout) {
+    /// Counts the statements of the instance rooted at `root` from now on (at every switch of
+    /// the duty cycle), so that duty-cycled counts are scaled by statements rather than time.
+    /// Without any they are scaled by time.
+    pub fn count_statements(&mut self, root: u32, layout: CounterLayout, pids: &PidsByRoot) {
         if self.probes.is_empty() {
             return;
         }
-        self.statements = Some(StatementClock::new(layout));
-        self.account_statements(probes);
+        self.statements.insert(root, StatementClock::new(layout));
+        self.account_statements(pids);
+    }
+
+    /// Stops counting an instance's statements (it is gone).
+    pub fn forget_instance(&mut self, root: u32) {
+        self.statements.remove(&root);
     }
 
     /// Credits the statements run since the last call to every probe attached meanwhile.
     /// Called before each switch, so each interval had one attach state.
-    fn account_statements(&mut self, probes: &OnCpuProbes) {
-        let Some(clock) = self.statements.as_mut() else {
-            return;
-        };
-        let pids = probes.target_pids().unwrap_or_else(|error| {
-            warn!("cannot list the traced processes to count statements: {error:#}");
-            Vec::new()
-        });
-        let progress = clock.advance(&pids);
+    fn account_statements(&mut self, pids: &PidsByRoot) {
+        let mut progress = 0;
+        for (root, clock) in &mut self.statements {
+            if let Some(pids) = pids.get(root) {
+                progress += clock.advance(pids);
+            }
+        }
         self.statements_total += progress;
         for probe in self.probes.iter_mut().filter(|p| p.links.is_some()) {
             probe.statements_attached += progress;
@@ -262,11 +295,11 @@ impl ProbeSet {
 
     /// Ends every probe's attached time now: call when the maps are read, before detaching,
     /// so that all functions' counts cover the same period.
-    pub fn stop_clock(&mut self, probes: &OnCpuProbes) {
+    pub fn stop_clock(&mut self, pids: &PidsByRoot) {
         if self.stopped {
             return;
         }
-        self.account_statements(probes);
+        self.account_statements(pids);
         self.stopped = true;
         let now = Instant::now();
         for probe in &mut self.probes {
@@ -277,8 +310,8 @@ impl ProbeSet {
     }
 
     /// Detaches every probe (the end of the trace; their maps stay readable).
-    pub fn detach_all(&mut self, probes: &mut OnCpuProbes) -> Result<()> {
-        self.stop_clock(probes);
+    pub fn detach_all(&mut self, probes: &mut OnCpuProbes, pids: &PidsByRoot) -> Result<()> {
+        self.stop_clock(pids);
         for probe in &mut self.probes {
             if let Some(links) = probe.links.take() {
                 probes.detach_function(links)?;
@@ -313,6 +346,62 @@ impl ProbeSet {
         lines
     }
 
+    /// The shared duty cycle of the hot probes (1: always attached).
+    pub fn duty(&self) -> f64 {
+        self.cycle.duty()
+    }
+
+    /// Each probe's state, for /metrics.
+    pub fn states(&self) -> Vec<ProbeState> {
+        self.probes
+            .iter()
+            .map(|p| ProbeState {
+                function: p.function,
+                attached: p.links.is_some(),
+                cycled: p.cycled,
+            })
+            .collect()
+    }
+
+    /// Per function: what the interval since the last call held (all statements or time, and
+    /// how much of it the probe was attached), and starts the next interval. The agent scales
+    /// each upload interval's counts with it; `trace` uses [`ProbeSet::extrapolations`].
+    pub fn take_interval(&mut self, pids: &PidsByRoot) -> BTreeMap<Function, IntervalShare> {
+        self.account_statements(pids);
+        let now = Instant::now();
+        let statements = self.statements_total - self.mark.0;
+        let elapsed = now - self.mark.1;
+        self.mark = (self.statements_total, now);
+        let by_statements = !self.statements.is_empty() && statements > 0;
+        let attached_until: Vec<Duration> = self.probes.iter().map(|p| self.attached_until(p, now)).collect();
+        self.probes
+            .iter_mut()
+            .zip(attached_until)
+            .map(|(p, attached_now)| {
+                let attached_statements = p.statements_attached - p.mark.0;
+                let attached = attached_now.saturating_sub(p.mark.1);
+                p.mark = (p.statements_attached, attached_now);
+                let share = if by_statements {
+                    IntervalShare::Statements {
+                        all: statements,
+                        attached: attached_statements,
+                    }
+                } else {
+                    IntervalShare::Time {
+                        all: elapsed,
+                        attached,
+                    }
+                };
+                (p.function, share)
+            })
+            .collect()
+    }
+
+    /// A probe's attached time from its first attach until `now`.
+    fn attached_until(&self, probe: &ActiveProbe, now: Instant) -> Duration {
+        probe.attached_total + probe.attached_since.map_or(Duration::ZERO, |since| now - since)
+    }
+
     pub fn functions(&self) -> Vec<Function> {
         self.probes.iter().map(|p| p.function).collect()
     }
@@ -325,6 +414,7 @@ impl ProbeSet {
         probes: &mut OnCpuProbes,
         elapsed: Duration,
         instance_cpu_ns_per_s: f64,
+        pids: &PidsByRoot,
     ) -> Result<()> {
         if self.probes.is_empty() {
             return Ok(());
@@ -353,7 +443,7 @@ impl ProbeSet {
 
         // Every tick, so that a new backend's statements count from its first tick on.
         if self.budget.is_some() {
-            self.account_statements(probes);
+            self.account_statements(pids);
         }
         self.cycle.advance(elapsed);
         let window_open = self.cycle.is_attached();
@@ -366,7 +456,7 @@ impl ProbeSet {
             // Statements are credited to a probe only between its own attach completing and
             // its detach starting: switching one probe takes a kernel grace period, during
             // which the others are still in their previous state.
-            self.account_statements(probes);
+            self.account_statements(pids);
             let probe = &mut self.probes[index];
             let result = match probe.links.take() {
                 Some(links) => {
@@ -378,7 +468,7 @@ impl ProbeSet {
                 None => match probes.attach_function(probe.function, &probe.path, probe.file_offset) {
                     Ok(links) => {
                         // The attach itself counts as detached time.
-                        self.account_statements(probes);
+                        self.account_statements(pids);
                         let probe = &mut self.probes[index];
                         probe.links = Some(links);
                         probe.attached_since = Some(Instant::now());

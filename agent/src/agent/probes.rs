@@ -1,0 +1,505 @@
+//! The agent's function probes: one uprobe per (file, offset) whatever the number of instances
+//! running that file, a duty cycle per file shared by its instances (the uprobe fires for all
+//! of them), and per upload interval the calls and time per (instance, function, queryid),
+//! scaled up when the duty cycle left the probe detached part of the interval.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::config::AgentConfig;
+use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall};
+use crate::bpf::OnCpuProbes;
+use crate::collect::probes::statement_clock::CounterLayout;
+use crate::collect::probes::{calibrate, parse_probe_list, IntervalShare, ProbeSet, ProbeState};
+use crate::collect::Session;
+use crate::postgres;
+use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
+
+/// The instances running one executable, and the probes in it (and its libraries).
+struct Group {
+    /// Device and inode of the executable: the same file seen through different paths (a
+    /// container's root) is one group.
+    file: (u64, u64),
+    executable: String,
+    set: ProbeSet,
+    roots: HashSet<u32>,
+}
+
+/// One probed function's calls in one instance for one queryid, over an interval (estimated
+/// when the duty cycle detached the probe part of the time).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallRow {
+    pub call: ProbedCall,
+    pub query_id: i64,
+    pub calls: u64,
+    pub total_ns: u64,
+}
+
+/// (calls, nanoseconds) per (function, queryid) of one instance.
+type CallsAndTime = BTreeMap<(ProbedCall, i64), (u64, u64)>;
+
+/// How long a rate measured while attached stands in for intervals the duty cycle left the
+/// probe detached: longer than the longest detached stretch (half a second attached at a 2%
+/// duty: 25 s), short enough that a query that stopped is not counted on for long.
+const RATE_FRESH: Duration = Duration::from_secs(40);
+
+/// One (process, function, queryid) across upload intervals. An interval's estimate is the
+/// calls per attached unit (statement, or second without a statement clock) times all units
+/// of the interval; an interval in which the duty cycle never attached the probe uses the last
+/// rate measured, while it is fresh.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct KeyState {
+    /// The kernel's cumulative counts at the last read.
+    last: (u64, u64),
+    /// Calls and nanoseconds per attached unit, whether the unit was statements, and when.
+    rate: Option<(f64, f64, bool, Instant)>,
+}
+
+impl KeyState {
+    /// Takes the kernel's cumulative counts; returns the estimated calls and nanoseconds of
+    /// the interval.
+    fn advance(&mut self, stats: &CallStats, share: IntervalShare, now: Instant) -> (u64, u64) {
+        if stats.calls < self.last.0 {
+            // The map entry was removed and made again: it counts from zero.
+            *self = Self::default();
+        }
+        let measured = (
+            stats.calls - self.last.0,
+            stats.total_ns.saturating_sub(self.last.1),
+        );
+        self.last = (stats.calls, stats.total_ns);
+        let (all, attached, by_statements) = match share {
+            IntervalShare::Statements { all, attached } => (all as f64, attached as f64, true),
+            IntervalShare::Time { all, attached } => (all.as_secs_f64(), attached.as_secs_f64(), false),
+        };
+        if attached > 0.0 {
+            let rate = (measured.0 as f64 / attached, measured.1 as f64 / attached);
+            self.rate = Some((rate.0, rate.1, by_statements, now));
+        }
+        match self.rate {
+            Some((calls, ns, unit, at)) if unit == by_statements && now - at <= RATE_FRESH => {
+                // Never less than measured: the units are estimates, the calls are not.
+                let calls = ((calls * all).round() as u64).max(measured.0);
+                let ns = ((ns * all).round() as u64).max(measured.1);
+                (calls, ns)
+            }
+            _ => measured,
+        }
+    }
+}
+
+/// What /metrics shows of the probes.
+#[derive(Clone, Debug, Default)]
+pub struct ProbeMetrics {
+    /// Entries per function since the agent started (probe hits while attached).
+    pub hits: Vec<(&'static str, u64)>,
+    /// Per executable: the shared duty cycle and each probe's state.
+    pub groups: Vec<(String, f64, Vec<ProbeState>)>,
+}
+
+pub struct AgentProbes {
+    functions: Vec<Function>,
+    /// None: every call measured.
+    budget: Option<f64>,
+    /// Measured once, when the first group is attached.
+    ns_per_hit: Option<f64>,
+    groups: Vec<Group>,
+    /// Per (process, function, queryid): the last counts and rate.
+    keys: HashMap<CallKey, KeyState>,
+    /// Per instance: on-CPU samples at the last second and the CPU it used (ns per second).
+    cpu: HashMap<u32, (u64, f64)>,
+    frequency_hz: u64,
+}
+
+impl AgentProbes {
+    pub fn new(config: &AgentConfig) -> Self {
+        // Validated with the configuration: an unknown name never gets here.
+        let functions = parse_probe_list(&config.probes.functions).unwrap_or_default();
+        Self {
+            functions,
+            budget: Some(config.probes.budget).filter(|&b| b > 0.0),
+            ns_per_hit: None,
+            groups: Vec::new(),
+            keys: HashMap::new(),
+            cpu: HashMap::new(),
+            frequency_hz: config.collection.frequency,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.functions.is_empty()
+    }
+
+    /// Probes a new instance: joins the group of its executable, or attaches the probes in it.
+    /// An instance whose functions cannot be probed (unsupported major, stripped library) is
+    /// still profiled; the reason is logged.
+    pub fn add_instance(
+        &mut self,
+        probes: &mut OnCpuProbes,
+        session: &mut Session,
+        root: u32,
+        layout: Option<CounterLayout>,
+    ) {
+        if !self.enabled() {
+            return;
+        }
+        if let Err(error) = postgres::detect_major(root).and_then(postgres::table_for) {
+            warn!(
+                postmaster = root,
+                "function probes not attached to this instance: {error:#}; probes are tested on PostgreSQL {:?}",
+                postgres::SUPPORTED_MAJORS
+            );
+            return;
+        }
+        let exe = format!("/proc/{root}/exe");
+        let file = match std::fs::metadata(&exe) {
+            Ok(meta) => (meta.dev(), meta.ino()),
+            Err(error) => {
+                warn!(
+                    postmaster = root,
+                    "function probes not attached: cannot stat {exe}: {error}"
+                );
+                return;
+            }
+        };
+        let pids = session.pids_by_root();
+        if let Some(group) = self.groups.iter_mut().find(|g| g.file == file) {
+            group.roots.insert(root);
+            if let Some(layout) = layout {
+                group.set.count_statements(root, layout, &pids);
+            }
+            info!(postmaster = root, executable = %group.executable, "function probes shared with the instances of the same executable");
+            return;
+        }
+        let ns_per_hit = *self.ns_per_hit.get_or_insert_with(|| {
+            calibrate::measure_ns_per_hit(probes, &mut session.symbolizer).unwrap_or_else(|error| {
+                warn!(
+                    "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
+                    calibrate::FALLBACK_NS_PER_HIT
+                );
+                calibrate::FALLBACK_NS_PER_HIT
+            })
+        });
+        let set = match ProbeSet::attach(
+            probes,
+            &mut session.symbolizer,
+            &self.functions,
+            &[],
+            root,
+            self.budget,
+            ns_per_hit,
+        ) {
+            Ok(set) => set,
+            Err(error) => {
+                warn!(postmaster = root, "function probes not attached: {error:#}");
+                return;
+            }
+        };
+        let executable = std::fs::read_link(&exe)
+            .map(|p| p.display().to_string())
+            .unwrap_or(exe);
+        info!(
+            postmaster = root,
+            executable,
+            attached = ?set.functions().iter().map(|f| f.name()).collect::<Vec<_>>(),
+            "function probes attached"
+        );
+        let mut group = Group {
+            file,
+            executable,
+            set,
+            roots: HashSet::from([root]),
+        };
+        if let Some(layout) = layout {
+            group.set.count_statements(root, layout, &pids);
+        }
+        self.groups.push(group);
+    }
+
+    /// The instance is gone: its statements stop counting; the last instance of an
+    /// executable takes its probes with it.
+    pub fn remove_instance(&mut self, probes: &mut OnCpuProbes, session: &Session, root: u32) {
+        self.cpu.remove(&root);
+        let Some(index) = self.groups.iter().position(|g| g.roots.contains(&root)) else {
+            return;
+        };
+        let group = &mut self.groups[index];
+        group.roots.remove(&root);
+        group.set.forget_instance(root);
+        if group.roots.is_empty() {
+            let mut group = self.groups.remove(index);
+            if let Err(error) = group.set.detach_all(probes, &session.pids_by_root()) {
+                warn!(executable = %group.executable, "cannot detach the function probes: {error:#}");
+            }
+        }
+    }
+
+    /// Once a second: each instance's CPU use, from its on-CPU samples (the budget's base).
+    pub fn measure_cpu(&mut self, session: &Session, elapsed: Duration) {
+        for instance in session.instances() {
+            let root = instance.context.root;
+            let entry = self.cpu.entry(root).or_insert((instance.on_cpu_samples, 1e9));
+            let samples = instance.on_cpu_samples.saturating_sub(entry.0);
+            entry.0 = instance.on_cpu_samples;
+            let seconds = elapsed.as_secs_f64().max(1e-3);
+            entry.1 = samples as f64 / seconds / self.frequency_hz.max(1) as f64 * 1e9;
+        }
+    }
+
+    /// Advances every group's duty cycle.
+    pub fn tick(&mut self, probes: &mut OnCpuProbes, session: &Session, elapsed: Duration) {
+        if self.groups.is_empty() {
+            return;
+        }
+        let pids = session.pids_by_root();
+        for group in &mut self.groups {
+            let cpu: f64 = group
+                .roots
+                .iter()
+                .map(|root| self.cpu.get(root).map_or(1e9, |c| c.1))
+                .sum();
+            if let Err(error) = group.set.tick(probes, elapsed, cpu, &pids) {
+                warn!(executable = %group.executable, "duty-cycling the function probes: {error:#}");
+            }
+        }
+    }
+
+    /// The calls of the interval per instance (root PID), estimated (see [`KeyState`]);
+    /// entries of processes that exited are dropped from the kernel's maps.
+    pub fn take_interval(
+        &mut self,
+        probes: &mut OnCpuProbes,
+        session: &Session,
+    ) -> BTreeMap<u32, Vec<CallRow>> {
+        if self.groups.is_empty() {
+            return BTreeMap::new();
+        }
+        let pids = session.pids_by_root();
+        let shares: Vec<(HashSet<u32>, BTreeMap<Function, IntervalShare>)> = self
+            .groups
+            .iter_mut()
+            .map(|g| (g.roots.clone(), g.set.take_interval(&pids)))
+            .collect();
+        let calls = match probes.call_stats() {
+            Ok(calls) => calls,
+            Err(error) => {
+                warn!("cannot read the function probes' counts: {error:#}");
+                return BTreeMap::new();
+            }
+        };
+        let now = Instant::now();
+        let mut out: BTreeMap<u32, CallsAndTime> = BTreeMap::new();
+        let mut exited = HashSet::new();
+        for (key, stats) in calls {
+            if !std::path::Path::new(&format!("/proc/{}", key.tgid)).exists() {
+                exited.insert(key.tgid);
+            }
+            let (Some(root), Some(call)) = (session.placed_in(key.tgid), ProbedCall::from_key(&key)) else {
+                continue;
+            };
+            let Some(share) = shares
+                .iter()
+                .find(|(roots, _)| roots.contains(&root))
+                .and_then(|(_, s)| s.get(&call.function).copied())
+            else {
+                continue;
+            };
+            let (calls, ns) = self.keys.entry(key).or_default().advance(&stats, share, now);
+            if calls == 0 {
+                continue;
+            }
+            let slot = out
+                .entry(root)
+                .or_default()
+                .entry((call, key.query_id as i64))
+                .or_insert((0, 0));
+            slot.0 += calls;
+            slot.1 += ns;
+        }
+        if !exited.is_empty() {
+            if let Err(error) = probes.remove_probe_entries_of(&exited) {
+                warn!("cannot drop the probe counts of exited processes: {error:#}");
+            }
+            self.keys.retain(|key, _| !exited.contains(&key.tgid));
+        }
+        out.into_iter()
+            .map(|(root, rows)| {
+                let rows = rows
+                    .into_iter()
+                    .map(|((call, query_id), (calls, total_ns))| CallRow {
+                        call,
+                        query_id,
+                        calls,
+                        total_ns,
+                    })
+                    .collect();
+                (root, rows)
+            })
+            .collect()
+    }
+
+    pub fn metrics(&self, probes: &OnCpuProbes) -> ProbeMetrics {
+        if !self.enabled() {
+            return ProbeMetrics::default();
+        }
+        let hits = probes
+            .function_hits()
+            .map(|hits| Function::ALL.iter().map(|f| f.name()).zip(hits).collect())
+            .unwrap_or_default();
+        ProbeMetrics {
+            hits,
+            groups: self
+                .groups
+                .iter()
+                .map(|g| (g.executable.clone(), g.set.duty(), g.set.states()))
+                .collect(),
+        }
+    }
+
+    /// Detaches everything (the agent stops).
+    pub fn detach_all(&mut self, probes: &mut OnCpuProbes, session: &Session) {
+        let pids = session.pids_by_root();
+        for mut group in self.groups.drain(..) {
+            if let Err(error) = group.set.detach_all(probes, &pids) {
+                warn!(executable = %group.executable, "cannot detach the function probes: {error:#}");
+            }
+        }
+    }
+}
+
+/// The interval's probe counts as two profiles: `pg_function_calls` (calls) and
+/// `pg_function_time` (nanoseconds in the function), one frame per function, labelled with
+/// the queryid.
+pub fn profiles(rows: &[CallRow], start: u64, end: u64) -> Vec<(&'static str, Profile)> {
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let duration = end.saturating_sub(start);
+    let meta = |sample_type: &str, unit: &str| ProfileMeta {
+        sample_type: sample_type.to_string(),
+        unit: unit.to_string(),
+        period_type: sample_type.to_string(),
+        period_unit: unit.to_string(),
+        period: 1,
+        start_unix_nanos: start,
+        duration_nanos: duration,
+    };
+    let sample = |row: &CallRow, count: u64| StackSample {
+        frames: vec![Frame {
+            name: Arc::from(row.call.label()),
+            kind: FrameKind::User,
+        }],
+        labels: match row.query_id {
+            0 => Vec::new(),
+            id => vec![("queryid".to_string(), id.to_string())],
+        },
+        count,
+    };
+    vec![
+        (
+            "pg_function_calls",
+            Profile {
+                meta: meta("calls", "count"),
+                samples: rows.iter().map(|r| sample(r, r.calls)).collect(),
+            },
+        ),
+        (
+            "pg_function_time",
+            Profile {
+                meta: meta("time", "nanoseconds"),
+                samples: rows.iter().map(|r| sample(r, r.total_ns)).collect(),
+            },
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_rows_become_calls_and_time_profiles_labelled_by_queryid() {
+        let rows = vec![
+            CallRow {
+                call: ProbedCall {
+                    function: Function::PgssStore,
+                    detail: 3,
+                },
+                query_id: -42,
+                calls: 10,
+                total_ns: 5000,
+            },
+            CallRow {
+                call: ProbedCall {
+                    function: Function::PortalStart,
+                    detail: 0,
+                },
+                query_id: 0,
+                calls: 3,
+                total_ns: 900,
+            },
+        ];
+        let profiles = profiles(&rows, 100, 200);
+        let (name, calls) = &profiles[0];
+        assert_eq!(*name, "pg_function_calls");
+        assert_eq!(calls.meta.sample_type, "calls");
+        assert_eq!(calls.total_count(), 13);
+        assert_eq!(&*calls.samples[0].frames[0].name, "pgss_store(exec)");
+        assert_eq!(
+            calls.samples[0].labels,
+            vec![("queryid".to_string(), "-42".to_string())]
+        );
+        assert!(calls.samples[1].labels.is_empty(), "no queryid: no label");
+        let (name, time) = &profiles[1];
+        assert_eq!(*name, "pg_function_time");
+        assert_eq!(
+            (time.meta.unit.as_str(), time.total_count()),
+            ("nanoseconds", 5900)
+        );
+        assert!(profiles_is_empty_without_rows());
+    }
+
+    #[test]
+    fn detached_intervals_are_estimated_from_the_last_rate_while_it_is_fresh() {
+        let stats = |calls, ns| CallStats {
+            calls,
+            total_ns: ns,
+            ..Default::default()
+        };
+        let share = |all, attached| IntervalShare::Statements { all, attached };
+        let start = Instant::now();
+        let mut key = KeyState::default();
+        // Attached for a quarter of the statements: 100 calls stand for 400.
+        assert_eq!(
+            key.advance(&stats(100, 1000), share(400, 100), start),
+            (400, 4000)
+        );
+        // Detached the whole interval: the rate (1 call per statement) × 300 statements.
+        let later = start + Duration::from_secs(15);
+        assert_eq!(key.advance(&stats(100, 1000), share(300, 0), later), (300, 3000));
+        // Attached again, now every second statement is this call.
+        assert_eq!(
+            key.advance(&stats(150, 1500), share(400, 100), later),
+            (200, 2000)
+        );
+        // A rate too old is not used: only what was measured.
+        let stale = later + RATE_FRESH + Duration::from_secs(1);
+        assert_eq!(key.advance(&stats(150, 1500), share(300, 0), stale), (0, 0));
+        // Time as the unit (no statement clock) does not reuse a rate per statement.
+        let time = IntervalShare::Time {
+            all: Duration::from_secs(2),
+            attached: Duration::ZERO,
+        };
+        assert_eq!(key.advance(&stats(150, 1500), time, later), (0, 0));
+        // The kernel's entry made again counts from zero.
+        assert_eq!(key.advance(&stats(5, 50), share(10, 10), later), (5, 50));
+    }
+
+    fn profiles_is_empty_without_rows() -> bool {
+        profiles(&[], 0, 1).is_empty()
+    }
+}

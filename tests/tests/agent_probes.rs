@@ -1,0 +1,168 @@
+//! `pgscope agent` with function probes, on three instances side by side: two of Debian's
+//! build (one executable: one set of uprobes shared by both) and one of the build without
+//! frame pointers (its own uprobes). Each instance's PortalStart calls for pgbench's select,
+//! as the agent ships them in the `pg_function_calls` profile, must match pg_stat_statements'
+//! own count for that queryid; a probe attached twice to one file would double them. The
+//! budget is off (every call measured), so the count is exact: the duty cycle's estimates are
+//! checked in tests/tests/probe_budget.rs (trace) and in the agent's unit tests.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::pyroscope_capture::Series;
+use pgscope_tests::{
+    require_root_and_bpf, runs_under_exec_simple_query, wait_for, PgCluster, PgInstall, PyroscopeCapture,
+    RunningAgent, Statics,
+};
+
+/// Calls measured while pg_stat_statements counts: the same statements, but a few may fall
+/// between the agent's last read and pgbench's end, or in an upload lost at shutdown.
+const TOLERANCE: f64 = 0.02;
+
+fn settings(name: &str) -> Vec<(&str, &str)> {
+    vec![
+        ("shared_preload_libraries", "pg_stat_statements"),
+        ("cluster_name", name),
+    ]
+}
+
+fn start(install: &PgInstall, name: &str, first: Option<&PgCluster>) -> Result<PgCluster> {
+    let cluster = match first {
+        None => PgCluster::start_with(install, &settings(name))?,
+        Some(first) => PgCluster::start_beside(install, &settings(name), first)?,
+    };
+    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    Ok(cluster)
+}
+
+/// Sum of a profile's values per (instance, function frame, queryid).
+fn totals(series: &[Series], name: &str) -> BTreeMap<(String, String, String), i64> {
+    let mut out = BTreeMap::new();
+    for s in series.iter().filter(|s| s.label("__name__") == Some(name)) {
+        let instance = s.label("instance").unwrap_or_default().to_string();
+        let queryid = s.label("queryid").unwrap_or_default().to_string();
+        for (frames, values) in s.stacks() {
+            let function = frames.last().cloned().unwrap_or_default();
+            *out.entry((instance.clone(), function, queryid.clone()))
+                .or_insert(0) += values.first().copied().unwrap_or(0);
+        }
+    }
+    out
+}
+
+#[test]
+fn probes_count_per_instance_with_one_uprobe_per_executable() -> Result<()> {
+    require_root_and_bpf();
+    let distro = PgInstall::distro()?;
+    let nofp = PgInstall::no_frame_pointers()?;
+    let a = start(&distro, "pgscope_a", None)?;
+    let b = start(&distro, "pgscope_b", Some(&a))?;
+    let c = start(&nofp, "pgscope_c", Some(&a))?;
+    let clusters = [("pgscope_a", &a), ("pgscope_b", &b), ("pgscope_c", &c)];
+
+    let capture = PyroscopeCapture::start()?;
+    let mut config = format!(
+        "[pyroscope]\nurl = \"{}\"\n\
+         [collection]\nupload_interval = \"2s\"\nfrequency = 49\ndebug_dirs = [\"{}\"]\n\
+         [probes]\nfunctions = [\"PortalStart\"]\nbudget = 0.0\n",
+        capture.url(),
+        nofp.debug_dir
+            .as_ref()
+            .context("the no-frame-pointer build has debug files")?
+            .display()
+    );
+    for (_, cluster) in &clusters {
+        config.push_str(&format!(
+            "[[discovery.include]]\ndata_dir = \"{}\"\n",
+            cluster.data_dir().display()
+        ));
+    }
+    let agent = RunningAgent::start(&config, &[])?;
+    agent.wait_metric(
+        "pgscope_instances",
+        "three instances",
+        Duration::from_secs(30),
+        |n| n >= 3.0,
+    )?;
+    wait_for("the probes of both executables", Duration::from_secs(30), || {
+        let (_, text) = agent.get("/metrics")?;
+        let attached = text
+            .lines()
+            .filter(|l| l.starts_with("pgscope_probe_attached{") && l.contains("function=\"PortalStart\""))
+            .count();
+        Ok((attached == 2).then_some(()))
+    })?;
+    let log = agent.log();
+    ensure!(
+        log.matches("function probes attached").count() == 2,
+        "one attachment per executable expected:\n{log}"
+    );
+    ensure!(
+        log.contains("function probes shared with the instances of the same executable"),
+        "the second distro instance should share the first one's probes:\n{log}"
+    );
+
+    for (_, cluster) in &clusters {
+        cluster.psql("SELECT pg_stat_statements_reset()")?;
+    }
+    std::thread::scope(|scope| -> Result<()> {
+        let runs: Vec<_> = clusters
+            .iter()
+            .map(|(_, cluster)| scope.spawn(|| cluster.pgbench(&["-S", "-c", "1", "-T", "8"])))
+            .collect();
+        for run in runs {
+            run.join()
+                .map_err(|_| anyhow::anyhow!("pgbench thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    let hits = agent.metric("pgscope_probe_calls_total{function=\"PortalStart\"}")?;
+    ensure!(hits > 0.0, "PortalStart was never hit");
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
+
+    let series = capture.accepted_series()?;
+    let calls = totals(&series, "pg_function_calls");
+    let time = totals(&series, "pg_function_time");
+    for (name, cluster) in &clusters {
+        let queryid = cluster.pgbench_select_queryid()?;
+        let exact: f64 = cluster
+            .psql(&format!(
+                "SELECT sum(calls) FROM pg_stat_statements WHERE queryid = {queryid}"
+            ))?
+            .trim()
+            .parse()
+            .context("pg_stat_statements' calls")?;
+        let key = (name.to_string(), "PortalStart".to_string(), queryid.clone());
+        let estimate = calls.get(&key).copied().unwrap_or(0) as f64;
+        eprintln!(
+            "{name}: PortalStart for queryid {queryid}: {estimate} shipped, {exact} in pg_stat_statements"
+        );
+        ensure!(exact > 1000.0, "{name}: pgbench ran only {exact} selects");
+        ensure!(
+            (estimate - exact).abs() <= TOLERANCE * exact,
+            "{name}: {estimate} PortalStart calls shipped for queryid {queryid}, pg_stat_statements counted {exact} \
+             (more than {:.0}% apart); all shipped: {calls:?}",
+            TOLERANCE * 100.0
+        );
+        ensure!(
+            time.get(&key).copied().unwrap_or(0) > 0,
+            "{name}: no time in PortalStart shipped"
+        );
+        // Profiled side by side: each instance has its own on-CPU stacks through the simple
+        // query protocol.
+        let through = series
+            .iter()
+            .filter(|s| s.label("__name__") == Some("process_cpu") && s.label("instance") == Some(*name))
+            .flat_map(|s| s.stacks())
+            .filter(|(frames, _)| {
+                runs_under_exec_simple_query(frames, Statics::Unnamed)
+                    || runs_under_exec_simple_query(frames, Statics::Named)
+            })
+            .count();
+        ensure!(through > 0, "{name}: no on-CPU stack through exec_simple_query");
+    }
+    Ok(())
+}
