@@ -35,7 +35,7 @@ run_pgbench() {
 bpf_stats() {
   bpftool prog show --json | python3 -c '
 import json, sys
-progs = [p for p in json.load(sys.stdin) if p.get("name") in ("on_switch", "on_syscall_exit")]
+progs = [p for p in json.load(sys.stdin) if p.get("name") == "on_switch"]
 print(sum(p.get("run_cnt", 0) for p in progs), sum(p.get("run_time_ns", 0) for p in progs))'
 }
 
@@ -74,6 +74,6 @@ print(f"off-CPU on vs off (both traced): ratio {st.mean(on) / st.mean(off):.3f};
       + " ".join(f"{o / f:.3f}" for o, f in zip(on, off)))
 per_s = st.mean(events) / secs
 per_event = sum(ns) / max(sum(events), 1)
-print(f"off-CPU programs: {per_s:.0f} events/s (sched_switch + sys_exit, host-wide), "
+print(f"off-CPU programs: {per_s:.0f} events/s (sched_switch, host-wide), "
       f"{per_event:.0f} ns of BPF time per event, {per_s * per_event / 1e7:.2f}% of one CPU")
 PY

@@ -50,14 +50,24 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
-/* Off-CPU state per thread (see the off-CPU programs at the end). */
-
+/* Off-CPU state per thread (see the off-CPU programs at the end). Task storage lives in the
+ * task itself: reaching it from sched_switch's task pointers costs no hash lookup, which on
+ * every context switch of the host is most of what off-CPU profiling costs. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, PGSCOPE_MAX_TARGETS);
-	__type(key, __u32); /* tid */
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
 	__type(value, struct pgscope_off_cpu_task);
 } off_cpu_tasks SEC(".maps");
+
+/* Index 0: bumped whenever the target set loses or gains a process other than by fork (user
+ * space adds or removes one, a target execs): a thread's cached `measured` is decided again. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} targets_generation SEC(".maps");
 
 static __always_inline void count(__u32 counter)
 {
@@ -66,21 +76,12 @@ static __always_inline void count(__u32 counter)
 		*value += 1;
 }
 
-/* Threads with a long wait whose stack is still to be taken at sys_exit. sys_exit runs for
- * every syscall on the host: while this is 0 it returns after one array read. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __s64);
-} off_cpu_pending SEC(".maps");
-
-static __always_inline void add_pending(__s64 delta)
+static __always_inline void bump_targets_generation(void)
 {
 	__u32 zero = 0;
-	__s64 *pending = bpf_map_lookup_elem(&off_cpu_pending, &zero);
-	if (pending)
-		__sync_fetch_and_add(pending, delta);
+	__u32 *generation = bpf_map_lookup_elem(&targets_generation, &zero);
+	if (generation)
+		__sync_fetch_and_add(generation, 1);
 }
 
 
@@ -165,9 +166,52 @@ static __always_inline long read_query_id(struct pgscope_pg_layout *layout, __u6
  * type, database, and the addresses of the status entry and of the wait-event word. That
  * leaves three reads per switch (state, queryid, wait event). Zero values are not kept: a
  * backend still starting has not set them yet. */
-static __always_inline void read_attribution(struct pgscope_attribution *a, __u32 tgid,
-					     struct pgscope_off_cpu_task *task)
+#define PG_WAIT_CLIENT_READ 0x06000000 /* WAIT_EVENT_CLIENT_READ, stable since PG 10 */
+#define PG_WAIT_CLASS_MASK 0xFF000000
+#define PG_WAIT_ACTIVITY 0x05000000    /* a background process idle in its main loop */
+#define PG_STATE_IDLE 1		       /* STATE_IDLE of BackendState */
+
+/* The fast path of read_attribution for a thread whose unchanging fields and addresses are all
+ * known: the words that change, no map lookup, and for a latch wait that turns out idle only
+ * what tells it is (a backend between statements switches once per statement: the idle wait
+ * is the common case, and its queryid is not used). False when something is not known yet. */
+static __always_inline bool read_cached_attribution(struct pgscope_attribution *a,
+						    struct pgscope_off_cpu_task *task, bool latch)
 {
+	__u32 known = PGSCOPE_ATTR_BACKEND_TYPE | PGSCOPE_ATTR_DATABASE;
+
+	if (!task->status_entry || !task->wait_event_ptr || !task->st_state_offset ||
+	    (a->flags & known) != known || !a->backend_type || !a->database_id)
+		return false;
+	__u32 flags = known;
+	a->query_id = 0;
+	a->wait_event_info = 0;
+	a->backend_state = 0;
+	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
+	if (bpf_probe_read_user(&a->wait_event_info, 4, (void *)task->wait_event_ptr) == 0)
+		flags |= PGSCOPE_ATTR_WAIT_EVENT;
+	bool main_loop = (a->wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
+	if (latch && main_loop && (flags & PGSCOPE_ATTR_WAIT_EVENT)) {
+		a->flags = flags;
+		return true;
+	}
+	if (bpf_probe_read_user(&a->backend_state, 4, (void *)(task->status_entry + task->st_state_offset)) == 0) {
+		bool idle = latch && a->wait_event_info == PG_WAIT_CLIENT_READ && a->backend_state == PG_STATE_IDLE;
+		if (idle || !task->st_query_id_offset ||
+		    bpf_probe_read_user(&a->query_id, 8, (void *)(task->status_entry + task->st_query_id_offset)) == 0)
+			flags |= PGSCOPE_ATTR_STATUS;
+	}
+	if (flags != (known | PGSCOPE_ATTR_STATUS | PGSCOPE_ATTR_WAIT_EVENT))
+		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+	a->flags = flags;
+	return true;
+}
+
+static __always_inline void read_attribution(struct pgscope_attribution *a, __u32 tgid,
+					     struct pgscope_off_cpu_task *task, bool latch)
+{
+	if (task && read_cached_attribution(a, task, latch))
+		return;
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
 	__u32 kept = task ? a->flags : 0;
 	__u32 flags = 0;
@@ -241,11 +285,15 @@ static __always_inline void read_attribution(struct pgscope_attribution *a, __u3
 	a->flags = flags;
 	if (faults)
 		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+	if (task && task->status_entry && task->wait_event_ptr) {
+		task->st_state_offset = layout->st_state_offset;
+		task->st_query_id_offset = layout->st_query_id_offset;
+	}
 }
 
 /* Fills in the current task's identity, kernel stack, user registers and user stack copy, and
- * sends the record. The attribution fields are the caller's. */
-static __always_inline void send_stacks(void *ctx, struct pgscope_sample *s, __u64 pid_tgid, bool kernel)
+ * sends the record (false: the ring buffer was full). The attribution fields are the caller's. */
+static __always_inline bool send_stacks(void *ctx, struct pgscope_sample *s, __u64 pid_tgid, bool kernel)
 {
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
@@ -286,10 +334,12 @@ static __always_inline void send_stacks(void *ctx, struct pgscope_sample *s, __u
 	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
 	if (size > sizeof(*s))
 		size = sizeof(*s);
-	if (bpf_ringbuf_output(&samples, s, size, 0))
+	if (bpf_ringbuf_output(&samples, s, size, 0)) {
 		count(PGSCOPE_CNT_RINGBUF_FULL);
-	else
-		count(PGSCOPE_CNT_SENT);
+		return false;
+	}
+	count(PGSCOPE_CNT_SENT);
+	return true;
 }
 
 SEC("perf_event")
@@ -310,9 +360,10 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		return 0;
 	}
 
-	read_attribution(&s->attr, tgid, NULL);
+	read_attribution(&s->attr, tgid, NULL, false);
 	s->off_cpu_ns = 0;
 	s->off_cpu_syscall = 0;
+	s->off_cpu_flags = 0;
 	send_stacks(ctx, s, pid_tgid, true);
 	return 0;
 }
@@ -348,7 +399,8 @@ int on_process_exec(void *ctx)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 
-	bpf_map_delete_elem(&targets, &tgid);
+	if (bpf_map_delete_elem(&targets, &tgid) == 0)
+		bump_targets_generation();
 	bpf_map_delete_elem(&pg_layouts, &tgid);
 	return 0;
 }
@@ -598,13 +650,6 @@ int on_process_exit(void *ctx)
 		__u64 key = (pid_tgid << 32) | function;
 		bpf_map_delete_elem(&calls_in_flight, &key);
 	}
-	__u32 tid = (__u32)pid_tgid;
-	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
-	if (task) {
-		if (task->pending_ns)
-			add_pending(-1);
-		bpf_map_delete_elem(&off_cpu_tasks, &tid);
-	}
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);
@@ -627,16 +672,18 @@ int empty_return(struct pt_regs *ctx)
 }
 
 /*
- * Off-CPU time of Postgres processes. When a target task is switched out (sched_switch runs in
- * its context) the time, the reason and what pg_stat_activity shows — the wait event in force —
- * are kept per task (not per CPU: it may resume elsewhere). When it is switched back in the
- * blocked time is known: short waits, preemptions and idle client waits only add to exact
- * per-(process, attribution) totals; a long wait in a blocking syscall is kept pending until
- * the syscall returns (sys_exit runs in the task's context), where its user stack — unchanged
- * since it blocked — is sent, weighted by the blocked nanoseconds. No kprobe is needed (not
- * every kernel has them); the kernel side of the stack is the syscall.
+ * Off-CPU time of Postgres processes, from sched_switch alone. When a target task is switched
+ * out (the tracepoint runs in its context) the time, the reason and what pg_stat_activity shows
+ * — the wait event in force — are kept in its task storage (not per CPU: it may resume
+ * elsewhere). A wait in a blocking syscall that is not idle has its stacks taken right then,
+ * rate-limited per CPU: a blocked task's stacks do not change, and no later hook runs in the
+ * task's own context except sys_exit, which would run for every syscall on the host. When the
+ * task is switched back in the blocked time is known: a wait with its stacks sent gets an end
+ * record (or, shorter than the threshold, tells user space to drop them); every other wait —
+ * short, preempted, idle, or over the stack rate — adds to exact per-(process, attribution)
+ * totals. No kprobe is needed (not every kernel has them); the kernel side of a stack is the
+ * syscall.
  */
-
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
@@ -645,10 +692,11 @@ struct {
 	__type(value, struct pgscope_off_cpu_total);
 } off_cpu_totals SEC(".maps");
 
-/* Index 0: waits at least this long (ns) are sent with their stacks. Set by user space. */
+/* Set by user space. Index 0: waits at least this long (ns) keep their stacks. Index 1: stacks
+ * taken per second per CPU at most (0: none). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 } off_cpu_config SEC(".maps");
@@ -660,6 +708,19 @@ struct {
 	__type(key, __u32);
 	__type(value, struct pgscope_sample);
 } off_cpu_scratch SEC(".maps");
+
+/* Per CPU: the stack rate limit's credit (ns of allowance) and when it was last topped up. */
+struct stack_credit {
+	__u64 credit_ns;
+	__u64 last_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct stack_credit);
+} off_cpu_stack_credit SEC(".maps");
 
 /* Task states (include/linux/sched.h; #defines, so not in vmlinux.h). */
 #define TASK_RUNNING_STATE 0x0000
@@ -700,11 +761,6 @@ static __always_inline __u32 class_of_syscall(long nr, unsigned int state)
 	return (state & TASK_UNINTERRUPTIBLE_STATE) ? PGSCOPE_OFF_CPU_IO : PGSCOPE_OFF_CPU_OTHER;
 }
 
-#define PG_WAIT_CLIENT_READ 0x06000000 /* WAIT_EVENT_CLIENT_READ, stable since PG 10 */
-#define PG_WAIT_CLASS_MASK 0xFF000000
-#define PG_WAIT_ACTIVITY 0x05000000    /* a background process idle in its main loop */
-#define PG_STATE_IDLE 1		       /* STATE_IDLE of BackendState */
-
 static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribution *attr, __u64 ns)
 {
 	struct pgscope_off_cpu_key key = {
@@ -723,34 +779,97 @@ static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribu
 		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
 }
 
-/* prev is switched out, in its own context: remember when, why and in which wait. */
-static __always_inline void switch_out(struct task_struct *prev, bool preempt, unsigned int prev_state)
+static __always_inline __u64 off_cpu_setting(__u32 index)
 {
-	__u32 tgid = BPF_CORE_READ(prev, tgid);
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+	__u64 *value = bpf_map_lookup_elem(&off_cpu_config, &index);
+	return value ? *value : 0;
+}
 
-	/* An exiting task's last switch: it never comes back. */
-	if (!flags || !(*flags & PGSCOPE_TARGET_OFF_CPU) || (prev_state & TASK_DEAD_STATE))
+/* Whether this CPU may take one more off-CPU stack now: a token bucket of `rate` per second
+ * with a tenth of a second's worth of burst. */
+static __always_inline bool stack_allowed(__u64 now)
+{
+	__u64 rate = off_cpu_setting(1);
+	__u32 zero = 0;
+	struct stack_credit *credit = bpf_map_lookup_elem(&off_cpu_stack_credit, &zero);
+
+	if (!rate || !credit)
+		return false;
+	__u64 cost = 1000000000ULL / rate;
+	__u64 cap = 100000000ULL > cost ? 100000000ULL : cost;
+	credit->credit_ns += now - credit->last_ns;
+	credit->last_ns = now;
+	if (credit->credit_ns > cap)
+		credit->credit_ns = cap;
+	if (credit->credit_ns < cost)
+		return false;
+	credit->credit_ns -= cost;
+	return true;
+}
+
+/* Sends prev's stacks now, as the start of a wait whose blocked time follows. */
+static __always_inline void send_wait_start(void *ctx, struct pgscope_off_cpu_task *task)
+{
+	__u32 zero = 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&off_cpu_scratch, &zero);
+
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
 		return;
-	__u32 tid = BPF_CORE_READ(prev, pid);
-	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
-	if (!task) {
-		struct pgscope_off_cpu_task fresh = {};
-		bpf_map_update_elem(&off_cpu_tasks, &tid, &fresh, BPF_NOEXIST);
-		task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
-		if (!task) {
-			count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
-			return;
-		}
 	}
-	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(prev);
-	long syscall = BPF_CORE_READ(regs, orig_ax);
+	s->attr = task->attr;
+	s->off_cpu_ns = 0;
+	s->off_cpu_syscall = task->syscall;
+	s->off_cpu_flags = PGSCOPE_OFF_CPU_PENDING;
+	if (send_stacks(ctx, s, bpf_get_current_pid_tgid(), false)) {
+		task->start_ns = s->time_ns;
+		task->stack_start_ns = s->time_ns;
+		count(PGSCOPE_CNT_OFF_CPU_STACKS);
+	}
+}
 
-	read_attribution(&task->attr, tgid, task);
-	if (preempt || prev_state == TASK_RUNNING_STATE)
-		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_PREEMPTED;
-	else
-		task->attr.off_cpu_class = class_of_syscall(syscall, prev_state);
+/* The task storage of a thread that is a measured target, deciding it again when the target
+ * set changed since. */
+static __always_inline struct pgscope_off_cpu_task *measured_task(struct task_struct *prev)
+{
+	struct pgscope_off_cpu_task *task =
+		bpf_task_storage_get(&off_cpu_tasks, prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	__u32 zero = 0;
+	__u32 *generation = bpf_map_lookup_elem(&targets_generation, &zero);
+
+	if (!task || !generation)
+		return NULL;
+	/* Generation 0 is never current: a fresh storage is always decided. */
+	if (task->generation != *generation + 1) {
+		__u32 tgid = BPF_CORE_READ(prev, tgid);
+		__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+		task->measured = flags && (*flags & PGSCOPE_TARGET_OFF_CPU);
+		task->tgid = tgid;
+		task->generation = *generation + 1;
+		if (!task->measured)
+			task->start_ns = 0;
+	}
+	return task->measured ? task : NULL;
+}
+
+/* prev is switched out, in its own context: remember when, why and in which wait, and take its
+ * stacks now if the wait may be long. */
+static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool preempt, unsigned int prev_state)
+{
+	/* An exiting task's last switch: it never comes back. */
+	if (prev_state & TASK_DEAD_STATE)
+		return;
+	struct pgscope_off_cpu_task *task = measured_task(prev);
+	if (!task)
+		return;
+	/* A BTF pointer: a direct load, no probe-read helper. */
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(prev);
+	long syscall = regs->orig_ax;
+	__u32 class = (preempt || prev_state == TASK_RUNNING_STATE) ? PGSCOPE_OFF_CPU_PREEMPTED
+								     : class_of_syscall(syscall, prev_state);
+
+	read_attribution(&task->attr, task->tgid, task, class == PGSCOPE_OFF_CPU_LATCH);
+	task->attr.off_cpu_class = class;
 	/* Waiting for work, not in it: a backend between statements (pg_stat_activity's idle,
 	 * ClientRead), a background process in its main loop (wait events of class Activity). */
 	bool waits_for_client = task->attr.wait_event_info == PG_WAIT_CLIENT_READ &&
@@ -759,72 +878,66 @@ static __always_inline void switch_out(struct task_struct *prev, bool preempt, u
 	if (task->attr.off_cpu_class == PGSCOPE_OFF_CPU_LATCH && (waits_for_client || main_loop))
 		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_IDLE;
 	task->syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
-	task->tgid = tgid;
-	task->start_ns = bpf_ktime_get_ns();
+	task->stack_start_ns = 0;
+	__u64 now = bpf_ktime_get_ns();
+	task->start_ns = now;
+
+	/* Only waits inside a syscall get a stack; idle waits and preemptions never do, nor waits
+	 * for the client inside a transaction: their stack is always the same read from the
+	 * socket, and under a busy transactional workload they would take the stack rate from
+	 * the lock and I/O waits that need it. */
+	class = task->attr.off_cpu_class;
+	bool client_wait = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == (PG_WAIT_CLIENT_READ & PG_WAIT_CLASS_MASK);
+	if (syscall >= 0 && class != PGSCOPE_OFF_CPU_IDLE && class != PGSCOPE_OFF_CPU_PREEMPTED && !client_wait &&
+	    stack_allowed(now))
+		send_wait_start(ctx, task);
 }
 
 /* next is switched in (still in prev's context): its blocked time is known now. */
 static __always_inline void switch_in(struct task_struct *next)
 {
-	__u32 tid = BPF_CORE_READ(next, pid);
-	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
+	struct pgscope_off_cpu_task *task = bpf_task_storage_get(&off_cpu_tasks, next, 0, 0);
 
 	if (!task || !task->start_ns)
 		return;
 	__u64 now = bpf_ktime_get_ns();
 	__u64 blocked = now > task->start_ns ? now - task->start_ns : 0;
+	__u64 min_stack_ns = off_cpu_setting(0);
+	bool stack_sent = task->stack_start_ns && task->stack_start_ns == task->start_ns;
+	__u64 start_ns = task->start_ns;
 	task->start_ns = 0;
+	task->stack_start_ns = 0;
 
-	__u32 zero = 0;
-	__u64 *min_stack_ns = bpf_map_lookup_elem(&off_cpu_config, &zero);
-	__u32 class = task->attr.off_cpu_class;
-	/* Only waits inside a syscall get a stack: sys_exit is where it is taken. */
-	bool stack = min_stack_ns && blocked >= *min_stack_ns && task->syscall != (__u32)-1 &&
-		     class != PGSCOPE_OFF_CPU_IDLE && class != PGSCOPE_OFF_CPU_PREEMPTED;
-	if (stack) {
-		if (!task->pending_ns)
-			add_pending(1);
-		task->pending_ns += blocked;
-	} else
-		add_off_cpu_total(BPF_CORE_READ(next, tgid), &task->attr, blocked);
+	bool long_wait = blocked >= min_stack_ns;
+	if (stack_sent) {
+		struct pgscope_wait_end end = {
+			.tgid = task->tgid,
+			.tid = BPF_CORE_READ(next, pid),
+			.start_ns = start_ns,
+			.blocked_ns = long_wait ? blocked : 0,
+			.magic = PGSCOPE_WAIT_END_MAGIC,
+		};
+		if (bpf_ringbuf_output(&samples, &end, sizeof(end), 0) == 0) {
+			if (!long_wait)
+				add_off_cpu_total(task->tgid, &task->attr, blocked);
+			return;
+		}
+		/* The time is not lost with the record: it goes to the totals. */
+		count(PGSCOPE_CNT_RINGBUF_FULL);
+	} else if (long_wait && task->syscall != (__u32)-1 && task->attr.off_cpu_class != PGSCOPE_OFF_CPU_IDLE &&
+		   task->attr.off_cpu_class != PGSCOPE_OFF_CPU_PREEMPTED &&
+		   (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) != (PG_WAIT_CLIENT_READ & PG_WAIT_CLASS_MASK)) {
+		task->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+	}
+	add_off_cpu_total(task->tgid, &task->attr, blocked);
+	task->attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 }
 
 SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
 	     unsigned int prev_state)
 {
-	switch_out(prev, preempt, prev_state);
+	switch_out(ctx, prev, preempt, prev_state);
 	switch_in(next);
-	return 0;
-}
-
-/* The syscall a long wait happened in returns, in the task's context: send its stacks. */
-SEC("tp_btf/sys_exit")
-int BPF_PROG(on_syscall_exit, struct pt_regs *regs, long ret)
-{
-	__u32 zero = 0;
-	__s64 *pending = bpf_map_lookup_elem(&off_cpu_pending, &zero);
-	if (!pending || *pending <= 0)
-		return 0;
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tid = (__u32)pid_tgid;
-	struct pgscope_off_cpu_task *task = bpf_map_lookup_elem(&off_cpu_tasks, &tid);
-
-	if (!task || !task->pending_ns)
-		return 0;
-	add_pending(-1);
-	struct pgscope_sample *s = bpf_map_lookup_elem(&off_cpu_scratch, &zero);
-	if (!s) {
-		count(PGSCOPE_CNT_NO_SCRATCH);
-		add_off_cpu_total(pid_tgid >> 32, &task->attr, task->pending_ns);
-		task->pending_ns = 0;
-		return 0;
-	}
-	s->attr = task->attr;
-	s->off_cpu_ns = task->pending_ns;
-	s->off_cpu_syscall = task->syscall;
-	task->pending_ns = 0;
-	count(PGSCOPE_CNT_OFF_CPU_STACKS);
-	send_stacks(ctx, s, pid_tgid, false);
 	return 0;
 }

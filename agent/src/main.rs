@@ -109,6 +109,10 @@ struct TraceArgs {
     /// counted (time, wait event, queryid) without one.
     #[arg(long, default_value = "100us", value_parser = parse_duration, value_name = "DURATION")]
     off_cpu_min_stack: Duration,
+    /// Off-CPU stacks taken per second per CPU at most (stacks are taken when a wait begins;
+    /// waits over the rate are counted without one, marked as such).
+    #[arg(long, default_value_t = collect::off_cpu::DEFAULT_STACK_RATE, value_name = "N")]
+    off_cpu_stack_rate: u64,
     /// Keep idle client waits (Client:ClientRead between statements) in the off-CPU flamegraphs
     /// and profiles; they are always in the summary's totals.
     #[arg(long)]
@@ -267,6 +271,7 @@ fn main() -> ExitCode {
                     conninfo: args.conninfo,
                     off_cpu: args.off_cpu,
                     off_cpu_min_stack: args.off_cpu_min_stack,
+                    off_cpu_stack_rate: args.off_cpu_stack_rate,
                     off_cpu_idle: args.off_cpu_idle,
                 })
                 .await

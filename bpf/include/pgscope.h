@@ -152,6 +152,8 @@ enum pgscope_attribution_flags {
 	PGSCOPE_ATTR_DATABASE = 2,
 	PGSCOPE_ATTR_STATUS = 4,     /* st_state and st_query_id (the backend has a status entry) */
 	PGSCOPE_ATTR_WAIT_EVENT = 8,
+	/* Off-CPU totals: long enough for a stack, but the stack rate limit left it without. */
+	PGSCOPE_ATTR_STACK_NOT_SAMPLED = 16,
 };
 
 /* What pg_stat_activity would show for a backend at one instant (see pgscope_pg_layout). */
@@ -181,11 +183,12 @@ struct pgscope_off_cpu_total {
 _Static_assert(sizeof(struct pgscope_off_cpu_key) == 40, "mirrored in agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_off_cpu_total) == 16, "mirrored in agent/src/bpf/abi.rs");
 
-/* A traced thread's off-CPU state (map off_cpu_tasks, by tid): user space reads the waits still
- * open when a trace ends. */
+/* A thread's off-CPU state (task storage off_cpu_tasks): kept for every thread that switches,
+ * so that telling a Postgres thread from any other costs no map lookup; user space reads the
+ * waits still open through a pidfd. */
 struct pgscope_off_cpu_task {
 	__u64 start_ns;	  /* when it was switched out (bpf_ktime_get_ns); 0 while it runs */
-	__u64 pending_ns; /* long waits in the current syscall, not sent yet */
+	__u64 stack_start_ns; /* start_ns of the wait whose stack was sent at switch-out, else 0 */
 	__u32 syscall;	  /* the blocking syscall's number */
 	__u32 tgid;
 	struct pgscope_attribution attr;
@@ -193,9 +196,35 @@ struct pgscope_off_cpu_task {
 	 * switch: the backend's PgBackendStatus entry and its wait-event word. 0 until known. */
 	__u64 status_entry;
 	__u64 wait_event_ptr;
+	__u32 generation; /* the targets' generation `measured` was decided at */
+	__u32 measured;	  /* 1: a target flagged PGSCOPE_TARGET_OFF_CPU */
+	/* The layout's offsets, copied once the addresses above are known: then a switch reads
+	 * the three changing words with no map lookup. 0 until then. */
+	__u32 st_state_offset;
+	__u32 st_query_id_offset;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_task) == 72, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 88, "mirrored in agent/src/bpf/abi.rs");
+
+/* The end of an off-CPU wait whose stacks were sent when it began (a sample record with
+ * PGSCOPE_OFF_CPU_PENDING): told apart from samples by its size. */
+struct pgscope_wait_end {
+	__u32 tgid;
+	__u32 tid;
+	__u64 start_ns;	  /* the pending record's time_ns */
+	__u64 blocked_ns; /* 0: shorter than the threshold, counted in the totals: drop the stack */
+	__u64 magic;	  /* PGSCOPE_WAIT_END_MAGIC */
+};
+
+#define PGSCOPE_WAIT_END_MAGIC 0x646e457469615750ULL /* "PWaitEnd" */
+
+_Static_assert(sizeof(struct pgscope_wait_end) == 32, "mirrored in agent/src/bpf/abi.rs");
+
+/* pgscope_sample.off_cpu_flags */
+enum pgscope_off_cpu_flags {
+	/* Stacks taken when the wait began; its blocked time follows in a pgscope_wait_end. */
+	PGSCOPE_OFF_CPU_PENDING = 1,
+};
 
 /* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU
  * record's attribution is the one in force when the process blocked, its stacks are those it
@@ -215,7 +244,7 @@ struct pgscope_sample {
 	struct pgscope_attribution attr;
 	__u64 off_cpu_ns;	/* off-CPU records: how long the process was off CPU */
 	__u32 off_cpu_syscall;	/* off-CPU records: the syscall it blocked in (x86-64 number) */
-	__u32 _pad;
+	__u32 off_cpu_flags;	/* enum pgscope_off_cpu_flags */
 	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
 	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
 };

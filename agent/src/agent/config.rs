@@ -75,6 +75,8 @@ pub struct CollectionConfig {
     pub off_cpu: bool,
     #[serde(deserialize_with = "duration")]
     pub off_cpu_min_stack: Duration,
+    /// Off-CPU stacks taken per second per CPU at most (taken when a wait begins).
+    pub off_cpu_stack_rate: u64,
     /// Ship idle client waits (`Client:ClientRead` between statements) in the off-CPU profile.
     pub off_cpu_idle: bool,
     /// Extra directories with separate debug files in a `.build-id/xx/rest.debug` tree
@@ -159,6 +161,7 @@ impl Default for CollectionConfig {
             upload_interval: Duration::from_secs(15),
             off_cpu: false,
             off_cpu_min_stack: Duration::from_micros(100),
+            off_cpu_stack_rate: crate::collect::off_cpu::DEFAULT_STACK_RATE,
             off_cpu_idle: false,
             debug_dirs: Vec::new(),
         }

@@ -74,7 +74,10 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
     let off_cpu = config.collection.off_cpu
-        && match probes.attach_off_cpu(config.collection.off_cpu_min_stack.as_nanos() as u64) {
+        && match probes.attach_off_cpu(
+            config.collection.off_cpu_min_stack.as_nanos() as u64,
+            config.collection.off_cpu_stack_rate,
+        ) {
             Ok(()) => true,
             Err(error) => {
                 warn!("no off-CPU profiles: {error:#}; on-CPU profiling goes on");
@@ -219,6 +222,10 @@ fn apply_reload(old: &AgentConfig, new: &AgentConfig) {
         (
             "collection.off_cpu_min_stack",
             old.collection.off_cpu_min_stack != new.collection.off_cpu_min_stack,
+        ),
+        (
+            "collection.off_cpu_stack_rate",
+            old.collection.off_cpu_stack_rate != new.collection.off_cpu_stack_rate,
         ),
         (
             "server.metrics_addr",

@@ -98,7 +98,8 @@ pub struct SampleHeader {
     pub off_cpu_ns: u64,
     /// Off-CPU records: the x86-64 number of the syscall it blocked in.
     pub off_cpu_syscall: u32,
-    pub _pad: u32,
+    /// `enum pgscope_off_cpu_flags`.
+    pub off_cpu_flags: u32,
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
 
@@ -182,15 +183,54 @@ pub struct OffCpuTotal {
 pub struct OffCpuTask {
     /// When it was switched out (`bpf_ktime_get_ns`, CLOCK_MONOTONIC); 0 while it runs.
     pub start_ns: u64,
-    pub pending_ns: u64,
+    /// `start_ns` of the wait whose stacks were sent when it began, else 0.
+    pub stack_start_ns: u64,
     pub syscall: u32,
     pub tgid: u32,
     pub attr: RawAttribution,
     pub status_entry: u64,
     pub wait_event_ptr: u64,
+    pub generation: u32,
+    /// 1: a target measured off CPU (the storage is kept for every thread that switches).
+    pub measured: u32,
+    pub st_state_offset: u32,
+    pub st_query_id_offset: u32,
 }
 
-const _: () = assert!(size_of::<OffCpuTask>() == 72);
+const _: () = assert!(size_of::<OffCpuTask>() == 88);
+
+/// `enum pgscope_off_cpu_flags`: the record's stacks were taken when the wait began; its
+/// blocked time follows in a [`WaitEnd`].
+pub const OFF_CPU_PENDING: u32 = 1;
+
+/// `struct pgscope_wait_end`: the end of a wait sent with [`OFF_CPU_PENDING`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WaitEnd {
+    pub tgid: u32,
+    pub tid: u32,
+    /// The pending record's `time_ns`.
+    pub start_ns: u64,
+    /// 0: shorter than the threshold, counted in the totals (drop the stacks).
+    pub blocked_ns: u64,
+    pub magic: u64,
+}
+
+const WAIT_END_MAGIC: u64 = 0x646e_4574_6961_5750;
+const _: () = assert!(size_of::<WaitEnd>() == 32);
+
+impl WaitEnd {
+    /// A ring buffer record that is a wait's end (samples are far longer).
+    pub fn parse(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != size_of::<WaitEnd>() {
+            return None;
+        }
+        // SAFETY: the length matches, WaitEnd is plain old data (repr(C), only integers) and
+        // read_unaligned does not require the record to be aligned.
+        let end: WaitEnd = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<WaitEnd>()) };
+        (end.magic == WAIT_END_MAGIC).then_some(end)
+    }
+}
 const _: () = assert!(size_of::<RawAttribution>() == 32);
 const _: () = assert!(size_of::<OffCpuKey>() == 40);
 const _: () = assert!(size_of::<OffCpuTotal>() == 16);
@@ -225,7 +265,7 @@ impl SampleHeader {
             off_cpu_class: attr.off_cpu_class,
             off_cpu_ns: 0,
             off_cpu_syscall: 0,
-            _pad: 0,
+            off_cpu_flags: 0,
             kernel_stack: [0; KERNEL_FRAMES_MAX],
         }
     }
@@ -236,6 +276,8 @@ pub const ATTR_BACKEND_TYPE: u32 = 1;
 pub const ATTR_DATABASE: u32 = 2;
 pub const ATTR_STATUS: u32 = 4;
 pub const ATTR_WAIT_EVENT: u32 = 8;
+/// Off-CPU totals: long enough for a stack, but the stack rate limit left it without one.
+pub const ATTR_STACK_NOT_SAMPLED: u32 = 16;
 
 /// `struct pgscope_pg_layout`: where one Postgres process keeps its pg_stat_activity state.
 #[repr(C)]
@@ -313,6 +355,24 @@ mod tests {
                 carried: 8
             })
         ));
+    }
+
+    #[test]
+    fn tells_wait_ends_from_samples() {
+        let end = WaitEnd {
+            tgid: 7,
+            tid: 8,
+            start_ns: 100,
+            blocked_ns: 5000,
+            magic: WAIT_END_MAGIC,
+        };
+        // SAFETY: WaitEnd is repr(C) plain old data of 32 bytes.
+        let bytes: [u8; 32] = unsafe { std::mem::transmute(end) };
+        assert_eq!(WaitEnd::parse(&bytes), Some(end));
+        let mut wrong = bytes;
+        wrong[31] ^= 1;
+        assert_eq!(WaitEnd::parse(&wrong), None, "magic checked");
+        assert_eq!(WaitEnd::parse(&[0u8; SAMPLE_STACK_OFFSET]), None);
     }
 
     #[test]

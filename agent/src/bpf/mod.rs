@@ -3,8 +3,10 @@
 //! counters. Dropping [`OnCpuProbes`] detaches every program (aya closes the links).
 
 pub mod abi;
+mod task_storage;
 
 use anyhow::{anyhow, Context, Result};
+use std::os::fd::AsFd;
 use std::path::Path;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
@@ -54,10 +56,15 @@ pub struct OnCpuProbes {
 impl OnCpuProbes {
     /// Loads the programs into the kernel (CO-RE relocated against the running kernel's BTF).
     pub fn load() -> Result<Self> {
-        let ebpf = Ebpf::load(PROFILE_OBJECT).context(
-            "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
+        // Task storage (off_cpu_tasks) is a map type aya has no wrapper for: it is read
+        // through raw bpf(2) calls (`task_storage`).
+        let ebpf = aya::EbpfLoader::new()
+            .allow_unsupported_maps()
+            .load(PROFILE_OBJECT)
+            .context(
+                "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
              ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
-        )?;
+            )?;
         Ok(Self {
             ebpf,
             free_gates: Vec::new(),
@@ -112,51 +119,53 @@ impl OnCpuProbes {
         Ok(())
     }
 
-    /// Measures the time targets flagged [`abi::TARGET_OFF_CPU`] spend off CPU: BTF
-    /// tracepoints on `sched_switch` (switch out and in) and `sys_exit` (where a long wait's
-    /// stack is taken, in the task's context). Waits in a syscall of at least `min_stack_ns`
-    /// are sent with their stacks; every other wait adds to exact totals.
-    pub fn attach_off_cpu(&mut self, min_stack_ns: u64) -> Result<()> {
+    /// Measures the time targets flagged [`abi::TARGET_OFF_CPU`] spend off CPU: one BTF
+    /// tracepoint on `sched_switch` (switch out, in the task's context, and switch in). Waits
+    /// in a syscall that are not idle have their stacks taken when they begin, at most
+    /// `stacks_per_cpu_per_s` a second per CPU, and keep them when they last `min_stack_ns`
+    /// or longer; every other wait adds to exact totals.
+    pub fn attach_off_cpu(&mut self, min_stack_ns: u64, stacks_per_cpu_per_s: u64) -> Result<()> {
         {
             let map = self.map_mut("off_cpu_config")?;
             let mut config: aya::maps::Array<_, u64> = aya::maps::Array::try_from(map)?;
             config
                 .set(0, min_stack_ns, 0)
                 .context("setting the off-CPU stack threshold")?;
+            config
+                .set(1, stacks_per_cpu_per_s, 0)
+                .context("setting the off-CPU stack rate")?;
         }
         let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
-        for (program_name, tracepoint) in [("on_switch", "sched_switch"), ("on_syscall_exit", "sys_exit")] {
-            let program: &mut BtfTracePoint = self
-                .ebpf
-                .program_mut(program_name)
-                .ok_or_else(|| anyhow!("BPF object has no program `{program_name}`"))?
-                .try_into()?;
-            program
-                .load(tracepoint, &btf)
-                .with_context(|| format!("loading `{program_name}`"))?;
-            program
-                .attach()
-                .with_context(|| format!("attaching to the {tracepoint} BTF tracepoint"))?;
-        }
+        let program: &mut BtfTracePoint = self
+            .ebpf
+            .program_mut("on_switch")
+            .ok_or_else(|| anyhow!("BPF object has no program `on_switch`"))?
+            .try_into()?;
+        program
+            .load("sched_switch", &btf)
+            .context("loading `on_switch` (task storage needs Linux 5.11 or newer)")?;
+        program
+            .attach()
+            .context("attaching to the sched_switch BTF tracepoint")?;
         Ok(())
     }
 
     /// Waits still open now: (process, attribution when it blocked, nanoseconds so far) of
-    /// every traced thread switched out and not back in, plus long waits not sent yet.
+    /// every traced process switched out and not back in.
     pub fn open_off_cpu_waits(&self) -> Result<Vec<(u32, abi::RawAttribution, u64)>> {
-        let tasks: BpfHashMap<_, u32, abi::OffCpuTask> = BpfHashMap::try_from(self.map("off_cpu_tasks")?)?;
+        let Map::Unsupported(tasks) = self.map("off_cpu_tasks")? else {
+            return Err(anyhow!(
+                "`off_cpu_tasks` is not the task storage map it should be"
+            ));
+        };
         let now = monotonic_ns();
         let mut open = Vec::new();
-        for entry in tasks.iter() {
-            let (_, task) = entry.context("reading `off_cpu_tasks`")?;
-            let running = if task.start_ns == 0 {
-                0
-            } else {
-                now.saturating_sub(task.start_ns)
-            };
-            let ns = running + task.pending_ns;
-            if ns > 0 {
-                open.push((task.tgid, task.attr, ns));
+        for pid in self.target_pids()? {
+            // SAFETY: OffCpuTask mirrors the map's value type (sizes asserted in abi.rs).
+            let task = unsafe { task_storage::lookup::<abi::OffCpuTask>(tasks.fd().as_fd(), pid) }
+                .with_context(|| format!("reading the off-CPU state of PID {pid}"))?;
+            if let Some(task) = task.filter(|t| t.measured == 1 && t.start_ns != 0) {
+                open.push((task.tgid, task.attr, now.saturating_sub(task.start_ns)));
             }
         }
         Ok(open)
@@ -192,7 +201,8 @@ impl OnCpuProbes {
         let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .insert(tgid, flags, 0)
-            .with_context(|| format!("adding PID {tgid} to the target map"))
+            .with_context(|| format!("adding PID {tgid} to the target map"))?;
+        self.bump_targets_generation()
     }
 
     /// Removes a process from the in-kernel filter.
@@ -201,7 +211,19 @@ impl OnCpuProbes {
         let mut targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .remove(&tgid)
-            .with_context(|| format!("removing PID {tgid} from the target map"))
+            .with_context(|| format!("removing PID {tgid} from the target map"))?;
+        self.bump_targets_generation()
+    }
+
+    /// Makes every thread's cached "measured off CPU or not" be decided again at its next
+    /// switch (the BPF side bumps it too, when a target execs).
+    fn bump_targets_generation(&mut self) -> Result<()> {
+        let mut generation: aya::maps::Array<_, u32> =
+            aya::maps::Array::try_from(self.map_mut("targets_generation")?)?;
+        let current = generation.get(&0, 0).context("reading the targets' generation")?;
+        generation
+            .set(0, current.wrapping_add(1), 0)
+            .context("bumping the targets' generation")
     }
 
     /// Every process in the in-kernel filter: the traced backend, or an instance's postmaster

@@ -5,7 +5,22 @@
 
 use exporters::Profile;
 
-use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution};
+use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution, ATTR_STACK_NOT_SAMPLED};
+
+/// Off-CPU stacks taken per second per CPU at most, by default. A stack is taken when a wait
+/// begins (its length is not known yet), so waits that turn out short cost one too; a busy
+/// Postgres that waits on locks thousands of times a second keeps a sample of them.
+pub const DEFAULT_STACK_RATE: u64 = 500;
+
+/// The frame of waits for the client inside a transaction (the idle ones between statements
+/// are [`IDLE_FRAME`]): never given a stack, which would always be the same socket read.
+pub const CLIENT_FRAME: &str = "[waiting for the client inside a transaction]";
+
+/// `PG_WAIT_CLIENT >> 24` (utils/wait_event.h, stable since PG 10).
+const PG_WAIT_CLASS_CLIENT: u32 = 0x06;
+
+/// The frame of long waits the stack rate left without a stack.
+pub const NOT_SAMPLED_FRAME: &str = "[off-CPU waits without a stack: over the stack rate]";
 
 /// The frame of waits measured without a stack because they were short.
 pub const SHORT_WAITS_FRAME: &str = "[off-CPU waits without a stack: below the threshold]";
@@ -100,6 +115,8 @@ impl WaitWithoutStack {
             OffCpuClass::Idle => IDLE_FRAME,
             OffCpuClass::Preempted if !self.still_open => PREEMPTED_FRAME,
             _ if self.still_open => OPEN_FRAME,
+            _ if self.attr.wait_event_info >> 24 == PG_WAIT_CLASS_CLIENT => CLIENT_FRAME,
+            _ if self.attr.flags & ATTR_STACK_NOT_SAMPLED != 0 => NOT_SAMPLED_FRAME,
             _ => SHORT_WAITS_FRAME,
         }
     }

@@ -11,10 +11,10 @@ use super::instance::InstanceContext;
 use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{SampleHeader, SampleRecord};
+use crate::bpf::abi::{OffCpuClass, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
-use symbolizer::{KernelSymbols, Symbolizer, UserRegs};
+use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
 
 /// The stacks of one instance, counted since they were last taken.
 #[derive(Default)]
@@ -40,6 +40,17 @@ pub struct Instance {
     pub on_cpu_samples: u64,
 }
 
+/// A wait whose stacks were taken when it began; its blocked time is still to come.
+struct PendingWait {
+    root: u32,
+    tgid: u32,
+    start_ns: u64,
+    attribution: Attribution,
+    class: OffCpuClass,
+    syscall: &'static str,
+    user: UnwoundStack,
+}
+
 /// Everything that is built up while samples arrive.
 pub struct Session {
     pub symbolizer: Symbolizer,
@@ -60,6 +71,10 @@ pub struct Session {
     /// Per-query and per-wait counts so far, for `trace`'s live view; the agent keeps none
     /// (they would grow with every queryid it ever sees).
     pub live: Option<LiveCounts>,
+    /// Waits in progress whose stacks came when they began, by thread.
+    pending_waits: HashMap<u32, PendingWait>,
+    /// Wait ends without their stacks (the record was lost or did not match).
+    pub unmatched_wait_ends: u64,
 }
 
 impl Session {
@@ -80,6 +95,8 @@ impl Session {
             query_filter,
             filtered_out: 0,
             live,
+            pending_waits: HashMap::new(),
+            unmatched_wait_ends: 0,
         }
     }
 
@@ -203,6 +220,10 @@ impl Session {
     }
 
     pub fn handle(&mut self, bytes: &[u8]) {
+        if let Some(end) = WaitEnd::parse(bytes) {
+            self.end_wait(end);
+            return;
+        }
         let record = match SampleRecord::parse(bytes) {
             Ok(record) => record,
             Err(error) => {
@@ -241,6 +262,20 @@ impl Session {
         };
         self.live_pids.insert(header.tgid);
         match class_of(header.off_cpu_class, postmaster == Some(header.tgid)) {
+            Some(class) if header.off_cpu_flags & OFF_CPU_PENDING != 0 => {
+                self.pending_waits.insert(
+                    header.tid,
+                    PendingWait {
+                        root,
+                        tgid: header.tgid,
+                        start_ns: header.time_ns,
+                        attribution,
+                        class,
+                        syscall: syscall_frame(header.off_cpu_syscall),
+                        user,
+                    },
+                );
+            }
             Some(class) => instance.stacks.off_cpu.add_off_cpu(
                 header.tgid,
                 attribution,
@@ -259,6 +294,32 @@ impl Session {
                     .on_cpu
                     .add(header.tgid, attribution, record.kernel_stack(), user);
             }
+        }
+    }
+
+    /// A wait whose stacks came when it began has ended: they get its blocked time, or are
+    /// dropped when it was short (the kernel counted it in the totals).
+    fn end_wait(&mut self, end: WaitEnd) {
+        let Some(pending) = self.pending_waits.remove(&end.tid) else {
+            self.unmatched_wait_ends += 1;
+            return;
+        };
+        if pending.start_ns != end.start_ns {
+            self.unmatched_wait_ends += 1;
+            return;
+        }
+        if end.blocked_ns == 0 {
+            return;
+        }
+        if let Some(instance) = self.instances.get_mut(&pending.root) {
+            instance.stacks.off_cpu.add_off_cpu(
+                pending.tgid,
+                pending.attribution,
+                pending.class,
+                pending.syscall,
+                pending.user,
+                end.blocked_ns,
+            );
         }
     }
 
@@ -315,6 +376,9 @@ impl Session {
                 }
             }
             self.live_pids.remove(&pid);
+        }
+        if !exited.is_empty() {
+            self.pending_waits.retain(|_, wait| !exited.contains(&wait.tgid));
         }
         exited
     }

@@ -58,6 +58,8 @@ pub struct TraceOptions {
     pub off_cpu: bool,
     /// Off-CPU waits at least this long get their stacks; shorter ones only count.
     pub off_cpu_min_stack: Duration,
+    /// Off-CPU stacks taken per second per CPU at most.
+    pub off_cpu_stack_rate: u64,
     /// Keep idle client waits in the off-CPU flamegraphs and profiles.
     pub off_cpu_idle: bool,
 }
@@ -158,7 +160,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         }
     }
     let off_cpu_measured = options.off_cpu
-        && match probes.attach_off_cpu(options.off_cpu_min_stack.as_nanos() as u64) {
+        && match probes.attach_off_cpu(
+            options.off_cpu_min_stack.as_nanos() as u64,
+            options.off_cpu_stack_rate,
+        ) {
             Ok(()) => true,
             Err(error) => {
                 eprintln!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
