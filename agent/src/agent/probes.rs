@@ -14,7 +14,9 @@ use super::config::AgentConfig;
 use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::statement_clock::CounterLayout;
-use crate::collect::probes::{calibrate, parse_probe_list, IntervalShare, ProbeSet, ProbeState};
+use crate::collect::probes::{
+    calibrate, parse_probe_list, IntervalShare, IntervalShares, ProbeSet, ProbeState,
+};
 use crate::collect::Session;
 use crate::postgres;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
@@ -47,16 +49,24 @@ type CallsAndTime = BTreeMap<(ProbedCall, i64), (u64, u64)>;
 /// duty: 25 s), short enough that a query that stopped is not counted on for long.
 const RATE_FRESH: Duration = Duration::from_secs(40);
 
-/// One (process, function, queryid) across upload intervals. An interval's estimate is the
-/// calls per attached unit (statement, or second without a statement clock) times all units
-/// of the interval; an interval in which the duty cycle never attached the probe uses the last
-/// rate measured, while it is fresh.
+/// Weight an interval's measurements keep in the rate at the next interval: the rate follows
+/// a changing workload over a few intervals while one attached window's noise is averaged out.
+const RATE_DECAY: f64 = 0.7;
+
+/// One (process, function, queryid) across upload intervals. What was measured while the
+/// probe was attached is sent as measured; the part of the interval it was detached (counted
+/// in the instance's statements, or in time without a statement clock) is estimated at the
+/// rate measured while attached, calls per statement, over the recent intervals.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct KeyState {
     /// The kernel's cumulative counts at the last read.
     last: (u64, u64),
-    /// Calls and nanoseconds per attached unit, whether the unit was statements, and when.
-    rate: Option<(f64, f64, bool, Instant)>,
+    /// Decayed sums of calls, nanoseconds and attached units (statements or seconds).
+    sums: (f64, f64, f64),
+    /// Whether the units are statements.
+    by_statements: bool,
+    /// When the probe was last attached for this key's instance.
+    attached_at: Option<Instant>,
 }
 
 impl KeyState {
@@ -76,19 +86,28 @@ impl KeyState {
             IntervalShare::Statements { all, attached } => (all as f64, attached as f64, true),
             IntervalShare::Time { all, attached } => (all.as_secs_f64(), attached.as_secs_f64(), false),
         };
+        if by_statements != self.by_statements {
+            self.sums = (0.0, 0.0, 0.0);
+            self.by_statements = by_statements;
+        }
         if attached > 0.0 {
-            let rate = (measured.0 as f64 / attached, measured.1 as f64 / attached);
-            self.rate = Some((rate.0, rate.1, by_statements, now));
+            self.sums = (
+                self.sums.0 * RATE_DECAY + measured.0 as f64,
+                self.sums.1 * RATE_DECAY + measured.1 as f64,
+                self.sums.2 * RATE_DECAY + attached,
+            );
+            self.attached_at = Some(now);
         }
-        match self.rate {
-            Some((calls, ns, unit, at)) if unit == by_statements && now - at <= RATE_FRESH => {
-                // Never less than measured: the units are estimates, the calls are not.
-                let calls = ((calls * all).round() as u64).max(measured.0);
-                let ns = ((ns * all).round() as u64).max(measured.1);
-                (calls, ns)
-            }
-            _ => measured,
+        let fresh = self.attached_at.is_some_and(|at| now - at <= RATE_FRESH);
+        let unmeasured = (all - attached).max(0.0);
+        if !fresh || self.sums.2 <= 0.0 || unmeasured == 0.0 {
+            return measured;
         }
+        let estimate = |sum: f64, measured: u64| measured + (sum / self.sums.2 * unmeasured).round() as u64;
+        (
+            estimate(self.sums.0, measured.0),
+            estimate(self.sums.1, measured.1),
+        )
     }
 }
 
@@ -279,7 +298,7 @@ impl AgentProbes {
             return BTreeMap::new();
         }
         let pids = session.pids_by_root();
-        let shares: Vec<(HashSet<u32>, BTreeMap<Function, IntervalShare>)> = self
+        let shares: Vec<(HashSet<u32>, IntervalShares)> = self
             .groups
             .iter_mut()
             .map(|g| (g.roots.clone(), g.set.take_interval(&pids)))
@@ -304,7 +323,7 @@ impl AgentProbes {
             let Some(share) = shares
                 .iter()
                 .find(|(roots, _)| roots.contains(&root))
-                .and_then(|(_, s)| s.get(&call.function).copied())
+                .and_then(|(_, s)| s.get(call.function, root))
             else {
                 continue;
             };
@@ -464,7 +483,7 @@ mod tests {
     }
 
     #[test]
-    fn detached_intervals_are_estimated_from_the_last_rate_while_it_is_fresh() {
+    fn what_was_measured_is_sent_and_the_detached_part_estimated_at_the_recent_rate() {
         let stats = |calls, ns| CallStats {
             calls,
             total_ns: ns,
@@ -473,30 +492,32 @@ mod tests {
         let share = |all, attached| IntervalShare::Statements { all, attached };
         let start = Instant::now();
         let mut key = KeyState::default();
-        // Attached for a quarter of the statements: 100 calls stand for 400.
+        // Attached for 100 of 400 statements: 100 calls measured, 300 estimated at 1 per
+        // statement.
         assert_eq!(
             key.advance(&stats(100, 1000), share(400, 100), start),
             (400, 4000)
         );
-        // Detached the whole interval: the rate (1 call per statement) × 300 statements.
+        // Detached the whole interval: the rate × 300 statements.
         let later = start + Duration::from_secs(15);
         assert_eq!(key.advance(&stats(100, 1000), share(300, 0), later), (300, 3000));
-        // Attached again, now every second statement is this call.
-        assert_eq!(
-            key.advance(&stats(150, 1500), share(400, 100), later),
-            (200, 2000)
-        );
+        // Attached again at half a call per statement: the rate is the decayed mix of both
+        // windows, (0.7 × 100 + 50) / (0.7 × 100 + 100) per statement.
+        let (calls, _) = key.advance(&stats(150, 1500), share(400, 100), later);
+        assert_eq!(calls, 50 + (120.0_f64 / 170.0 * 300.0).round() as u64);
         // A rate too old is not used: only what was measured.
         let stale = later + RATE_FRESH + Duration::from_secs(1);
         assert_eq!(key.advance(&stats(150, 1500), share(300, 0), stale), (0, 0));
-        // Time as the unit (no statement clock) does not reuse a rate per statement.
+        // Attached all along: exactly what was measured.
+        assert_eq!(key.advance(&stats(160, 1600), share(10, 10), stale), (10, 100));
+        // Time as the unit (no statement clock) starts its own rate.
         let time = IntervalShare::Time {
             all: Duration::from_secs(2),
             attached: Duration::ZERO,
         };
-        assert_eq!(key.advance(&stats(150, 1500), time, later), (0, 0));
+        assert_eq!(key.advance(&stats(160, 1600), time, stale), (0, 0));
         // The kernel's entry made again counts from zero.
-        assert_eq!(key.advance(&stats(5, 50), share(10, 10), later), (5, 50));
+        assert_eq!(key.advance(&stats(5, 50), share(10, 10), stale), (5, 50));
     }
 
     fn profiles_is_empty_without_rows() -> bool {

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::bpf::abi::Function;
-pub use set::{IntervalShare, PidsByRoot, ProbeSet, ProbeState};
+pub use set::{IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState};
 
 /// Parses one `--probes` item: a function name, or `all`.
 pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {

@@ -142,8 +142,10 @@ struct ActiveProbe {
     attached_window: Duration,
     /// Statements the instance ran while this probe was attached.
     statements_attached: u64,
-    /// `statements_attached` and attached time when the agent's current interval began.
-    mark: (u64, Duration),
+    /// Per instance (root PID): statements while attached in the agent's current interval.
+    interval_attached: BTreeMap<u32, u64>,
+    /// Attached time when the agent's current interval began.
+    mark: Duration,
 }
 
 /// The probed functions of a trace and their duty cycle.
@@ -166,8 +168,10 @@ pub struct ProbeSet {
     statements_total: u64,
     /// Set once the counts are read: nothing is accounted after.
     stopped: bool,
-    /// `statements_total` and the time when the agent's current interval began.
-    mark: (u64, Instant),
+    /// Per instance (root PID): statements in the agent's current interval.
+    interval_totals: BTreeMap<u32, u64>,
+    /// When the agent's current interval began.
+    mark: Instant,
 }
 
 /// How much of an interval a probe was attached for: statements when the instances' statement
@@ -176,6 +180,23 @@ pub struct ProbeSet {
 pub enum IntervalShare {
     Statements { all: u64, attached: u64 },
     Time { all: Duration, attached: Duration },
+}
+
+/// An interval's shares: per (function, instance) by statements where the instance's statement
+/// clock counted any, else per function by time.
+#[derive(Clone, Debug, Default)]
+pub struct IntervalShares {
+    by_statements: BTreeMap<(Function, u32), IntervalShare>,
+    by_time: BTreeMap<Function, IntervalShare>,
+}
+
+impl IntervalShares {
+    pub fn get(&self, function: Function, root: u32) -> Option<IntervalShare> {
+        self.by_statements
+            .get(&(function, root))
+            .or_else(|| self.by_time.get(&function))
+            .copied()
+    }
 }
 
 /// What /metrics shows of one probed function.
@@ -221,7 +242,8 @@ impl ProbeSet {
             statements: BTreeMap::new(),
             statements_total: 0,
             stopped: false,
-            mark: (0, Instant::now()),
+            interval_totals: BTreeMap::new(),
+            mark: Instant::now(),
         };
         if functions.is_empty() {
             return Ok(set);
@@ -254,7 +276,8 @@ impl ProbeSet {
                     hits_window: 0,
                     attached_window: Duration::ZERO,
                     statements_attached: 0,
-                    mark: (0, Duration::ZERO),
+                    interval_attached: BTreeMap::new(),
+                    mark: Duration::ZERO,
                 }),
                 Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
@@ -283,8 +306,14 @@ impl ProbeSet {
     fn account_statements(&mut self, pids: &PidsByRoot) {
         let mut progress = 0;
         for (root, clock) in &mut self.statements {
-            if let Some(pids) = pids.get(root) {
-                progress += clock.advance(pids);
+            let Some(pids) = pids.get(root) else {
+                continue;
+            };
+            let of_root = clock.advance(pids);
+            progress += of_root;
+            *self.interval_totals.entry(*root).or_insert(0) += of_root;
+            for probe in self.probes.iter_mut().filter(|p| p.links.is_some()) {
+                *probe.interval_attached.entry(*root).or_insert(0) += of_root;
             }
         }
         self.statements_total += progress;
@@ -363,38 +392,40 @@ impl ProbeSet {
             .collect()
     }
 
-    /// Per function: what the interval since the last call held (all statements or time, and
-    /// how much of it the probe was attached), and starts the next interval. The agent scales
-    /// each upload interval's counts with it; `trace` uses [`ProbeSet::extrapolations`].
-    pub fn take_interval(&mut self, pids: &PidsByRoot) -> BTreeMap<Function, IntervalShare> {
+    /// Per function and instance: what the interval since the last call held (the instance's
+    /// statements, and how many ran while the probe was attached; time where the instance has
+    /// no statement clock), and starts the next interval. The agent scales each upload
+    /// interval's counts with it; `trace` uses [`ProbeSet::extrapolations`].
+    pub fn take_interval(&mut self, pids: &PidsByRoot) -> IntervalShares {
         self.account_statements(pids);
         let now = Instant::now();
-        let statements = self.statements_total - self.mark.0;
-        let elapsed = now - self.mark.1;
-        self.mark = (self.statements_total, now);
-        let by_statements = !self.statements.is_empty() && statements > 0;
+        let elapsed = now - self.mark;
+        self.mark = now;
+        let totals = std::mem::take(&mut self.interval_totals);
         let attached_until: Vec<Duration> = self.probes.iter().map(|p| self.attached_until(p, now)).collect();
-        self.probes
-            .iter_mut()
-            .zip(attached_until)
-            .map(|(p, attached_now)| {
-                let attached_statements = p.statements_attached - p.mark.0;
-                let attached = attached_now.saturating_sub(p.mark.1);
-                p.mark = (p.statements_attached, attached_now);
-                let share = if by_statements {
+        let mut shares = IntervalShares::default();
+        for (p, attached_now) in self.probes.iter_mut().zip(attached_until) {
+            let attached = attached_now.saturating_sub(p.mark);
+            p.mark = attached_now;
+            let attached_statements = std::mem::take(&mut p.interval_attached);
+            shares.by_time.insert(
+                p.function,
+                IntervalShare::Time {
+                    all: elapsed,
+                    attached,
+                },
+            );
+            for (&root, &all) in totals.iter().filter(|(_, &all)| all > 0) {
+                shares.by_statements.insert(
+                    (p.function, root),
                     IntervalShare::Statements {
-                        all: statements,
-                        attached: attached_statements,
-                    }
-                } else {
-                    IntervalShare::Time {
-                        all: elapsed,
-                        attached,
-                    }
-                };
-                (p.function, share)
-            })
-            .collect()
+                        all,
+                        attached: attached_statements.get(&root).copied().unwrap_or(0),
+                    },
+                );
+            }
+        }
+        shares
     }
 
     /// A probe's attached time from its first attach until `now`.
