@@ -2,9 +2,9 @@
 //! build (one executable: one set of uprobes shared by both) and one of the build without
 //! frame pointers (its own uprobes). Each instance's PortalStart calls for pgbench's select,
 //! as the agent ships them in the `pg_function_calls` profile, must match pg_stat_statements'
-//! own count for that queryid; a probe attached twice to one file would double them. The
-//! budget is off (every call measured), so the count is exact: the duty cycle's estimates are
-//! checked in tests/tests/probe_budget.rs (trace) and in the agent's unit tests.
+//! own count for that queryid; a probe attached twice to one file would double them. With the
+//! budget off (every call measured) the count is exact; under the default budget the duty
+//! cycle leaves the probes detached most of the time and the agent estimates the rest.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,9 +16,16 @@ use pgscope_tests::{
     RunningAgent, Statics,
 };
 
-/// Calls measured while pg_stat_statements counts: the same statements, but a few may fall
-/// between the agent's last read and pgbench's end, or in an upload lost at shutdown.
-const TOLERANCE: f64 = 0.02;
+/// Every call measured: the same statements pg_stat_statements counts, but a few may fall
+/// between the agent's last read and pgbench's end.
+const EXACT: f64 = 0.02;
+
+/// Under the default budget (2% of the instances' CPU; PortalStart's probe is then attached a
+/// few percent of the time here): what is measured while attached plus an estimate for the
+/// rest. Measured here within -20%..+0% over 12 s (a workload that starts mid-interval is
+/// estimated from time at first); this bound catches estimates off by a factor, as from
+/// statements counted in the wrong instance or from before a statement clock started.
+const ESTIMATED: f64 = 0.30;
 
 fn settings(name: &str) -> Vec<(&str, &str)> {
     vec![
@@ -53,7 +60,19 @@ fn totals(series: &[Series], name: &str) -> BTreeMap<(String, String, String), i
 }
 
 #[test]
-fn probes_count_per_instance_with_one_uprobe_per_executable() -> Result<()> {
+fn probes_count_every_call_per_instance_with_one_uprobe_per_executable() -> Result<()> {
+    probes_per_instance("budget = 0.0", "8", EXACT)
+}
+
+#[test]
+fn duty_cycled_probes_estimate_the_calls_they_did_not_see() -> Result<()> {
+    probes_per_instance("", "12", ESTIMATED)
+}
+
+/// Three instances, two executables, PortalStart probed with `budget` (a `[probes]` line),
+/// pgbench -S on each for `seconds`: each instance's shipped calls for pgbench's select must
+/// be within `tolerance` of pg_stat_statements' count.
+fn probes_per_instance(budget: &str, seconds: &str, tolerance: f64) -> Result<()> {
     require_root_and_bpf();
     let distro = PgInstall::distro()?;
     let nofp = PgInstall::no_frame_pointers()?;
@@ -66,7 +85,7 @@ fn probes_count_per_instance_with_one_uprobe_per_executable() -> Result<()> {
     let mut config = format!(
         "[pyroscope]\nurl = \"{}\"\n\
          [collection]\nupload_interval = \"2s\"\nfrequency = 49\ndebug_dirs = [\"{}\"]\n\
-         [probes]\nfunctions = [\"PortalStart\"]\nbudget = 0.0\n",
+         [probes]\nfunctions = [\"PortalStart\"]\n{budget}\n",
         capture.url(),
         nofp.debug_dir
             .as_ref()
@@ -110,7 +129,7 @@ fn probes_count_per_instance_with_one_uprobe_per_executable() -> Result<()> {
     std::thread::scope(|scope| -> Result<()> {
         let runs: Vec<_> = clusters
             .iter()
-            .map(|(_, cluster)| scope.spawn(|| cluster.pgbench(&["-S", "-c", "1", "-T", "8"])))
+            .map(|(_, cluster)| scope.spawn(|| cluster.pgbench(&["-S", "-c", "1", "-T", seconds])))
             .collect();
         for run in runs {
             run.join()
@@ -142,10 +161,10 @@ fn probes_count_per_instance_with_one_uprobe_per_executable() -> Result<()> {
         );
         ensure!(exact > 1000.0, "{name}: pgbench ran only {exact} selects");
         ensure!(
-            (estimate - exact).abs() <= TOLERANCE * exact,
+            (estimate - exact).abs() <= tolerance * exact,
             "{name}: {estimate} PortalStart calls shipped for queryid {queryid}, pg_stat_statements counted {exact} \
              (more than {:.0}% apart); all shipped: {calls:?}",
-            TOLERANCE * 100.0
+            tolerance * 100.0
         );
         ensure!(
             time.get(&key).copied().unwrap_or(0) > 0,

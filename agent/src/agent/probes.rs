@@ -15,7 +15,7 @@ use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::statement_clock::CounterLayout;
 use crate::collect::probes::{
-    calibrate, parse_probe_list, IntervalShare, IntervalShares, ProbeSet, ProbeState,
+    calibrate, parse_probe_list, IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState,
 };
 use crate::collect::Session;
 use crate::postgres;
@@ -29,6 +29,19 @@ struct Group {
     executable: String,
     set: ProbeSet,
     roots: HashSet<u32>,
+}
+
+/// The session's processes per instance, plus, for instances whose statement clock still needs
+/// a backend to find its array, their children as /proc lists them (no sample may have placed
+/// a backend yet).
+fn pids_for_clocks(session: &Session, groups: &[Group]) -> PidsByRoot {
+    let mut pids = session.pids_by_root();
+    for root in groups.iter().flat_map(|g| g.set.clocks_not_counting()) {
+        if let Some(list) = pids.get_mut(&root) {
+            list.extend(crate::target::children_of(root).into_iter().map(|c| c.pid));
+        }
+    }
+    pids
 }
 
 /// One probed function's calls in one instance for one queryid, over an interval (estimated
@@ -53,20 +66,47 @@ const RATE_FRESH: Duration = Duration::from_secs(40);
 /// a changing workload over a few intervals while one attached window's noise is averaged out.
 const RATE_DECAY: f64 = 0.7;
 
+/// Calls and nanoseconds per attached unit (statement or second), decayed over intervals, and
+/// when the probe was last attached.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Rate {
+    sums: (f64, f64, f64),
+    attached_at: Option<Instant>,
+}
+
+impl Rate {
+    fn add(&mut self, measured: (u64, u64), attached: f64, now: Instant) {
+        if attached <= 0.0 {
+            return;
+        }
+        self.sums = (
+            self.sums.0 * RATE_DECAY + measured.0 as f64,
+            self.sums.1 * RATE_DECAY + measured.1 as f64,
+            self.sums.2 * RATE_DECAY + attached,
+        );
+        self.attached_at = Some(now);
+    }
+
+    /// Calls and nanoseconds for `units` at this rate, if it is fresh.
+    fn estimate(&self, units: f64, now: Instant) -> Option<(u64, u64)> {
+        let fresh = self.attached_at.is_some_and(|at| now - at <= RATE_FRESH);
+        (fresh && self.sums.2 > 0.0).then(|| {
+            let per_unit = |sum: f64| (sum / self.sums.2 * units).round() as u64;
+            (per_unit(self.sums.0), per_unit(self.sums.1))
+        })
+    }
+}
+
 /// One (process, function, queryid) across upload intervals. What was measured while the
-/// probe was attached is sent as measured; the part of the interval it was detached (counted
-/// in the instance's statements, or in time without a statement clock) is estimated at the
-/// rate measured while attached, calls per statement, over the recent intervals.
+/// probe was attached is sent as measured; the part of the interval it was detached is
+/// estimated at the rate measured while attached over the recent intervals: calls per
+/// statement of the instance where its statement clock counted, else calls per second.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct KeyState {
     /// The kernel's cumulative counts at the last read.
     last: (u64, u64),
-    /// Decayed sums of calls, nanoseconds and attached units (statements or seconds).
-    sums: (f64, f64, f64),
-    /// Whether the units are statements.
-    by_statements: bool,
-    /// When the probe was last attached for this key's instance.
-    attached_at: Option<Instant>,
+    per_statement: Rate,
+    per_second: Rate,
 }
 
 impl KeyState {
@@ -82,32 +122,19 @@ impl KeyState {
             stats.total_ns.saturating_sub(self.last.1),
         );
         self.last = (stats.calls, stats.total_ns);
-        let (all, attached, by_statements) = match share {
-            IntervalShare::Statements { all, attached } => (all as f64, attached as f64, true),
-            IntervalShare::Time { all, attached } => (all.as_secs_f64(), attached.as_secs_f64(), false),
-        };
-        if by_statements != self.by_statements {
-            self.sums = (0.0, 0.0, 0.0);
-            self.by_statements = by_statements;
+        let (all_time, attached_time) = (share.time.0.as_secs_f64(), share.time.1.as_secs_f64());
+        self.per_second.add(measured, attached_time, now);
+        let by_statements = share.statements.and_then(|(all, attached)| {
+            self.per_statement.add(measured, attached as f64, now);
+            self.per_statement
+                .estimate(all.saturating_sub(attached) as f64, now)
+        });
+        let unmeasured =
+            by_statements.or_else(|| self.per_second.estimate((all_time - attached_time).max(0.0), now));
+        match unmeasured {
+            Some((calls, ns)) => (measured.0 + calls, measured.1 + ns),
+            None => measured,
         }
-        if attached > 0.0 {
-            self.sums = (
-                self.sums.0 * RATE_DECAY + measured.0 as f64,
-                self.sums.1 * RATE_DECAY + measured.1 as f64,
-                self.sums.2 * RATE_DECAY + attached,
-            );
-            self.attached_at = Some(now);
-        }
-        let fresh = self.attached_at.is_some_and(|at| now - at <= RATE_FRESH);
-        let unmeasured = (all - attached).max(0.0);
-        if !fresh || self.sums.2 <= 0.0 || unmeasured == 0.0 {
-            return measured;
-        }
-        let estimate = |sum: f64, measured: u64| measured + (sum / self.sums.2 * unmeasured).round() as u64;
-        (
-            estimate(self.sums.0, measured.0),
-            estimate(self.sums.1, measured.1),
-        )
     }
 }
 
@@ -274,7 +301,7 @@ impl AgentProbes {
         if self.groups.is_empty() {
             return;
         }
-        let pids = session.pids_by_root();
+        let pids = pids_for_clocks(session, &self.groups);
         for group in &mut self.groups {
             let cpu: f64 = group
                 .roots
@@ -297,7 +324,7 @@ impl AgentProbes {
         if self.groups.is_empty() {
             return BTreeMap::new();
         }
-        let pids = session.pids_by_root();
+        let pids = pids_for_clocks(session, &self.groups);
         let shares: Vec<(HashSet<u32>, IntervalShares)> = self
             .groups
             .iter_mut()
@@ -327,7 +354,17 @@ impl AgentProbes {
             else {
                 continue;
             };
+            let before = self.keys.get(&key).map(|k| k.last.0).unwrap_or(0);
             let (calls, ns) = self.keys.entry(key).or_default().advance(&stats, share, now);
+            if call.function == Function::PortalStart && stats.calls - before.min(stats.calls) + calls > 100 {
+                tracing::info!(
+                    root,
+                    measured = stats.calls - before.min(stats.calls),
+                    est = calls,
+                    ?share,
+                    "EXP"
+                );
+            }
             if calls == 0 {
                 continue;
             }
@@ -489,35 +526,47 @@ mod tests {
             total_ns: ns,
             ..Default::default()
         };
-        let share = |all, attached| IntervalShare::Statements { all, attached };
+        let secs = Duration::from_secs;
+        let share = |all, attached, time_attached| IntervalShare {
+            time: (secs(2), time_attached),
+            statements: Some((all, attached)),
+        };
         let start = Instant::now();
         let mut key = KeyState::default();
         // Attached for 100 of 400 statements: 100 calls measured, 300 estimated at 1 per
         // statement.
         assert_eq!(
-            key.advance(&stats(100, 1000), share(400, 100), start),
+            key.advance(&stats(100, 1000), share(400, 100, secs(1)), start),
             (400, 4000)
         );
         // Detached the whole interval: the rate × 300 statements.
-        let later = start + Duration::from_secs(15);
-        assert_eq!(key.advance(&stats(100, 1000), share(300, 0), later), (300, 3000));
+        let later = start + secs(15);
+        assert_eq!(
+            key.advance(&stats(100, 1000), share(300, 0, Duration::ZERO), later),
+            (300, 3000)
+        );
         // Attached again at half a call per statement: the rate is the decayed mix of both
         // windows, (0.7 × 100 + 50) / (0.7 × 100 + 100) per statement.
-        let (calls, _) = key.advance(&stats(150, 1500), share(400, 100), later);
+        let (calls, _) = key.advance(&stats(150, 1500), share(400, 100, secs(1)), later);
         assert_eq!(calls, 50 + (120.0_f64 / 170.0 * 300.0).round() as u64);
-        // A rate too old is not used: only what was measured.
-        let stale = later + RATE_FRESH + Duration::from_secs(1);
-        assert_eq!(key.advance(&stats(150, 1500), share(300, 0), stale), (0, 0));
-        // Attached all along: exactly what was measured.
-        assert_eq!(key.advance(&stats(160, 1600), share(10, 10), stale), (10, 100));
-        // Time as the unit (no statement clock) starts its own rate.
-        let time = IntervalShare::Time {
-            all: Duration::from_secs(2),
-            attached: Duration::ZERO,
+        // No statement count this interval (the clock had just started): calls per second.
+        let no_statements = IntervalShare {
+            time: (secs(2), Duration::ZERO),
+            statements: None,
         };
-        assert_eq!(key.advance(&stats(160, 1600), time, stale), (0, 0));
+        let per_second = (100.0 * 0.7 + 50.0) / (1.0 * 0.7 + 1.0);
+        assert_eq!(
+            key.advance(&stats(150, 1500), no_statements, later).0,
+            (per_second * 2.0_f64).round() as u64
+        );
+        // A rate too old is not used: only what was measured.
+        let stale = later + RATE_FRESH + secs(1);
+        assert_eq!(
+            key.advance(&stats(150, 1500), share(300, 0, Duration::ZERO), stale),
+            (0, 0)
+        );
         // The kernel's entry made again counts from zero.
-        assert_eq!(key.advance(&stats(5, 50), share(10, 10), stale), (5, 50));
+        assert_eq!(key.advance(&stats(5, 50), share(10, 10, secs(2)), stale), (5, 50));
     }
 
     fn profiles_is_empty_without_rows() -> bool {

@@ -170,32 +170,37 @@ pub struct ProbeSet {
     stopped: bool,
     /// Per instance (root PID): statements in the agent's current interval.
     interval_totals: BTreeMap<u32, u64>,
+    /// Instances whose statement clock counted from the start of the current interval: only
+    /// theirs are whole (a clock that starts counting mid-interval missed the statements
+    /// before, and calls measured then would be scaled by too few statements).
+    counting_at_mark: std::collections::BTreeSet<u32>,
     /// When the agent's current interval began.
     mark: Instant,
 }
 
-/// How much of an interval a probe was attached for: statements when the instances' statement
-/// clocks work (a probe slows what it measures, so time would undercount), else time.
+/// How much of an interval a probe was attached for: in time, and in the instance's
+/// statements when its statement clock counted the whole interval (a probe slows what it
+/// measures, so time undercounts; statements are the better measure when there are any).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum IntervalShare {
-    Statements { all: u64, attached: u64 },
-    Time { all: Duration, attached: Duration },
+pub struct IntervalShare {
+    pub time: (Duration, Duration),
+    /// (all, while attached).
+    pub statements: Option<(u64, u64)>,
 }
 
-/// An interval's shares: per (function, instance) by statements where the instance's statement
-/// clock counted any, else per function by time.
+/// An interval's shares per (function, instance).
 #[derive(Clone, Debug, Default)]
 pub struct IntervalShares {
-    by_statements: BTreeMap<(Function, u32), IntervalShare>,
-    by_time: BTreeMap<Function, IntervalShare>,
+    by_statements: BTreeMap<(Function, u32), (u64, u64)>,
+    by_time: BTreeMap<Function, (Duration, Duration)>,
 }
 
 impl IntervalShares {
     pub fn get(&self, function: Function, root: u32) -> Option<IntervalShare> {
-        self.by_statements
-            .get(&(function, root))
-            .or_else(|| self.by_time.get(&function))
-            .copied()
+        Some(IntervalShare {
+            time: *self.by_time.get(&function)?,
+            statements: self.by_statements.get(&(function, root)).copied(),
+        })
     }
 }
 
@@ -243,6 +248,7 @@ impl ProbeSet {
             statements_total: 0,
             stopped: false,
             interval_totals: BTreeMap::new(),
+            counting_at_mark: std::collections::BTreeSet::new(),
             mark: Instant::now(),
         };
         if functions.is_empty() {
@@ -294,6 +300,16 @@ impl ProbeSet {
         }
         self.statements.insert(root, StatementClock::new(layout));
         self.account_statements(pids);
+    }
+
+    /// Instances whose statement clock has not found its array yet: it needs a backend's PID
+    /// (the postmaster has no status entry).
+    pub fn clocks_not_counting(&self) -> Vec<u32> {
+        self.statements
+            .iter()
+            .filter(|(_, clock)| !clock.is_counting())
+            .map(|(&root, _)| root)
+            .collect()
     }
 
     /// Stops counting an instance's statements (it is gone).
@@ -402,26 +418,28 @@ impl ProbeSet {
         let elapsed = now - self.mark;
         self.mark = now;
         let totals = std::mem::take(&mut self.interval_totals);
+        let whole = std::mem::replace(
+            &mut self.counting_at_mark,
+            self.statements
+                .iter()
+                .filter(|(_, clock)| clock.is_counting())
+                .map(|(&root, _)| root)
+                .collect(),
+        );
         let attached_until: Vec<Duration> = self.probes.iter().map(|p| self.attached_until(p, now)).collect();
         let mut shares = IntervalShares::default();
         for (p, attached_now) in self.probes.iter_mut().zip(attached_until) {
             let attached = attached_now.saturating_sub(p.mark);
             p.mark = attached_now;
             let attached_statements = std::mem::take(&mut p.interval_attached);
-            shares.by_time.insert(
-                p.function,
-                IntervalShare::Time {
-                    all: elapsed,
-                    attached,
-                },
-            );
-            for (&root, &all) in totals.iter().filter(|(_, &all)| all > 0) {
+            shares.by_time.insert(p.function, (elapsed, attached));
+            for (&root, &all) in totals
+                .iter()
+                .filter(|(root, &all)| all > 0 && whole.contains(root))
+            {
                 shares.by_statements.insert(
                     (p.function, root),
-                    IntervalShare::Statements {
-                        all,
-                        attached: attached_statements.get(&root).copied().unwrap_or(0),
-                    },
+                    (all, attached_statements.get(&root).copied().unwrap_or(0)),
                 );
             }
         }

@@ -76,6 +76,12 @@ impl StatementClock {
         Self { layout, array: None }
     }
 
+    /// Whether it counts: the array was found and read once (until then every call returns 0,
+    /// and statements run meanwhile are not counted anywhere).
+    pub fn is_counting(&self) -> bool {
+        self.array.as_ref().is_some_and(|array| !array.last.is_empty())
+    }
+
     /// Status writes of the whole instance since the previous call, read through one of `pids`
     /// (processes of the instance). The first successful read only sets the starting point.
     pub fn advance(&mut self, pids: &[u32]) -> u64 {
