@@ -5,6 +5,7 @@ mod aggregate;
 mod bpf;
 mod collect;
 mod container;
+mod findings;
 mod postgres;
 mod preflight;
 mod target;

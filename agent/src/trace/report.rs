@@ -105,6 +105,24 @@ pub(super) fn finish(
             crate::collect::off_cpu::without_idle(profile)
         }
     });
+    let probe_rows: Vec<crate::findings::ProbeRow> = probe_results
+        .by_query()
+        .into_iter()
+        .map(|((query_id, call), stats)| crate::findings::ProbeRow {
+            query_id,
+            function: call.function,
+            calls: stats.calls,
+            total_ns: stats.total_ns,
+        })
+        .collect();
+    let findings = crate::findings::evaluate(&crate::findings::Evidence {
+        on_cpu: &profile,
+        probes: &probe_rows,
+    });
+    if !findings.is_empty() {
+        println!("findings:");
+        print!("{}", crate::findings::render(&findings));
+    }
     if session.filtered_out > 0 {
         println!(
             "{} samples of other queries left out (--queryid)",

@@ -1,0 +1,397 @@
+//! Rules over on-CPU stacks per queryid: where each statement's CPU goes by phase and through
+//! which Postgres functions.
+
+use std::collections::{BTreeMap, HashMap};
+
+use exporters::{Frame, FrameKind, Profile};
+
+use super::{percent, Finding, Severity};
+use crate::postgres::phase::Phase;
+
+/// A query needs this many samples before a share of them means anything.
+const MIN_SAMPLES: u64 = 20;
+/// Top CPU consumers named, always (those with at least `TOP_MIN_SHARE` of the samples).
+const TOP: usize = 3;
+const TOP_MIN_SHARE: f64 = 0.01;
+/// Planning (parse, analysis, plan) at least this share of a statement's CPU: unusual for
+/// anything but the shortest statements, and invisible to pg_stat_statements by default.
+const PLANNING_WARN: f64 = 0.30;
+/// Spinning at least this share of a query's (or all) CPU.
+const SPIN_WARN: f64 = 0.05;
+const SPIN_CRITICAL: f64 = 0.20;
+/// Locking relations inside GetCachedPlan at least this share of a query's CPU.
+const PLAN_LOCKS_WARN: f64 = 0.20;
+const PLAN_LOCKS_CRITICAL: f64 = 0.50;
+
+/// One queryid's on-CPU samples.
+#[derive(Clone, Debug, Default)]
+pub struct QueryCpu {
+    pub query_id: i64,
+    pub samples: u64,
+    /// Samples per phase, in [`Phase::ALL`] order.
+    pub by_phase: [u64; Phase::ALL.len()],
+    /// Samples in s_lock, per caller (the frame above it).
+    pub spinning: BTreeMap<String, u64>,
+    /// Samples locking a relation (LockRelationOid) under GetCachedPlan.
+    pub plan_locking: u64,
+    /// Samples in the planner itself (`planner`, `standard_planner`): the plan phase also
+    /// covers a cached plan's revalidation and locking, which is not planning.
+    pub planner: u64,
+}
+
+fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+fn user_names(frames: &[Frame]) -> Vec<&str> {
+    frames
+        .iter()
+        .filter(|f| f.kind == FrameKind::User)
+        .map(|f| &*f.name)
+        .collect()
+}
+
+impl QueryCpu {
+    /// Per queryid, most samples first; samples without a queryid are left out.
+    pub fn from_profile(profile: &Profile) -> Vec<QueryCpu> {
+        let mut queries: HashMap<i64, QueryCpu> = HashMap::new();
+        for sample in &profile.samples {
+            let Some(query_id) = label(&sample.labels, "queryid").and_then(|v| v.parse().ok()) else {
+                continue;
+            };
+            let query = queries.entry(query_id).or_insert_with(|| QueryCpu {
+                query_id,
+                ..Default::default()
+            });
+            query.samples += sample.count;
+            if let Some(index) = label(&sample.labels, "phase")
+                .and_then(|phase| Phase::ALL.iter().position(|p| p.label() == phase))
+            {
+                query.by_phase[index] += sample.count;
+            }
+            // Root first: a function's callers come before it.
+            let names = user_names(&sample.frames);
+            if let Some(at) = names.iter().position(|n| *n == "s_lock") {
+                let caller = at.checked_sub(1).map_or("?", |c| names[c]);
+                *query.spinning.entry(caller.to_string()).or_insert(0) += sample.count;
+            }
+            if names.iter().any(|n| *n == "planner" || *n == "standard_planner") {
+                query.planner += sample.count;
+            }
+            if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
+                if names[plan..].contains(&"LockRelationOid") {
+                    query.plan_locking += sample.count;
+                }
+            }
+        }
+        let mut out: Vec<QueryCpu> = queries.into_values().collect();
+        out.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.query_id.cmp(&b.query_id)));
+        out
+    }
+
+    fn phase(&self, phase: Phase) -> u64 {
+        Phase::ALL
+            .iter()
+            .position(|p| *p == phase)
+            .map_or(0, |i| self.by_phase[i])
+    }
+
+    /// The phase with most samples, and its share of the query's samples.
+    fn dominant_phase(&self) -> Option<(Phase, f64)> {
+        let (index, &samples) = self.by_phase.iter().enumerate().max_by_key(|(_, &n)| n)?;
+        (samples > 0).then(|| (Phase::ALL[index], samples as f64 / self.samples as f64))
+    }
+}
+
+/// The queries that use the most CPU, with the phase most of it is in: always reported.
+pub fn top_consumers(queries: &[QueryCpu], total: u64) -> Vec<Finding> {
+    if total == 0 {
+        return Vec::new();
+    }
+    queries
+        .iter()
+        .filter(|q| q.query_id != 0 && q.samples as f64 / total as f64 >= TOP_MIN_SHARE)
+        .take(TOP)
+        .map(|q| {
+            let share = q.samples as f64 / total as f64;
+            let mut numbers = vec![
+                ("share of the CPU samples".to_string(), percent(share)),
+                ("samples".to_string(), q.samples.to_string()),
+            ];
+            if let Some((phase, phase_share)) = q.dominant_phase() {
+                numbers.push((format!("in {}", phase.label()), percent(phase_share)));
+            }
+            Finding {
+                kind: "top_cpu",
+                severity: Severity::Info,
+                title: format!(
+                    "queryid {} uses {} of the CPU sampled",
+                    q.query_id,
+                    percent(share)
+                ),
+                numbers,
+                query_ids: vec![q.query_id],
+                frames: Vec::new(),
+                action:
+                    "the flamegraph filtered on this queryid shows where; pg_stat_statements has its text"
+                        .into(),
+            }
+        })
+        .collect()
+}
+
+/// Statements whose CPU goes mostly to parse, analysis and planning: pg_stat_statements times
+/// execution only (planning with track_planning, off by default; parsing never).
+pub fn planning_dominated(queries: &[QueryCpu]) -> Vec<Finding> {
+    queries
+        .iter()
+        .filter(|q| q.samples >= MIN_SAMPLES)
+        .filter_map(|q| {
+            let parse = q.phase(Phase::Parse) + q.phase(Phase::Analyze);
+            let plan = q.planner;
+            let share = (parse + plan) as f64 / q.samples as f64;
+            (share >= PLANNING_WARN).then(|| Finding {
+                kind: "planning_dominated",
+                severity: if share >= 0.6 { Severity::Critical } else { Severity::Warning },
+                title: format!(
+                    "queryid {} spends {} of its CPU parsing and planning, which pg_stat_statements does not time by default",
+                    q.query_id,
+                    percent(share)
+                ),
+                numbers: vec![
+                    ("parse + analysis".into(), percent(parse as f64 / q.samples as f64)),
+                    ("planning".into(), percent(plan as f64 / q.samples as f64)),
+                    ("samples".into(), q.samples.to_string()),
+                ],
+                query_ids: vec![q.query_id],
+                frames: vec!["pg_parse_query".into(), "parse_analyze".into(), "standard_planner".into()],
+                action: "run it as a prepared statement (extended protocol or PREPARE) so that parsing and \
+                         planning happen once per session; if it is prepared already and still plans every \
+                         time, check plan_cache_mode and whether custom plans keep winning; \
+                         pg_stat_statements.track_planning = on shows planning time there"
+                    .into(),
+            })
+        })
+        .collect()
+}
+
+/// Time spinning on spinlocks, per query and over all: many backends want the same short
+/// critical section at once. The caller of s_lock names the lock.
+pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
+    let total = profile.total_count();
+    let mut callers: BTreeMap<String, u64> = BTreeMap::new();
+    let mut spinning_queries = Vec::new();
+    for q in queries {
+        let spun: u64 = q.spinning.values().sum();
+        for (caller, n) in &q.spinning {
+            *callers.entry(caller.clone()).or_insert(0) += n;
+        }
+        if q.samples >= MIN_SAMPLES && spun as f64 / q.samples as f64 >= SPIN_WARN {
+            spinning_queries.push((q.query_id, spun));
+        }
+    }
+    let spun: u64 = callers.values().sum();
+    let share = if total == 0 {
+        0.0
+    } else {
+        spun as f64 / total as f64
+    };
+    if spinning_queries.is_empty() && (share < SPIN_WARN || spun < MIN_SAMPLES) {
+        return Vec::new();
+    }
+    spinning_queries.sort_by_key(|q| std::cmp::Reverse(q.1));
+    let mut by_caller: Vec<(String, u64)> = callers.into_iter().collect();
+    by_caller.sort_by_key(|c| std::cmp::Reverse(c.1));
+    let mut numbers = vec![("share of all CPU samples in s_lock".to_string(), percent(share))];
+    for (caller, n) in by_caller.iter().take(3) {
+        numbers.push((
+            format!("spinning under {caller}"),
+            percent(*n as f64 / total.max(1) as f64),
+        ));
+    }
+    vec![Finding {
+        kind: "spinlock_contention",
+        severity: if share >= SPIN_CRITICAL {
+            Severity::Critical
+        } else {
+            Severity::Warning
+        },
+        title: format!(
+            "{} of the CPU is spent spinning on spinlocks (s_lock)",
+            percent(share)
+        ),
+        numbers,
+        query_ids: spinning_queries.iter().map(|(id, _)| *id).take(5).collect(),
+        frames: by_caller
+            .iter()
+            .take(3)
+            .map(|(c, _)| format!("{c} → s_lock"))
+            .collect(),
+        action: "the caller names the lock (`--probes s_lock` names its file and line); a spinlock \
+                 guards a few instructions, so spinning means many backends want the same one at \
+                 once: fewer active backends on that object (a pooler), or less work per call; under \
+                 pg_stat_statements' pgss_store it is each statement's entry, hot when one queryid runs \
+                 many thousand times a second"
+            .into(),
+    }]
+}
+
+/// Cached generic plans that spend the statement's time locking relations: GetCachedPlan
+/// locks every relation a generic plan references before run-time pruning, every partition
+/// of a partitioned table included.
+pub fn generic_plan_locking(queries: &[QueryCpu]) -> Vec<Finding> {
+    queries
+        .iter()
+        .filter(|q| q.samples >= MIN_SAMPLES)
+        .filter_map(|q| {
+            let share = q.plan_locking as f64 / q.samples as f64;
+            (share >= PLAN_LOCKS_WARN).then(|| Finding {
+                kind: "generic_plan_locking",
+                severity: if share >= PLAN_LOCKS_CRITICAL {
+                    Severity::Critical
+                } else {
+                    Severity::Warning
+                },
+                title: format!(
+                    "queryid {} spends {} of its CPU locking relations for its cached plan",
+                    q.query_id,
+                    percent(share)
+                ),
+                numbers: vec![
+                    ("LockRelationOid under GetCachedPlan".into(), percent(share)),
+                    ("samples".into(), q.samples.to_string()),
+                ],
+                query_ids: vec![q.query_id],
+                frames: vec!["GetCachedPlan".into(), "LockRelationOid".into()],
+                action: "a generic plan locks every relation it may touch before pruning, all partitions \
+                         included: plan_cache_mode = force_custom_plan for this statement plans each \
+                         execution and locks only what the plan keeps; fewer partitions help too \
+                         (`--probes LockRelationOid,GetCachedPlan` counts the locks per execution)"
+                    .into(),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exporters::{ProfileMeta, StackSample};
+    use std::sync::Arc;
+
+    fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
+        StackSample {
+            frames: frames
+                .iter()
+                .map(|name| Frame {
+                    name: Arc::from(*name),
+                    kind: FrameKind::User,
+                })
+                .collect(),
+            labels: vec![
+                ("phase".into(), phase.into()),
+                ("queryid".into(), query_id.to_string()),
+            ],
+            count,
+        }
+    }
+
+    fn profile(samples: Vec<StackSample>) -> Profile {
+        Profile {
+            meta: ProfileMeta::cpu(99, 0, 1),
+            samples,
+        }
+    }
+
+    #[test]
+    fn planning_is_named_when_it_dominates_a_statement_and_not_otherwise() {
+        let p = profile(vec![
+            sample(
+                7,
+                "plan",
+                &["PostgresMain", "pg_plan_queries", "planner", "standard_planner"],
+                50,
+            ),
+            sample(7, "parse", &["PostgresMain", "pg_parse_query"], 10),
+            sample(7, "run", &["PostgresMain", "PortalRun"], 40),
+            sample(8, "plan", &["PostgresMain", "pg_plan_queries", "planner"], 10),
+            sample(8, "run", &["PostgresMain", "PortalRun"], 90),
+            // A cached plan revalidated and locked: the plan phase, but no planning.
+            sample(
+                9,
+                "plan",
+                &["PostgresMain", "GetCachedPlan", "LockRelationOid"],
+                60,
+            ),
+            sample(9, "run", &["PostgresMain", "PortalRun"], 40),
+        ]);
+        let found = planning_dominated(&QueryCpu::from_profile(&p));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].severity, Severity::Critical);
+        // Too few samples to say anything.
+        let few = profile(vec![sample(9, "plan", &["pg_plan_queries", "planner"], 5)]);
+        assert!(planning_dominated(&QueryCpu::from_profile(&few)).is_empty());
+    }
+
+    #[test]
+    fn spinning_names_the_caller_and_stays_silent_below_the_threshold() {
+        let p = profile(vec![
+            sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 30),
+            sample(7, "run", &["PostgresMain", "PortalRun"], 70),
+        ]);
+        let found = spinning(&QueryCpu::from_profile(&p), &p);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].severity, Severity::Critical);
+        assert_eq!(found[0].frames, vec!["pgss_store → s_lock".to_string()]);
+        let calm = profile(vec![
+            sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 2),
+            sample(7, "run", &["PostgresMain", "PortalRun"], 98),
+        ]);
+        assert!(spinning(&QueryCpu::from_profile(&calm), &calm).is_empty());
+    }
+
+    #[test]
+    fn plan_locking_counts_only_locks_taken_inside_get_cached_plan() {
+        let p = profile(vec![
+            sample(
+                7,
+                "run",
+                &[
+                    "PortalStart",
+                    "GetCachedPlan",
+                    "AcquireExecutorLocks",
+                    "LockRelationOid",
+                ],
+                60,
+            ),
+            sample(7, "run", &["PortalRun", "ExecScan"], 40),
+            // Locks the executor takes itself are not the plan's.
+            sample(8, "run", &["PortalRun", "ExecInitNode", "LockRelationOid"], 60),
+            sample(8, "run", &["PortalRun", "ExecScan"], 40),
+        ]);
+        let found = generic_plan_locking(&QueryCpu::from_profile(&p));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].query_ids, vec![7]);
+    }
+
+    #[test]
+    fn top_consumers_are_always_named_with_their_main_phase() {
+        let p = profile(vec![
+            sample(7, "run", &["PortalRun"], 60),
+            sample(8, "plan", &["pg_plan_queries"], 30),
+            sample(0, "run", &["PortalRun"], 10),
+            // Under 1% of the samples: noise, not a consumer.
+            sample(9, "run", &["PortalRun"], 0),
+        ]);
+        let found = top_consumers(&QueryCpu::from_profile(&p), p.total_count());
+        assert_eq!(
+            found.iter().map(|f| f.query_ids[0]).collect::<Vec<_>>(),
+            vec![7, 8]
+        );
+        assert!(found[0]
+            .numbers
+            .iter()
+            .any(|(k, v)| k == "in run" && v == "100.0%"));
+    }
+}

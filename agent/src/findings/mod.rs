@@ -1,0 +1,93 @@
+//! Findings: what the measurements mean, in a DBA's words. Each rule reads the evidence a
+//! trace (or an agent interval) gathered — on-CPU stacks per queryid and phase, function-probe
+//! counts — and says what it found, with the numbers, the queryids and frames involved and
+//! what to consider. Rules follow Postgres mechanics (what a phase or a function does), with
+//! thresholds on shares of the measured time, not on particular workloads.
+
+mod cpu;
+mod probes;
+
+use std::fmt::Write as _;
+
+use exporters::Profile;
+
+pub use probes::ProbeRow;
+
+/// How much a finding matters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Severity {
+    /// Where the time goes; always reported.
+    Info,
+    /// A cost worth acting on.
+    Warning,
+    /// A cost that dominates what the instance does.
+    Critical,
+}
+
+impl Severity {
+    pub fn name(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Warning => "warning",
+            Severity::Critical => "critical",
+        }
+    }
+}
+
+/// One diagnosis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finding {
+    /// Stable name of the rule (a metric label).
+    pub kind: &'static str,
+    pub severity: Severity,
+    /// What was found, in one sentence.
+    pub title: String,
+    /// The numbers that support it, as (what, value).
+    pub numbers: Vec<(String, String)>,
+    pub query_ids: Vec<i64>,
+    pub frames: Vec<String>,
+    /// What to consider doing.
+    pub action: String,
+}
+
+/// What the rules read.
+pub struct Evidence<'a> {
+    /// On-CPU samples with `queryid` and `phase` labels.
+    pub on_cpu: &'a Profile,
+    /// Function-probe counts per (queryid, function), estimates where duty-cycled.
+    pub probes: &'a [ProbeRow],
+}
+
+/// Every rule over the evidence, most severe first.
+pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
+    let queries = cpu::QueryCpu::from_profile(evidence.on_cpu);
+    let mut findings = Vec::new();
+    findings.extend(cpu::planning_dominated(&queries));
+    findings.extend(cpu::spinning(&queries, evidence.on_cpu));
+    findings.extend(cpu::generic_plan_locking(&queries));
+    findings.extend(probes::locks_per_execution(evidence.probes));
+    findings.extend(cpu::top_consumers(&queries, evidence.on_cpu.total_count()));
+    findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
+    findings
+}
+
+/// The findings as the end of a trace prints them.
+pub fn render(findings: &[Finding]) -> String {
+    let mut out = String::new();
+    for finding in findings {
+        let _ = writeln!(out, "[{}] {}", finding.severity.name(), finding.title);
+        for (what, value) in &finding.numbers {
+            let _ = writeln!(out, "    {what}: {value}");
+        }
+        if !finding.frames.is_empty() {
+            let _ = writeln!(out, "    frames: {}", finding.frames.join(", "));
+        }
+        let _ = writeln!(out, "    → {}", finding.action);
+    }
+    out
+}
+
+/// `12.3%`.
+fn percent(share: f64) -> String {
+    format!("{:.1}%", share * 100.0)
+}

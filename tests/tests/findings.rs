@@ -1,0 +1,98 @@
+//! Findings on real workloads: a rule names the pathology on the workload that has it and stays
+//! silent on the same workload without it. One prepared statement over a partitioned table
+//! under both plan cache modes triggers two rules each way: a generic plan is planned once but
+//! locks every partition at every execution; a custom plan locks only what it keeps but is
+//! planned at every execution.
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+
+/// pgbench's `-S` statement as pg_stat_statements shows it under `-M prepared`.
+const PGBENCH_SELECT: &str = "SELECT abalance FROM pgbench_accounts WHERE aid = $1";
+/// Partitions of pgbench_accounts: a generic plan locks every one per execution.
+const PARTITIONS: u32 = 64;
+
+/// The findings section of a trace of `pgbench -S -M prepared` under `plan_cache_mode`, every
+/// call of GetCachedPlan and LockRelationOid measured; and the select's queryid.
+fn findings_under(cluster: &PgCluster, plan_cache_mode: &str) -> Result<(String, String)> {
+    cluster.psql(&format!("ALTER SYSTEM SET plan_cache_mode = '{plan_cache_mode}'"))?;
+    cluster.psql("SELECT pg_reload_conf()")?;
+    cluster.psql("SELECT pg_stat_statements_reset()")?;
+    let trace = Trace::instance(cluster.data_dir())
+        .probes("GetCachedPlan,LockRelationOid")
+        .probe_budget("none")
+        .duration_secs(600)
+        .spawn()?;
+    cluster.pgbench(&["-n", "-S", "-M", "prepared", "-c", "2", "-j", "2", "-T", "4"])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster.psql(&format!(
+        "SELECT queryid FROM pg_stat_statements WHERE toplevel AND query = '{PGBENCH_SELECT}'"
+    ))?;
+    ensure!(
+        !queryid.trim().is_empty(),
+        "no pg_stat_statements entry for the select"
+    );
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid.trim().to_string()))
+}
+
+fn names_planning(findings: &str, queryid: &str) -> bool {
+    findings
+        .lines()
+        .any(|l| l.contains(&format!("queryid {queryid} spends")) && l.contains("parsing and planning"))
+}
+
+#[test]
+fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-q", "-s", "1", &format!("--partitions={PARTITIONS}")])?;
+
+    let (generic, queryid) = findings_under(&cluster, "force_generic_plan")?;
+    eprintln!("force_generic_plan:\n{generic}");
+    let named = generic.lines().find(|l| {
+        l.contains(&format!("queryid {queryid} takes")) && l.contains("relation locks per execution")
+    });
+    let line = named.with_context(|| {
+        format!("the generic plan's locking of {PARTITIONS} partitions is not named for queryid {queryid}:\n{generic}")
+    })?;
+    let locks: f64 = line
+        .split("takes ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("no lock count in `{line}`"))?;
+    ensure!(
+        locks >= f64::from(PARTITIONS),
+        "{locks} locks per execution, fewer than the {PARTITIONS} partitions: {line}"
+    );
+    ensure!(
+        generic.contains(&format!("queryid {queryid} uses")),
+        "the top CPU consumers are always named:\n{generic}"
+    );
+    ensure!(
+        !names_planning(&generic, &queryid),
+        "a generic plan is planned once, yet planning was named (revalidating and locking a \
+         cached plan is not planning):\n{generic}"
+    );
+
+    let (custom, custom_queryid) = findings_under(&cluster, "force_custom_plan")?;
+    eprintln!("force_custom_plan:\n{custom}");
+    ensure!(
+        !custom.contains("relation locks per execution"),
+        "custom plans lock only the partition they keep, yet locking was named:\n{custom}"
+    );
+    ensure!(
+        !custom.contains("locking relations for its cached plan"),
+        "custom plans do not lock in GetCachedPlan, yet its CPU was named:\n{custom}"
+    );
+    ensure!(
+        names_planning(&custom, &custom_queryid),
+        "a custom plan is planned at every execution, yet planning was not named:\n{custom}"
+    );
+    Ok(())
+}
