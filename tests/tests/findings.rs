@@ -5,7 +5,7 @@
 //! planned at every execution.
 
 use anyhow::{ensure, Context, Result};
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, workload, PgCluster, PgInstall, Trace};
 
 /// pgbench's `-S` statement as pg_stat_statements shows it under `-M prepared`.
 const PGBENCH_SELECT: &str = "SELECT abalance FROM pgbench_accounts WHERE aid = $1";
@@ -93,6 +93,45 @@ fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> 
     ensure!(
         names_planning(&custom, &custom_queryid),
         "a custom plan is planned at every execution, yet planning was not named:\n{custom}"
+    );
+    Ok(())
+}
+
+/// The findings of a trace (off CPU too) of the eviction-storm reproduction: 16 clients running
+/// 128 distinct statements, with `pg_stat_statements.max` = `max`.
+fn findings_of_128_statements(max: &str) -> Result<String> {
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("pg_stat_statements.max", max)])?;
+    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
+    args.extend(["-n", "-c", "16", "-j", "2", "-T", "6"].map(String::from));
+    let trace = Trace::instance(cluster.data_dir())
+        .off_cpu()
+        .duration_secs(600)
+        .spawn()?;
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    cluster.pgbench(&arg_refs)?;
+    let output = trace.interrupt()?;
+    Ok(output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .unwrap_or_default())
+}
+
+#[test]
+fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() -> Result<()> {
+    require_root_and_bpf();
+    let storm = findings_of_128_statements("100")?;
+    eprintln!("pg_stat_statements.max = 100:\n{storm}");
+    ensure!(
+        storm.contains("pg_stat_statements evicts entries"),
+        "128 distinct statements in 100 entries: the evictions were not named:\n{storm}"
+    );
+    let calm = findings_of_128_statements("5000")?;
+    eprintln!("pg_stat_statements.max = 5000:\n{calm}");
+    ensure!(
+        !calm.contains("pg_stat_statements evicts") && !calm.contains("pg_stat_statements' lock"),
+        "every statement has its entry, yet evictions or lock waits were named:\n{calm}"
     );
     Ok(())
 }

@@ -2,48 +2,15 @@
 //! the number of distinct statements, every new entry evicts others under the extension's
 //! exclusive LWLock, and backends queue on it (`LWLock:pg_stat_statements`, futex waits).
 
-use anyhow::{ensure, Context, Result};
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
-
-/// pgbench script i: a transaction of eight selects, each on its own table, so that the 16
-/// scripts make 128 distinct statements (the published reproduction of pg_stat_statements
-/// eviction storms).
-fn eviction_scripts(dir: &std::path::Path) -> Result<Vec<String>> {
-    let mut args = Vec::new();
-    for script in 0..16 {
-        let mut text = String::from("BEGIN;\n");
-        for table in 0..8 {
-            text.push_str(&format!("SELECT 1 FROM t{};\n", script * 8 + table + 1));
-        }
-        text.push_str("COMMIT;\n");
-        let path = dir.join(format!("script{script}.sql"));
-        std::fs::write(&path, text).with_context(|| format!("cannot write `{}`", path.display()))?;
-        // Readable by the postgres user that runs pgbench.
-        args.push("-f".to_owned());
-        args.push(path.display().to_string());
-    }
-    Ok(args)
-}
+use anyhow::{ensure, Result};
+use pgscope_tests::{require_root_and_bpf, workload, PgCluster, PgInstall, Trace};
 
 /// Off-CPU time in pg_stat_statements' LWLock while 16 clients run 128 distinct statements,
 /// with `pg_stat_statements.max` = `max`.
 fn pgss_lock_wait_ns(max: &str) -> Result<(u64, u64)> {
     let cluster =
         PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("pg_stat_statements.max", max)])?;
-    let mut ddl = String::new();
-    for table in 1..=128 {
-        ddl.push_str(&format!(
-            "CREATE TABLE t{table} (x int); INSERT INTO t{table} VALUES (1);"
-        ));
-    }
-    cluster.psql(&ddl)?;
-    let scripts = tempfile::tempdir()?;
-    // pgbench runs as the cluster's OS user: let it read the scripts.
-    std::fs::set_permissions(
-        scripts.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )?;
-    let mut args = eviction_scripts(scripts.path())?;
+    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
     args.extend(["-n", "-c", "16", "-j", "2", "-T", "8"].map(String::from));
     let trace = Trace::instance(cluster.data_dir()).off_cpu().spawn_summarized()?;
     let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();

@@ -10,6 +10,14 @@ use crate::postgres::phase::Phase;
 
 /// A query needs this many samples before a share of them means anything.
 const MIN_SAMPLES: u64 = 20;
+
+/// Queries a per-statement rule can speak of: queryid 0 is not a statement but "not computed
+/// yet" — every statement's parsing runs before its queryid is set.
+fn statements(queries: &[QueryCpu]) -> impl Iterator<Item = &QueryCpu> {
+    queries
+        .iter()
+        .filter(|q| q.query_id != 0 && q.samples >= MIN_SAMPLES)
+}
 /// Top CPU consumers named, always (those with at least `TOP_MIN_SHARE` of the samples).
 const TOP: usize = 3;
 const TOP_MIN_SHARE: f64 = 0.01;
@@ -143,9 +151,7 @@ pub fn top_consumers(queries: &[QueryCpu], total: u64) -> Vec<Finding> {
 /// Statements whose CPU goes mostly to parse, analysis and planning: pg_stat_statements times
 /// execution only (planning with track_planning, off by default; parsing never).
 pub fn planning_dominated(queries: &[QueryCpu]) -> Vec<Finding> {
-    queries
-        .iter()
-        .filter(|q| q.samples >= MIN_SAMPLES)
+    statements(queries)
         .filter_map(|q| {
             let parse = q.phase(Phase::Parse) + q.phase(Phase::Analyze);
             let plan = q.planner;
@@ -186,7 +192,7 @@ pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
         for (caller, n) in &q.spinning {
             *callers.entry(caller.clone()).or_insert(0) += n;
         }
-        if q.samples >= MIN_SAMPLES && spun as f64 / q.samples as f64 >= SPIN_WARN {
+        if q.query_id != 0 && q.samples >= MIN_SAMPLES && spun as f64 / q.samples as f64 >= SPIN_WARN {
             spinning_queries.push((q.query_id, spun));
         }
     }
@@ -240,9 +246,7 @@ pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
 /// locks every relation a generic plan references before run-time pruning, every partition
 /// of a partitioned table included.
 pub fn generic_plan_locking(queries: &[QueryCpu]) -> Vec<Finding> {
-    queries
-        .iter()
-        .filter(|q| q.samples >= MIN_SAMPLES)
+    statements(queries)
         .filter_map(|q| {
             let share = q.plan_locking as f64 / q.samples as f64;
             (share >= PLAN_LOCKS_WARN).then(|| Finding {
@@ -332,6 +336,9 @@ mod tests {
         // Too few samples to say anything.
         let few = profile(vec![sample(9, "plan", &["pg_plan_queries", "planner"], 5)]);
         assert!(planning_dominated(&QueryCpu::from_profile(&few)).is_empty());
+        // Queryid 0: parsing before any queryid is known, not a statement.
+        let unknown = profile(vec![sample(0, "parse", &["pg_parse_query", "raw_parser"], 100)]);
+        assert!(planning_dominated(&QueryCpu::from_profile(&unknown)).is_empty());
     }
 
     #[test]

@@ -5,12 +5,14 @@
 //! thresholds on shares of the measured time, not on particular workloads.
 
 mod cpu;
+mod pgss;
 mod probes;
 
 use std::fmt::Write as _;
 
 use exporters::Profile;
 
+pub use pgss::PgssEvidence;
 pub use probes::ProbeRow;
 
 /// How much a finding matters.
@@ -56,6 +58,10 @@ pub struct Evidence<'a> {
     pub on_cpu: &'a Profile,
     /// Function-probe counts per (queryid, function), estimates where duty-cycled.
     pub probes: &'a [ProbeRow],
+    /// Off-CPU time with `wait_event` and `off_cpu` labels, when measured.
+    pub off_cpu: Option<&'a Profile>,
+    /// pg_stat_statements' eviction counter over the measurement, when it could be read.
+    pub pgss: Option<PgssEvidence>,
 }
 
 /// Every rule over the evidence, most severe first.
@@ -66,6 +72,7 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(cpu::spinning(&queries, evidence.on_cpu));
     findings.extend(cpu::generic_plan_locking(&queries));
     findings.extend(probes::locks_per_execution(evidence.probes));
+    findings.extend(pgss::evictions(evidence.pgss.as_ref(), evidence.off_cpu));
     findings.extend(cpu::top_consumers(&queries, evidence.on_cpu.total_count()));
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     findings

@@ -186,6 +186,31 @@ pub async fn query_texts(client: &Client, query_ids: &[i64]) -> Result<HashMap<i
     Ok(texts)
 }
 
+/// pg_stat_statements' eviction counter and capacity, at one instant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PgssInfo {
+    /// `pg_stat_statements_info.dealloc`: times entries were evicted to make room.
+    pub dealloc: i64,
+    /// `pg_stat_statements.max`.
+    pub max: i64,
+}
+
+/// pg_stat_statements' counters (PG14+), where the extension is created in the connected
+/// database.
+pub async fn pgss_info(client: &Client) -> Result<PgssInfo> {
+    let row = client
+        .query_one(
+            "SELECT dealloc, current_setting('pg_stat_statements.max')::bigint FROM pg_stat_statements_info",
+            &[],
+        )
+        .await
+        .context("reading pg_stat_statements_info (is the extension created in database `postgres`?)")?;
+    Ok(PgssInfo {
+        dealloc: row.try_get(0).context("pg_stat_statements_info.dealloc")?,
+        max: row.try_get(1).context("pg_stat_statements.max")?,
+    })
+}
+
 /// `pg_database.datname` by OID, as `pg_stat_activity.datname` shows it (pg_database is shared
 /// by all databases, so any connection sees every one).
 pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {

@@ -170,6 +170,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
                 false
             }
         };
+    // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
+    let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -239,7 +241,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if ended_early {
         eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
-    let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results).await;
+    let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results, pgss_start).await;
     session.add_waits_without_stack(
         WaitWithoutStack::from_totals(&off_cpu_totals).chain(WaitWithoutStack::from_open(&open_waits)),
     );
@@ -250,6 +252,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         start_unix_nanos,
         elapsed,
         sql_facts,
+        pgss_start,
     };
     report::finish(&options, &target, session, measured)
 }

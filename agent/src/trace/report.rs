@@ -24,6 +24,8 @@ pub(super) struct Measured {
     pub elapsed: Duration,
     /// Query texts and database names, when the instance could be reached.
     pub sql_facts: super::sql_facts::SqlFacts,
+    /// pg_stat_statements' counters when the trace started.
+    pub pgss_start: Option<crate::postgres::sql::PgssInfo>,
 }
 
 pub(super) fn finish(
@@ -39,10 +41,12 @@ pub(super) fn finish(
         start_unix_nanos,
         elapsed,
         sql_facts,
+        pgss_start,
     } = measured;
     let super::sql_facts::SqlFacts {
         query_texts,
         database_names,
+        pgss_end,
     } = sql_facts;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
     let profile = session.profile(false, kernel.as_ref(), meta, &database_names);
@@ -115,9 +119,18 @@ pub(super) fn finish(
             total_ns: stats.total_ns,
         })
         .collect();
+    let pgss = pgss_start
+        .zip(pgss_end)
+        .map(|(start, end)| crate::findings::PgssEvidence {
+            evictions: end.dealloc - start.dealloc,
+            max: end.max,
+            seconds: elapsed.as_secs_f64(),
+        });
     let findings = crate::findings::evaluate(&crate::findings::Evidence {
         on_cpu: &profile,
         probes: &probe_rows,
+        off_cpu: off_cpu_profile.as_ref(),
+        pgss,
     });
     if !findings.is_empty() {
         println!("findings:");

@@ -13,6 +13,35 @@ use crate::postgres::sql;
 pub struct SqlFacts {
     pub query_texts: HashMap<i64, String>,
     pub database_names: HashMap<u32, String>,
+    /// pg_stat_statements' counters at the end, when they were read at the start too.
+    pub pgss_end: Option<sql::PgssInfo>,
+}
+
+/// How long reading pg_stat_statements' counters at the start may take: it delays the trace.
+const PGSS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Connect> {
+    Ok(match &options.conninfo {
+        Some(info) => sql::Connect::Conninfo(info.clone()),
+        None => sql::Connect::for_process(pid)?,
+    })
+}
+
+/// pg_stat_statements' eviction counter before the trace, for the findings; None (quietly)
+/// where the extension is not there or the instance cannot be reached.
+pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<sql::PgssInfo> {
+    let read = async {
+        let client = sql::connect(&connect_target(options, pid)?).await?;
+        sql::pgss_info(&client).await
+    };
+    match tokio::time::timeout(PGSS_TIMEOUT, read).await {
+        Ok(Ok(info)) => Some(info),
+        Ok(Err(error)) => {
+            tracing::debug!("no pg_stat_statements counters: {error:#}");
+            None
+        }
+        Err(_) => None,
+    }
 }
 
 /// Connects through `--conninfo` or the socket of `pid`'s instance if the samples name a query
@@ -22,6 +51,7 @@ pub async fn fetch(
     pid: u32,
     session: &Session,
     probe_results: &ProbeResults,
+    pgss_start: Option<sql::PgssInfo>,
 ) -> SqlFacts {
     let query_ids = wanted_query_ids(options, session, probe_results);
     let texts = !query_ids.is_empty();
@@ -30,20 +60,18 @@ pub async fn fetch(
         .is_some_and(|stacks| !stacks.database_oids().is_empty());
     // What the one line about a failed connection says is missing.
     let missing = match (texts, databases) {
-        (false, false) => return SqlFacts::default(),
+        (false, false) if pgss_start.is_none() => return SqlFacts::default(),
+        (false, false) => "pg_stat_statements' counters at the end",
         (true, true) => "query texts or database names (database labels stay OIDs)",
         (true, false) => "query texts",
         (false, true) => "database names (database labels stay OIDs)",
     };
-    let target = match &options.conninfo {
-        Some(info) => sql::Connect::Conninfo(info.clone()),
-        None => match sql::Connect::for_process(pid) {
-            Ok(target) => target,
-            Err(error) => {
-                eprintln!("pgscope: no {missing}: {error:#}");
-                return SqlFacts::default();
-            }
-        },
+    let target = match connect_target(options, pid) {
+        Ok(target) => target,
+        Err(error) => {
+            eprintln!("pgscope: no {missing}: {error:#}");
+            return SqlFacts::default();
+        }
     };
     let client = match sql::connect(&target).await {
         Ok(client) => client,
@@ -65,6 +93,12 @@ pub async fn fetch(
         match sql::database_names(&client).await {
             Ok(names) => facts.database_names = names,
             Err(error) => eprintln!("pgscope: no database names (database labels stay OIDs): {error:#}"),
+        }
+    }
+    if pgss_start.is_some() {
+        match sql::pgss_info(&client).await {
+            Ok(info) => facts.pgss_end = Some(info),
+            Err(error) => eprintln!("pgscope: no pg_stat_statements eviction count: {error:#}"),
         }
     }
     facts

@@ -1,0 +1,177 @@
+//! pg_stat_statements' own cost: with fewer entries (`pg_stat_statements.max`) than the
+//! distinct statements a workload runs, every new statement evicts others under the
+//! extension's lock held exclusively, and every backend finishing a statement queues on it.
+
+use exporters::Profile;
+
+use super::{percent, Finding, Severity};
+
+/// The eviction counter over the measurement.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PgssEvidence {
+    /// `pg_stat_statements_info.dealloc` at the end less at the start.
+    pub evictions: i64,
+    /// `pg_stat_statements.max`.
+    pub max: i64,
+    pub seconds: f64,
+}
+
+/// The wait event of pg_stat_statements' LWLock (its tranche, named by the extension).
+const PGSS_LOCK: &str = "LWLock:pg_stat_statements";
+/// Evictions per second from which the lock is taken exclusively often enough to matter.
+const EVICTIONS_WARN: f64 = 1.0;
+const EVICTIONS_CRITICAL: f64 = 10.0;
+/// Share of the (not idle) off-CPU time spent waiting on the extension's lock.
+const LOCK_WARN: f64 = 0.05;
+const LOCK_CRITICAL: f64 = 0.20;
+
+fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+/// Share of the off-CPU time (idle waits left out) in pg_stat_statements' LWLock.
+fn lock_share(off_cpu: &Profile) -> Option<f64> {
+    let mut total = 0u64;
+    let mut lock = 0u64;
+    for sample in &off_cpu.samples {
+        if label(&sample.labels, "off_cpu") == Some("idle") {
+            continue;
+        }
+        total += sample.count;
+        if label(&sample.labels, "wait_event") == Some(PGSS_LOCK) {
+            lock += sample.count;
+        }
+    }
+    (total > 0).then(|| lock as f64 / total as f64)
+}
+
+pub fn evictions(pgss: Option<&PgssEvidence>, off_cpu: Option<&Profile>) -> Vec<Finding> {
+    let share = off_cpu.and_then(lock_share);
+    let rate = pgss.map(|p| p.evictions as f64 / p.seconds.max(1e-3));
+    let evicting = pgss.is_some_and(|p| p.evictions > 0);
+    let by_rate = rate.map_or(Severity::Info, |r| match r {
+        r if r >= EVICTIONS_CRITICAL => Severity::Critical,
+        r if r >= EVICTIONS_WARN => Severity::Warning,
+        _ => Severity::Info,
+    });
+    let by_lock = share.map_or(Severity::Info, |s| match s {
+        s if s >= LOCK_CRITICAL => Severity::Critical,
+        s if s >= LOCK_WARN => Severity::Warning,
+        _ => Severity::Info,
+    });
+    let severity = by_rate.max(by_lock);
+    if !evicting && severity == Severity::Info {
+        return Vec::new();
+    }
+    let mut numbers = Vec::new();
+    if let (Some(p), Some(rate)) = (pgss, rate) {
+        numbers.push((
+            "evictions (pg_stat_statements_info.dealloc)".into(),
+            format!("{} ({rate:.1}/s)", p.evictions),
+        ));
+        numbers.push(("pg_stat_statements.max".into(), p.max.to_string()));
+    }
+    if let Some(share) = share {
+        numbers.push((format!("off-CPU time (not idle) in {PGSS_LOCK}"), percent(share)));
+    }
+    let title = match (evicting, rate) {
+        (true, Some(rate)) => format!(
+            "pg_stat_statements evicts entries {rate:.1} times a second: the workload runs more distinct statements than its {} entries",
+            pgss.map_or(0, |p| p.max)
+        ),
+        _ => format!(
+            "backends wait on pg_stat_statements' lock for {} of their (not idle) off-CPU time",
+            percent(share.unwrap_or(0.0))
+        ),
+    };
+    vec![Finding {
+        kind: "pgss_evictions",
+        severity,
+        title,
+        numbers,
+        query_ids: Vec::new(),
+        frames: vec![
+            "pgss_store".into(),
+            "entry_dealloc".into(),
+            "LWLockAcquire".into(),
+        ],
+        action: "raise pg_stat_statements.max above the number of distinct statements (a restart is \
+                 needed); each eviction takes the extension's lock exclusively, and every backend \
+                 finishing a statement queues behind it; fewer distinct statements (parameters \
+                 instead of literals) help too"
+            .into(),
+    }]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exporters::{Frame, FrameKind, ProfileMeta, StackSample};
+    use std::sync::Arc;
+
+    fn wait(wait_event: &str, class: &str, ns: u64) -> StackSample {
+        StackSample {
+            frames: vec![Frame {
+                name: Arc::from("futex (syscall)"),
+                kind: FrameKind::Kernel,
+            }],
+            labels: vec![
+                ("off_cpu".into(), class.into()),
+                ("wait_event".into(), wait_event.into()),
+            ],
+            count: ns,
+        }
+    }
+
+    fn off_cpu(samples: Vec<StackSample>) -> Profile {
+        Profile {
+            meta: ProfileMeta::off_cpu(0, 1),
+            samples,
+        }
+    }
+
+    #[test]
+    fn an_eviction_storm_is_named_with_its_lock_waits_a_calm_instance_is_not() {
+        let storm = PgssEvidence {
+            evictions: 5783,
+            max: 100,
+            seconds: 8.0,
+        };
+        let waits = off_cpu(vec![
+            wait(PGSS_LOCK, "futex", 2_000),
+            wait("Client:ClientRead", "latch", 8_000),
+            wait("Client:ClientRead", "idle", 1_000_000),
+        ]);
+        let found = evictions(Some(&storm), Some(&waits));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].severity, Severity::Critical);
+        assert!(
+            found[0].numbers.iter().any(|(_, v)| v == "20.0%"),
+            "{:?}",
+            found[0].numbers
+        );
+
+        let calm = PgssEvidence {
+            evictions: 0,
+            max: 5000,
+            seconds: 8.0,
+        };
+        let quiet = off_cpu(vec![
+            wait(PGSS_LOCK, "futex", 1),
+            wait("Client:ClientRead", "latch", 8_000),
+        ]);
+        assert!(evictions(Some(&calm), Some(&quiet)).is_empty());
+        assert!(evictions(None, None).is_empty());
+    }
+
+    #[test]
+    fn lock_waits_alone_are_named_without_the_counter() {
+        let waits = off_cpu(vec![
+            wait(PGSS_LOCK, "futex", 1_000),
+            wait("IO:DataFileRead", "io", 9_000),
+        ]);
+        let found = evictions(None, Some(&waits));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].severity, Severity::Warning);
+    }
+}
