@@ -53,6 +53,16 @@ pub struct StackSample {
     pub count: u64,
 }
 
+impl StackSample {
+    /// The value of label `key`, if the sample has it.
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// What the samples measure, e.g. on-CPU at 99 Hz: sample_type ("cpu","nanoseconds"),
 /// period = 1e9/99 ns, each sample's value in pprof = count * period.
 #[derive(Clone, Debug)]

@@ -47,10 +47,6 @@ pub struct QueryCpu {
     pub planner: u64,
 }
 
-fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
-}
-
 fn user_names(frames: &[Frame]) -> Vec<&str> {
     frames
         .iter()
@@ -64,7 +60,7 @@ impl QueryCpu {
     pub fn from_profile(profile: &Profile) -> Vec<QueryCpu> {
         let mut queries: HashMap<i64, QueryCpu> = HashMap::new();
         for sample in &profile.samples {
-            let Some(query_id) = label(&sample.labels, "queryid").and_then(|v| v.parse().ok()) else {
+            let Some(query_id) = sample.label("queryid").and_then(|v| v.parse().ok()) else {
                 continue;
             };
             let query = queries.entry(query_id).or_insert_with(|| QueryCpu {
@@ -72,7 +68,8 @@ impl QueryCpu {
                 ..Default::default()
             });
             query.samples += sample.count;
-            if let Some(index) = label(&sample.labels, "phase")
+            if let Some(index) = sample
+                .label("phase")
                 .and_then(|phase| Phase::ALL.iter().position(|p| p.label() == phase))
             {
                 query.by_phase[index] += sample.count;

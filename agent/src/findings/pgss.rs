@@ -25,20 +25,16 @@ const EVICTIONS_CRITICAL: f64 = 10.0;
 const LOCK_WARN: f64 = 0.05;
 const LOCK_CRITICAL: f64 = 0.20;
 
-fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
-}
-
 /// Share of the off-CPU time (idle waits left out) in pg_stat_statements' LWLock.
 fn lock_share(off_cpu: &Profile) -> Option<f64> {
     let mut total = 0u64;
     let mut lock = 0u64;
     for sample in &off_cpu.samples {
-        if label(&sample.labels, "off_cpu") == Some("idle") {
+        if sample.label("off_cpu") == Some("idle") {
             continue;
         }
         total += sample.count;
-        if label(&sample.labels, "wait_event") == Some(PGSS_LOCK) {
+        if sample.label("wait_event") == Some(PGSS_LOCK) {
             lock += sample.count;
         }
     }

@@ -37,17 +37,14 @@ pub struct WaitRow {
     pub ns: u64,
 }
 
-fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
-}
-
 /// Off-CPU time per (backend type, wait event, class) over the whole profile, longest first.
 pub fn by_wait(profile: &Profile) -> Vec<WaitRow> {
     let mut rows: BTreeMap<(String, String, String), u64> = BTreeMap::new();
     for sample in &profile.samples {
-        let backend_type = label(&sample.labels, "backend_type").unwrap_or("?").to_string();
-        let class = label(&sample.labels, "off_cpu").unwrap_or("?").to_string();
-        let wait = label(&sample.labels, "wait_event")
+        let backend_type = sample.label("backend_type").unwrap_or("?").to_string();
+        let class = sample.label("off_cpu").unwrap_or("?").to_string();
+        let wait = sample
+            .label("wait_event")
             .unwrap_or("(no wait event)")
             .to_string();
         *rows.entry((backend_type, wait, class)).or_insert(0) += sample.count;
@@ -83,14 +80,15 @@ pub struct QueryWait {
 pub fn by_query(profile: &Profile) -> Vec<(i64, Vec<QueryWait>)> {
     let mut per_query: BTreeMap<i64, BTreeMap<(String, String), QueryWait>> = BTreeMap::new();
     for sample in &profile.samples {
-        let Some(query_id) = label(&sample.labels, "queryid").and_then(|q| q.parse::<i64>().ok()) else {
+        let Some(query_id) = sample.label("queryid").and_then(|q| q.parse::<i64>().ok()) else {
             continue;
         };
         if query_id == 0 {
             continue;
         }
-        let class = label(&sample.labels, "off_cpu").unwrap_or("?").to_string();
-        let wait = label(&sample.labels, "wait_event")
+        let class = sample.label("off_cpu").unwrap_or("?").to_string();
+        let wait = sample
+            .label("wait_event")
             .unwrap_or("(no wait event)")
             .to_string();
         let entry = per_query

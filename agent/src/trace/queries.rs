@@ -26,16 +26,12 @@ impl QuerySummary {
     }
 }
 
-fn label<'a>(labels: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
-}
-
 /// Groups samples by queryid, most samples first. Samples without a queryid label (processes
 /// with no status entry, or no attribution) are left out.
 pub fn summarize(profile: &Profile) -> Vec<QuerySummary> {
     let mut queries: HashMap<i64, (QuerySummary, HashMap<String, u64>)> = HashMap::new();
     for sample in &profile.samples {
-        let Some(query_id) = label(&sample.labels, "queryid").and_then(|v| v.parse().ok()) else {
+        let Some(query_id) = sample.label("queryid").and_then(|v| v.parse().ok()) else {
             continue;
         };
         let (summary, leaves) = queries.entry(query_id).or_insert_with(|| {
@@ -50,7 +46,7 @@ pub fn summarize(profile: &Profile) -> Vec<QuerySummary> {
             )
         });
         summary.samples += sample.count;
-        if let Some(phase) = label(&sample.labels, "phase") {
+        if let Some(phase) = sample.label("phase") {
             if let Some(index) = Phase::ALL.iter().position(|p| p.label() == phase) {
                 summary.by_phase[index] += sample.count;
             }
