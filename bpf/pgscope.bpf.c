@@ -888,9 +888,14 @@ static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool
 	 * the lock and I/O waits that need it. */
 	class = task->attr.off_cpu_class;
 	bool client_wait = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == (PG_WAIT_CLIENT_READ & PG_WAIT_CLASS_MASK);
-	if (syscall >= 0 && class != PGSCOPE_OFF_CPU_IDLE && class != PGSCOPE_OFF_CPU_PREEMPTED && !client_wait &&
-	    stack_allowed(now))
+	if (syscall < 0 || class == PGSCOPE_OFF_CPU_IDLE || class == PGSCOPE_OFF_CPU_PREEMPTED || client_wait)
+		return;
+	if (stack_allowed(now))
 		send_wait_start(ctx, task);
+	/* Over the rate (or the ring buffer full): if it turns out long, it is counted as a wait
+	 * that should have had a stack (switch_in drops the mark for a short one). */
+	if (!task->stack_start_ns)
+		task->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 }
 
 /* next is switched in (still in prev's context): its blocked time is known now. */
@@ -912,7 +917,7 @@ static __always_inline void switch_in(struct task_struct *next)
 	if (stack_sent) {
 		struct pgscope_wait_end end = {
 			.tgid = task->tgid,
-			.tid = BPF_CORE_READ(next, pid),
+			.tid = next->pid,
 			.start_ns = start_ns,
 			.blocked_ns = long_wait ? blocked : 0,
 			.magic = PGSCOPE_WAIT_END_MAGIC,
@@ -924,13 +929,10 @@ static __always_inline void switch_in(struct task_struct *next)
 		}
 		/* The time is not lost with the record: it goes to the totals. */
 		count(PGSCOPE_CNT_RINGBUF_FULL);
-	} else if (long_wait && task->syscall != (__u32)-1 && task->attr.off_cpu_class != PGSCOPE_OFF_CPU_IDLE &&
-		   task->attr.off_cpu_class != PGSCOPE_OFF_CPU_PREEMPTED &&
-		   (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) != (PG_WAIT_CLIENT_READ & PG_WAIT_CLASS_MASK)) {
-		task->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 	}
+	if (!long_wait)
+		task->attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 	add_off_cpu_total(task->tgid, &task->attr, blocked);
-	task->attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 }
 
 SEC("tp_btf/sched_switch")
