@@ -31,18 +31,10 @@ struct Group {
     roots: HashSet<u32>,
 }
 
-/// The session's processes per instance, plus, for instances whose statement clock still needs
-/// a backend to find its array, their children as /proc lists them (no sample may have placed
-/// a backend yet).
-fn pids_for_clocks(session: &Session, groups: &[Group]) -> PidsByRoot {
-    let mut pids = session.pids_by_root();
-    for root in groups.iter().flat_map(|g| g.set.clocks_not_counting()) {
-        if let Some(list) = pids.get_mut(&root) {
-            list.extend(crate::target::children_of(root).into_iter().map(|c| c.pid));
-        }
-    }
-    pids
-}
+/// How often /proc is scanned for the backends of instances whose statement clock has not
+/// found its array (every duty tick would scan it 20 times a second, for ever if an instance's
+/// clock never finds it).
+const CHILDREN_SCAN_EVERY: Duration = Duration::from_secs(1);
 
 /// One probed function's calls in one instance for one queryid, over an interval (estimated
 /// when the duty cycle detached the probe part of the time).
@@ -159,6 +151,8 @@ pub struct AgentProbes {
     /// Per instance: on-CPU samples at the last second and the CPU it used (ns per second).
     cpu: HashMap<u32, (u64, f64)>,
     frequency_hz: u64,
+    /// When /proc was last scanned for children (see [`CHILDREN_SCAN_EVERY`]).
+    children_scanned: Option<Instant>,
 }
 
 impl AgentProbes {
@@ -173,6 +167,7 @@ impl AgentProbes {
             keys: HashMap::new(),
             cpu: HashMap::new(),
             frequency_hz: config.collection.frequency,
+            children_scanned: None,
         }
     }
 
@@ -296,12 +291,32 @@ impl AgentProbes {
         }
     }
 
+    /// The session's processes per instance, plus, at most once a second, for instances whose
+    /// statement clock still needs a backend to find its array, their children as /proc lists
+    /// them (no sample may have placed a backend yet).
+    fn pids_for_clocks(&mut self, session: &Session) -> PidsByRoot {
+        let mut pids = session.pids_by_root();
+        if self
+            .children_scanned
+            .is_some_and(|at| at.elapsed() < CHILDREN_SCAN_EVERY)
+        {
+            return pids;
+        }
+        self.children_scanned = Some(Instant::now());
+        for root in self.groups.iter().flat_map(|g| g.set.clocks_not_counting()) {
+            if let Some(list) = pids.get_mut(&root) {
+                list.extend(crate::target::children_of(root).into_iter().map(|c| c.pid));
+            }
+        }
+        pids
+    }
+
     /// Advances every group's duty cycle.
     pub fn tick(&mut self, probes: &mut OnCpuProbes, session: &Session, elapsed: Duration) {
         if self.groups.is_empty() {
             return;
         }
-        let pids = pids_for_clocks(session, &self.groups);
+        let pids = self.pids_for_clocks(session);
         for group in &mut self.groups {
             let cpu: f64 = group
                 .roots
@@ -324,7 +339,7 @@ impl AgentProbes {
         if self.groups.is_empty() {
             return BTreeMap::new();
         }
-        let pids = pids_for_clocks(session, &self.groups);
+        let pids = self.pids_for_clocks(session);
         let shares: Vec<(HashSet<u32>, IntervalShares)> = self
             .groups
             .iter_mut()
