@@ -60,8 +60,9 @@ struct {
 	__type(value, struct pgscope_off_cpu_task);
 } off_cpu_tasks SEC(".maps");
 
-/* Index 0: bumped whenever the target set loses or gains a process other than by fork (user
- * space adds or removes one, a target execs): a thread's cached `measured` is decided again. */
+/* Index 0: bumped by user space whenever it adds or removes a target: a thread's cached
+ * `measured` is decided again. (Forks need no bump: a child's storage starts fresh; a target
+ * that execs drops its storage in on_process_exec.) User space is its only writer. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -76,13 +77,6 @@ static __always_inline void count(__u32 counter)
 		*value += 1;
 }
 
-static __always_inline void bump_targets_generation(void)
-{
-	__u32 zero = 0;
-	__u32 *generation = bpf_map_lookup_elem(&targets_generation, &zero);
-	if (generation)
-		__sync_fetch_and_add(generation, 1);
-}
 
 
 /* Copies the user stack from sp upwards. mm->start_stack bounds the main thread's stack (every
@@ -399,9 +393,10 @@ int on_process_exec(void *ctx)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 
-	if (bpf_map_delete_elem(&targets, &tgid) == 0)
-		bump_targets_generation();
+	bpf_map_delete_elem(&targets, &tgid);
 	bpf_map_delete_elem(&pg_layouts, &tgid);
+	/* Its off-CPU state is decided again at its next switch (no longer a target). */
+	bpf_task_storage_delete(&off_cpu_tasks, bpf_get_current_task_btf());
 	return 0;
 }
 

@@ -48,7 +48,8 @@ const GATE_SLOTS: u32 = 1024;
 /// The loaded on-CPU profiler programs and their maps.
 pub struct OnCpuProbes {
     ebpf: Ebpf,
-    /// Gate slots of detached probes, for the next attach; `next_gate` was never used.
+    /// Gate slots freed by detached probes, for the next attach; `next_gate` is the lowest
+    /// slot not handed out yet.
     free_gates: Vec<u32>,
     next_gate: u32,
 }
@@ -216,7 +217,7 @@ impl OnCpuProbes {
     }
 
     /// Makes every thread's cached "measured off CPU or not" be decided again at its next
-    /// switch (the BPF side bumps it too, when a target execs).
+    /// switch. User space is the only writer (a read-modify-write is safe).
     fn bump_targets_generation(&mut self) -> Result<()> {
         let mut generation: aya::maps::Array<_, u32> =
             aya::maps::Array::try_from(self.map_mut("targets_generation")?)?;
@@ -413,21 +414,9 @@ impl OnCpuProbes {
     /// Drops the function-probe entries of processes that exited (read for the last time):
     /// the maps are bounded and backends come and go.
     pub fn remove_probe_entries_of(&mut self, exited: &std::collections::HashSet<u32>) -> Result<()> {
-        let calls: Vec<CallKey> = self.call_stats()?.into_iter().map(|(k, _)| k).collect();
-        remove_keys::<CallKey, CallStats>(
-            self.map_mut("call_stats")?,
-            calls.iter().filter(|k| exited.contains(&k.tgid)),
-        )?;
-        let locks: Vec<RelationLockKey> = self.relation_locks()?.into_iter().map(|(k, _)| k).collect();
-        remove_keys::<RelationLockKey, u64>(
-            self.map_mut("relation_locks")?,
-            locks.iter().filter(|k| exited.contains(&k.tgid)),
-        )?;
-        let sites: Vec<SpinSiteKey> = self.spin_sites()?.into_iter().map(|(k, _)| k).collect();
-        remove_keys::<SpinSiteKey, SpinSiteStats>(
-            self.map_mut("spin_sites")?,
-            sites.iter().filter(|k| exited.contains(&k.tgid)),
-        )
+        remove_where::<CallKey, CallStats>(self.map_mut("call_stats")?, |k| exited.contains(&k.tgid))?;
+        remove_where::<RelationLockKey, u64>(self.map_mut("relation_locks")?, |k| exited.contains(&k.tgid))?;
+        remove_where::<SpinSiteKey, SpinSiteStats>(self.map_mut("spin_sites")?, |k| exited.contains(&k.tgid))
     }
 
     /// Every entry of a per-CPU hash map, its per-CPU values folded into one.
@@ -530,14 +519,16 @@ fn monotonic_ns() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
-/// Removes `keys` from a per-CPU hash map; keys already gone are fine (the goal is that they
-/// are gone).
-fn remove_keys<'a, K: aya::Pod + 'a, V: aya::Pod>(
-    map: &mut Map,
-    keys: impl Iterator<Item = &'a K>,
-) -> Result<()> {
+/// Removes the entries of a per-CPU hash map whose key matches (keys only are read); keys
+/// already gone are fine (the goal is that they are gone).
+fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut Map, matches: impl Fn(&K) -> bool) -> Result<()> {
     let mut map: PerCpuHashMap<_, K, V> = PerCpuHashMap::try_from(map)?;
-    for key in keys {
+    let doomed: Vec<K> = map
+        .keys()
+        .filter_map(|key| key.ok())
+        .filter(|key| matches(key))
+        .collect();
+    for key in &doomed {
         let _ = map.remove(key);
     }
     Ok(())
