@@ -17,6 +17,7 @@ packages=(
   time bc python3                     # bench/overhead.sh and the demo's free-port pick
   python3-venv                        # the Helm chart checks' tools (scripts/chart-tools.sh)
   curl                                # bench/agent.sh and the Pyroscope server's readiness check
+  chromium                            # the HTML report test renders the page headless
 )
 
 missing=()

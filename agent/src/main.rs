@@ -8,6 +8,7 @@ mod container;
 mod findings;
 mod postgres;
 mod preflight;
+mod report;
 mod target;
 mod trace;
 
@@ -40,9 +41,22 @@ enum Command {
     /// SIGTERM sends what was collected and detaches. Exit codes: 0 stopped by a signal,
     /// 1 could not run (e.g. no BPF), 2 invalid configuration.
     Agent(Box<AgentArgs>),
+    /// Write the HTML report of a saved trace (`pgscope trace --record FILE`): findings, the
+    /// on-CPU and off-CPU flamegraphs and a table per queryid, in one self-contained page.
+    Report(ReportArgs),
     /// Measure what one probe hit costs on this machine: a bare uprobe (empty program) and a
     /// pgscope function probe (entry + return). `bench/probes.sh` quotes it.
     Calibrate,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// The recording written by `pgscope trace --record FILE`.
+    #[arg(long, value_name = "FILE")]
+    from: PathBuf,
+    /// Where to write the page.
+    #[arg(long, value_name = "FILE", default_value = "report.html")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -69,6 +83,14 @@ struct TraceArgs {
     /// Write the summary as JSON here (schema `pgscope.trace.summary/v1`, see the README).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Save the trace as a recording here (JSON, schema `pgscope.recording/v1`):
+    /// `pgscope report --from FILE` writes its HTML report later.
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
+    /// Write the HTML report here: findings, on-CPU and off-CPU flamegraphs, per-queryid
+    /// tables, in one self-contained page.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
     /// Write a gzipped pprof profile here; samples carry the labels pid, backend_type,
     /// database, state, queryid, wait_event and phase.
     #[arg(long, value_name = "FILE")]
@@ -249,6 +271,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Calibrate => trace::calibrate(),
+            Command::Report(args) => report::run(&args.from, &args.out),
             Command::Agent(_) => match (agent, config) {
                 (Some(source), Some(config)) => agent::run(source, config).await,
                 _ => Err(anyhow::anyhow!("the agent's configuration was not loaded")),
@@ -266,6 +289,8 @@ fn main() -> ExitCode {
                     top: args.top,
                     query_id: args.query_id,
                     json: args.json,
+                    record: args.record,
+                    report: args.report,
                     probes: args.probes,
                     explicit_probes: args.explicit_probes,
                     probe_budget: args.probe_budget.0,

@@ -13,6 +13,8 @@
 use std::num::ParseIntError;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 pub mod folded;
 pub mod pprof;
 pub mod pyroscope;
@@ -25,7 +27,8 @@ pub use svg::{write_svg, SvgOptions};
 pub use top::{render_top_table, top_functions, FunctionShare};
 
 /// Where a frame executes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FrameKind {
     /// A user-space frame (Postgres, its extensions, libc, ...).
     User,
@@ -34,7 +37,7 @@ pub enum FrameKind {
 }
 
 /// One symbolized stack frame.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Frame {
     /// The function name as the symbolizer found it (may contain anything; exporters sanitize).
     pub name: Arc<str>,
@@ -43,7 +46,7 @@ pub struct Frame {
 }
 
 /// One aggregated stack: frames ROOT FIRST, labels sorted by key, value in the profile's unit.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StackSample {
     /// Frames from the outermost caller (index 0) to the leaf (last).
     pub frames: Vec<Frame>,
@@ -65,7 +68,7 @@ impl StackSample {
 
 /// What the samples measure, e.g. on-CPU at 99 Hz: sample_type ("cpu","nanoseconds"),
 /// period = 1e9/99 ns, each sample's value in pprof = count * period.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ProfileMeta {
     /// pprof sample type of the weighted value, e.g. `cpu`.
     pub sample_type: String,
@@ -115,8 +118,9 @@ impl ProfileMeta {
     }
 }
 
-/// Aggregated stacks plus what they measure.
-#[derive(Clone, Debug)]
+/// Aggregated stacks plus what they measure. Serializable, so that a trace can be saved as a
+/// recording and reported on later.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Profile {
     /// Sample and period types, time range.
     pub meta: ProfileMeta,

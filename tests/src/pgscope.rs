@@ -148,6 +148,16 @@ impl Trace {
         self.arg("--json", path)
     }
 
+    /// `--record <path>`: the trace saved for `pgscope report --from`.
+    pub fn record(self, path: &Path) -> Self {
+        self.arg("--record", path)
+    }
+
+    /// `--report <path>`: the HTML report.
+    pub fn report(self, path: &Path) -> Self {
+        self.arg("--report", path)
+    }
+
     /// `--probes <functions>`: a comma-separated list of function names, or `all`.
     pub fn probes(self, functions: &str) -> Self {
         self.arg("--probes", functions)

@@ -7,7 +7,7 @@ use exporters::Profile;
 use super::{percent, Finding, Severity};
 
 /// The eviction counter over the measurement.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PgssEvidence {
     /// `pg_stat_statements_info.dealloc` at the end less at the start.
     pub evictions: i64,

@@ -2,10 +2,10 @@
 //! functions and write the flamegraph outputs.
 
 mod json;
-mod off_cpu;
+pub(crate) mod off_cpu;
 mod probes;
 mod progress;
-mod queries;
+pub(crate) mod queries;
 mod report;
 mod spin_sites;
 mod sql_facts;
@@ -46,6 +46,10 @@ pub struct TraceOptions {
     pub top: usize,
     pub query_id: Option<i64>,
     pub json: Option<PathBuf>,
+    /// `--record`: save the trace as a recording for `pgscope report`.
+    pub record: Option<PathBuf>,
+    /// `--report`: write the HTML report.
+    pub report: Option<PathBuf>,
     /// `--probes` items as given (function names or `all`).
     pub probes: Vec<String>,
     /// `--probe FUNCTION=PATH:OFFSET`: functions at locations the user gives.

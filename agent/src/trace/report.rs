@@ -13,6 +13,7 @@ use symbolizer::KernelSymbols;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
+use crate::report::{RecordedProbe, Recording};
 use crate::target::Target;
 
 /// What a trace measured besides its samples, read before the probes were detached.
@@ -135,6 +136,34 @@ pub(super) fn finish(
     if !findings.is_empty() {
         println!("findings:");
         print!("{}", crate::findings::render(&findings));
+    }
+    if options.record.is_some() || options.report.is_some() {
+        let recording = Recording {
+            schema: crate::report::recording::SCHEMA.to_string(),
+            target: target.describe(),
+            postgres_major: session.postgres_major(),
+            frequency_hz: options.frequency_hz,
+            duration_seconds: elapsed.as_secs_f64(),
+            on_cpu: profile.clone(),
+            off_cpu: off_cpu_profile.clone(),
+            probes: probe_rows.iter().map(RecordedProbe::new).collect(),
+            pgss,
+            query_texts: query_texts
+                .iter()
+                .map(|(id, text)| (id.to_string(), text.clone()))
+                .collect(),
+        };
+        if let Some(path) = &options.record {
+            recording.save(path)?;
+            println!(
+                "wrote the recording to {} (pgscope report --from it)",
+                path.display()
+            );
+        }
+        if let Some(path) = &options.report {
+            crate::report::write(&recording, &findings, path)?;
+            println!("wrote the report to {}", path.display());
+        }
     }
     if session.filtered_out > 0 {
         println!(

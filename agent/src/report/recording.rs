@@ -1,0 +1,206 @@
+//! A saved trace (`pgscope trace --record FILE`): what the findings and the report are made
+//! of, so that a report can be written later, elsewhere, or again after pgscope improves its
+//! rules. JSON, versioned like the summary: fields are only added within a version.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use exporters::Profile;
+use serde::{Deserialize, Serialize};
+
+use crate::bpf::abi::Function;
+use crate::findings::{Evidence, Finding, PgssEvidence, ProbeRow};
+
+pub const SCHEMA: &str = "pgscope.recording/v1";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Recording {
+    pub schema: String,
+    /// What was traced, as the trace's first line says it: `backend 1234 (client backend)`.
+    pub target: String,
+    /// Major version attribution was decoded for.
+    pub postgres_major: Option<u32>,
+    pub frequency_hz: u64,
+    pub duration_seconds: f64,
+    /// On-CPU samples with their labels (queryid, phase, pid, backend_type, …).
+    pub on_cpu: Profile,
+    /// Off-CPU nanoseconds, idle client waits included; absent when not measured.
+    pub off_cpu: Option<Profile>,
+    /// Function-probe counts per queryid (estimates where duty-cycled).
+    pub probes: Vec<RecordedProbe>,
+    /// pg_stat_statements' eviction counter over the trace.
+    pub pgss: Option<PgssEvidence>,
+    /// Normalized query texts by queryid (decimal), when the instance could be reached.
+    pub query_texts: BTreeMap<String, String>,
+}
+
+/// One probed function's calls for one queryid.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecordedProbe {
+    /// Decimal: 64-bit values do not survive JSON numbers in most parsers.
+    pub queryid: String,
+    /// The function's name (`LockRelationOid`, `pgss_store`, …).
+    pub function: String,
+    pub calls: u64,
+    pub total_ns: u64,
+}
+
+impl RecordedProbe {
+    pub fn new(row: &ProbeRow) -> Self {
+        Self {
+            queryid: row.query_id.to_string(),
+            function: row.function.name().to_string(),
+            calls: row.calls,
+            total_ns: row.total_ns,
+        }
+    }
+
+    /// The row the findings read; None for a function this version does not know.
+    fn row(&self) -> Option<ProbeRow> {
+        Some(ProbeRow {
+            query_id: self.queryid.parse().ok()?,
+            function: Function::ALL.into_iter().find(|f| f.name() == self.function)?,
+            calls: self.calls,
+            total_ns: self.total_ns,
+        })
+    }
+}
+
+impl Recording {
+    /// Reads a recording, saying plainly when the file is something else.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the recording `{}`", path.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "`{}` is not JSON: a recording is written by `pgscope trace --record FILE`",
+                path.display()
+            )
+        })?;
+        match value.get("schema").and_then(|s| s.as_str()) {
+            Some(SCHEMA) => {}
+            Some(other) => bail!(
+                "`{}` has schema `{other}`, not `{SCHEMA}`: it is not a recording this pgscope \
+                 reads (a --json summary is not a recording; use --record)",
+                path.display()
+            ),
+            None => bail!(
+                "`{}` is not a pgscope recording (no `schema` field): write one with \
+                 `pgscope trace --record FILE`",
+                path.display()
+            ),
+        }
+        serde_json::from_value(value)
+            .with_context(|| format!("the recording `{}` is damaged", path.display()))
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let file =
+            std::fs::File::create(path).with_context(|| format!("cannot create `{}`", path.display()))?;
+        serde_json::to_writer(std::io::BufWriter::new(file), self)
+            .with_context(|| format!("cannot write the recording to `{}`", path.display()))
+    }
+
+    /// The probe rows the findings read (functions this version does not know are left out).
+    pub fn probe_rows(&self) -> Vec<ProbeRow> {
+        self.probes.iter().filter_map(RecordedProbe::row).collect()
+    }
+
+    /// The findings over what was recorded.
+    pub fn findings(&self) -> Vec<Finding> {
+        let probes = self.probe_rows();
+        crate::findings::evaluate(&Evidence {
+            on_cpu: &self.on_cpu,
+            probes: &probes,
+            off_cpu: self.off_cpu.as_ref(),
+            pgss: self.pgss,
+        })
+    }
+
+    /// The normalized text of a query, when known.
+    pub fn query_text(&self, query_id: i64) -> Option<&str> {
+        self.query_texts.get(&query_id.to_string()).map(String::as_str)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exporters::{Frame, FrameKind, ProfileMeta, StackSample};
+
+    fn recording() -> Recording {
+        let sample = StackSample {
+            frames: vec![Frame {
+                name: "exec_simple_query".into(),
+                kind: FrameKind::User,
+            }],
+            labels: vec![("queryid".into(), "-42".into())],
+            count: 3,
+        };
+        Recording {
+            schema: SCHEMA.into(),
+            target: "instance (postmaster 1)".into(),
+            postgres_major: Some(15),
+            frequency_hz: 99,
+            duration_seconds: 1.5,
+            on_cpu: Profile {
+                meta: ProfileMeta::cpu(99, 1, 2),
+                samples: vec![sample],
+            },
+            off_cpu: None,
+            probes: vec![
+                RecordedProbe::new(&ProbeRow {
+                    query_id: -42,
+                    function: Function::LockRelationOid,
+                    calls: 7,
+                    total_ns: 70,
+                }),
+                RecordedProbe {
+                    queryid: "-42".into(),
+                    function: "a_function_of_a_later_version".into(),
+                    calls: 1,
+                    total_ns: 1,
+                },
+            ],
+            pgss: None,
+            query_texts: BTreeMap::from([("-42".into(), "SELECT 1".into())]),
+        }
+    }
+
+    #[test]
+    fn a_saved_recording_loads_back_the_same() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("r.json");
+        recording().save(&path).expect("save");
+        let loaded = Recording::load(&path).expect("load");
+        assert_eq!(loaded.on_cpu.samples, recording().on_cpu.samples);
+        assert_eq!(loaded.probes, recording().probes);
+        assert_eq!(loaded.query_text(-42), Some("SELECT 1"));
+        assert_eq!(
+            loaded.probe_rows(),
+            vec![ProbeRow {
+                query_id: -42,
+                function: Function::LockRelationOid,
+                calls: 7,
+                total_ns: 70,
+            }],
+            "unknown functions are left out"
+        );
+    }
+
+    #[test]
+    fn other_files_are_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let summary = dir.path().join("summary.json");
+        std::fs::write(&summary, r#"{"schema":"pgscope.trace.summary/v1"}"#).expect("write");
+        let error = format!("{:#}", Recording::load(&summary).unwrap_err());
+        assert!(error.contains("use --record"), "{error}");
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "hello").expect("write");
+        let error = format!("{:#}", Recording::load(&text).unwrap_err());
+        assert!(error.contains("is not JSON"), "{error}");
+        let error = format!("{:#}", Recording::load(&dir.path().join("missing")).unwrap_err());
+        assert!(error.contains("cannot read the recording"), "{error}");
+    }
+}
