@@ -116,10 +116,11 @@ impl KeyState {
         self.last = (stats.calls, stats.total_ns);
         let (all_time, attached_time) = (share.time.0.as_secs_f64(), share.time.1.as_secs_f64());
         self.per_second.add(measured, attached_time, now);
-        let by_statements = share.statements.and_then(|(all, attached)| {
-            self.per_statement.add(measured, attached as f64, now);
+        let by_statements = share.statements.and_then(|statements| {
+            self.per_statement.add(measured, statements.attached as f64, now);
+            let all = statements.all?;
             self.per_statement
-                .estimate(all.saturating_sub(attached) as f64, now)
+                .estimate(all.saturating_sub(statements.attached) as f64, now)
         });
         let unmeasured =
             by_statements.or_else(|| self.per_second.estimate((all_time - attached_time).max(0.0), now));
@@ -207,7 +208,13 @@ impl AgentProbes {
                 return;
             }
         };
-        let pids = session.pids_by_root();
+        // The statement clock finds the instance's status array through any process that has
+        // a slot (the checkpointer always does): with its children listed now, it counts from
+        // the first duty-cycle window on, whose calls then get a per-statement rate.
+        let mut pids = session.pids_by_root();
+        pids.entry(root)
+            .or_default()
+            .extend(crate::target::children_of(root).into_iter().map(|c| c.pid));
         if let Some(group) = self.groups.iter_mut().find(|g| g.file == file) {
             group.roots.insert(root);
             if let Some(layout) = layout {
@@ -369,17 +376,7 @@ impl AgentProbes {
             else {
                 continue;
             };
-            let before = self.keys.get(&key).map(|k| k.last.0).unwrap_or(0);
             let (calls, ns) = self.keys.entry(key).or_default().advance(&stats, share, now);
-            if call.function == Function::PortalStart && stats.calls - before.min(stats.calls) + calls > 100 {
-                tracing::info!(
-                    root,
-                    measured = stats.calls - before.min(stats.calls),
-                    est = calls,
-                    ?share,
-                    "EXP"
-                );
-            }
             if calls == 0 {
                 continue;
             }
@@ -491,6 +488,7 @@ pub fn profiles(rows: &[CallRow], start: u64, end: u64) -> Vec<(&'static str, Pr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collect::probes::StatementShare;
 
     #[test]
     fn probe_rows_become_calls_and_time_profiles_labelled_by_queryid() {
@@ -544,7 +542,10 @@ mod tests {
         let secs = Duration::from_secs;
         let share = |all, attached, time_attached| IntervalShare {
             time: (secs(2), time_attached),
-            statements: Some((all, attached)),
+            statements: Some(StatementShare {
+                attached,
+                all: Some(all),
+            }),
         };
         let start = Instant::now();
         let mut key = KeyState::default();
@@ -582,6 +583,38 @@ mod tests {
         );
         // The kernel's entry made again counts from zero.
         assert_eq!(key.advance(&stats(5, 50), share(10, 10, secs(2)), stale), (5, 50));
+    }
+
+    #[test]
+    fn a_clock_that_started_mid_interval_still_gives_the_rate_of_its_attached_statements() {
+        let stats = |calls| CallStats {
+            calls,
+            total_ns: calls * 10,
+            ..Default::default()
+        };
+        let secs = Duration::from_secs;
+        let now = Instant::now();
+        let mut key = KeyState::default();
+        // The first interval: 300 calls over 100 statements counted while attached, but the
+        // clock missed the interval's start, so the detached second is estimated per second.
+        let first = IntervalShare {
+            time: (secs(2), secs(1)),
+            statements: Some(StatementShare {
+                attached: 100,
+                all: None,
+            }),
+        };
+        assert_eq!(key.advance(&stats(300), first, now), (600, 6000));
+        // Then detached for a whole counted interval of 500 statements: 3 calls each, not the
+        // per-second rate (which would give 600).
+        let detached = IntervalShare {
+            time: (secs(2), Duration::ZERO),
+            statements: Some(StatementShare {
+                attached: 0,
+                all: Some(500),
+            }),
+        };
+        assert_eq!(key.advance(&stats(300), detached, now), (1500, 15000));
     }
 
     fn profiles_is_empty_without_rows() -> bool {

@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::bpf::abi::Function;
+#[cfg(test)]
+pub use set::StatementShare;
 pub use set::{IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState};
 
 /// Parses one `--probes` item: a function name, or `all`.

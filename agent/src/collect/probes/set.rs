@@ -2,7 +2,7 @@
 //! by the shared duty cycle under `--probe-budget`. Counts of duty-cycled probes are scaled by
 //! the statements the instance ran while they were attached (see `statement_clock`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -173,25 +173,39 @@ pub struct ProbeSet {
     /// Instances whose statement clock counted from the start of the current interval: only
     /// theirs are whole (a clock that starts counting mid-interval missed the statements
     /// before, and calls measured then would be scaled by too few statements).
-    counting_at_mark: std::collections::BTreeSet<u32>,
+    counting_at_mark: BTreeSet<u32>,
+    /// Instances whose statement clock did not count at some moment a probe was attached in
+    /// the current interval: calls measured then have no statements to be divided by.
+    uncounted_attached: BTreeSet<u32>,
     /// When the agent's current interval began.
     mark: Instant,
 }
 
 /// How much of an interval a probe was attached for: in time, and in the instance's
-/// statements when its statement clock counted the whole interval (a probe slows what it
-/// measures, so time undercounts; statements are the better measure when there are any).
+/// statements when its statement clock counted while the probe was attached (a probe slows
+/// what it measures, so time undercounts; statements are the better measure when there are
+/// any).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct IntervalShare {
     pub time: (Duration, Duration),
-    /// (all, while attached).
-    pub statements: Option<(u64, u64)>,
+    pub statements: Option<StatementShare>,
+}
+
+/// An instance's statements in an interval, as its statement clock counted them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StatementShare {
+    /// While the probe was attached: the clock counted all along, so the calls measured in
+    /// the interval divided by these are the calls per statement.
+    pub attached: u64,
+    /// All of the interval's, when the clock counted the whole interval and there were any:
+    /// `all - attached` is what the detached part ran.
+    pub all: Option<u64>,
 }
 
 /// An interval's shares per (function, instance).
 #[derive(Clone, Debug, Default)]
 pub struct IntervalShares {
-    by_statements: BTreeMap<(Function, u32), (u64, u64)>,
+    by_statements: BTreeMap<(Function, u32), StatementShare>,
     by_time: BTreeMap<Function, (Duration, Duration)>,
 }
 
@@ -248,7 +262,8 @@ impl ProbeSet {
             statements_total: 0,
             stopped: false,
             interval_totals: BTreeMap::new(),
-            counting_at_mark: std::collections::BTreeSet::new(),
+            counting_at_mark: BTreeSet::new(),
+            uncounted_attached: BTreeSet::new(),
             mark: Instant::now(),
         };
         if functions.is_empty() {
@@ -300,6 +315,17 @@ impl ProbeSet {
         }
         self.statements.insert(root, StatementClock::new(layout));
         self.account_statements(pids);
+        // The clock counts from here: the instance's calls are divided by the statements
+        // counted from now on. Calls it made before it was found, under probes attached for
+        // another instance of the same executable, are the small error this accepts.
+        self.uncounted_attached.remove(&root);
+        if self
+            .statements
+            .get(&root)
+            .is_some_and(StatementClock::is_counting)
+        {
+            self.counting_at_mark.insert(root);
+        }
     }
 
     /// Instances whose statement clock has not found its array yet: it needs a backend's PID
@@ -321,10 +347,14 @@ impl ProbeSet {
     /// Called before each switch, so each interval had one attach state.
     fn account_statements(&mut self, pids: &PidsByRoot) {
         let mut progress = 0;
+        let any_attached = self.probes.iter().any(|p| p.links.is_some());
         for (root, clock) in &mut self.statements {
             let Some(pids) = pids.get(root) else {
                 continue;
             };
+            if !clock.is_counting() && any_attached {
+                self.uncounted_attached.insert(*root);
+            }
             let of_root = clock.advance(pids);
             progress += of_root;
             *self.interval_totals.entry(*root).or_insert(0) += of_root;
@@ -418,14 +448,14 @@ impl ProbeSet {
         let elapsed = now - self.mark;
         self.mark = now;
         let totals = std::mem::take(&mut self.interval_totals);
-        let whole = std::mem::replace(
-            &mut self.counting_at_mark,
-            self.statements
-                .iter()
-                .filter(|(_, clock)| clock.is_counting())
-                .map(|(&root, _)| root)
-                .collect(),
-        );
+        let counting: BTreeSet<u32> = self
+            .statements
+            .iter()
+            .filter(|(_, clock)| clock.is_counting())
+            .map(|(&root, _)| root)
+            .collect();
+        let whole = std::mem::replace(&mut self.counting_at_mark, counting.clone());
+        let uncounted = std::mem::take(&mut self.uncounted_attached);
         let attached_until: Vec<Duration> = self.probes.iter().map(|p| self.attached_until(p, now)).collect();
         let mut shares = IntervalShares::default();
         for (p, attached_now) in self.probes.iter_mut().zip(attached_until) {
@@ -433,13 +463,14 @@ impl ProbeSet {
             p.mark = attached_now;
             let attached_statements = std::mem::take(&mut p.interval_attached);
             shares.by_time.insert(p.function, (elapsed, attached));
-            for (&root, &all) in totals
-                .iter()
-                .filter(|(root, &all)| all > 0 && whole.contains(root))
-            {
+            for &root in counting.iter().filter(|root| !uncounted.contains(root)) {
+                let all = totals.get(&root).copied().unwrap_or(0);
                 shares.by_statements.insert(
                     (p.function, root),
-                    (all, attached_statements.get(&root).copied().unwrap_or(0)),
+                    StatementShare {
+                        attached: attached_statements.get(&root).copied().unwrap_or(0),
+                        all: (all > 0 && whole.contains(&root)).then_some(all),
+                    },
                 );
             }
         }
