@@ -135,3 +135,131 @@ fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() ->
     );
     Ok(())
 }
+
+/// A trigger's function burning CPU for each inserted row: the same work, either at the end
+/// of the statement or deferred to commit.
+const HEAVY_TRIGGER_FUNCTION: &str = "CREATE FUNCTION heavy() RETURNS trigger LANGUAGE plpgsql AS \
+     $$BEGIN PERFORM sum(i) FROM generate_series(1, 20000) i; RETURN NULL; END$$";
+
+/// The findings of a trace of single-row inserts into a table whose trigger is created with
+/// `trigger` (deferred or not), and the insert's queryid.
+fn findings_of_inserts_with(trigger: &str) -> Result<(String, String)> {
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE t (x int)")?;
+    cluster.psql(HEAVY_TRIGGER_FUNCTION)?;
+    cluster.psql(trigger)?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("insert.sql");
+    std::fs::write(&script, "INSERT INTO t VALUES (1);\n")?;
+    let trace = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
+    cluster.pgbench(&[
+        "-n",
+        "-c",
+        "2",
+        "-j",
+        "2",
+        "-T",
+        "4",
+        "-f",
+        &script.display().to_string(),
+    ])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'INSERT INTO t%'")?
+        .trim()
+        .to_string();
+    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the insert");
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid))
+}
+
+#[test]
+fn work_deferred_to_commit_is_named_and_the_same_work_in_the_statement_is_not() -> Result<()> {
+    require_root_and_bpf();
+    let (deferred, queryid) = findings_of_inserts_with(
+        "CREATE CONSTRAINT TRIGGER heavy AFTER INSERT ON t DEFERRABLE INITIALLY DEFERRED \
+         FOR EACH ROW EXECUTE FUNCTION heavy()",
+    )?;
+    eprintln!("deferred trigger:\n{deferred}");
+    ensure!(
+        deferred
+            .lines()
+            .any(|l| l.contains(&format!("queryid {queryid} spends")) && l.contains("in commit")),
+        "the insert's deferred trigger runs at commit, yet the commit phase was not named for \
+         queryid {queryid}:\n{deferred}"
+    );
+    let (immediate, _) = findings_of_inserts_with(
+        "CREATE TRIGGER heavy AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION heavy()",
+    )?;
+    eprintln!("immediate trigger:\n{immediate}");
+    ensure!(
+        !immediate.contains("not running the statement"),
+        "the trigger fires within the statement, yet an unusual phase was named:\n{immediate}"
+    );
+    Ok(())
+}
+
+/// The findings of a trace of `VACUUM small` run over and over, with `relations` views beside
+/// it (pg_class rows that VACUUM's closing vac_update_datfrozenxid scans, every one), probing
+/// vac_update_datfrozenxid; and the VACUUM's queryid.
+fn findings_of_vacuums_beside(relations: u32) -> Result<(String, String)> {
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE small (x int); INSERT INTO small VALUES (1)")?;
+    cluster.psql(&format!(
+        // A commit every thousand views: each holds a lock until its transaction ends.
+        "DO $$ BEGIN FOR i IN 1..{relations} LOOP \
+         EXECUTE format('CREATE VIEW v%s AS SELECT 1 AS x', i); \
+         IF i % 1000 = 0 THEN COMMIT; END IF; END LOOP; END $$"
+    ))?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("vacuum.sql");
+    std::fs::write(&script, "VACUUM small;\n")?;
+    let trace = Trace::instance(cluster.data_dir())
+        .probes("vac_update_datfrozenxid")
+        .probe_budget("none")
+        .duration_secs(600)
+        .spawn()?;
+    cluster.pgbench(&["-n", "-c", "1", "-T", "4", "-f", &script.display().to_string()])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'VACUUM small%'")?
+        .trim()
+        .to_string();
+    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the VACUUM");
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid))
+}
+
+#[test]
+fn a_probed_function_taking_most_of_a_statement_is_named_and_a_small_one_is_not() -> Result<()> {
+    require_root_and_bpf();
+    let names = |findings: &str, queryid: &str| {
+        findings.lines().any(|l| {
+            l.contains(&format!("queryid {queryid} spends"))
+                && l.contains("of its time in vac_update_datfrozenxid")
+        })
+    };
+    let (many, queryid) = findings_of_vacuums_beside(20_000)?;
+    eprintln!("20000 relations:\n{many}");
+    ensure!(
+        names(&many, &queryid),
+        "each VACUUM scans 20000 pg_class rows in vac_update_datfrozenxid, yet it was not named \
+         for queryid {queryid}:\n{many}"
+    );
+    let (few, queryid) = findings_of_vacuums_beside(0)?;
+    eprintln!("no extra relations:\n{few}");
+    ensure!(
+        !names(&few, &queryid),
+        "with a few hundred pg_class rows vac_update_datfrozenxid is a small part of VACUUM, yet \
+         it was named:\n{few}"
+    );
+    Ok(())
+}

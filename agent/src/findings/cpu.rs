@@ -9,11 +9,11 @@ use super::{percent, Finding, Severity};
 use crate::postgres::phase::Phase;
 
 /// A query needs this many samples before a share of them means anything.
-const MIN_SAMPLES: u64 = 20;
+pub(super) const MIN_SAMPLES: u64 = 20;
 
 /// Queries a per-statement rule can speak of: queryid 0 is not a statement but "not computed
 /// yet" — every statement's parsing runs before its queryid is set.
-fn statements(queries: &[QueryCpu]) -> impl Iterator<Item = &QueryCpu> {
+pub(super) fn statements(queries: &[QueryCpu]) -> impl Iterator<Item = &QueryCpu> {
     queries
         .iter()
         .filter(|q| q.query_id != 0 && q.samples >= MIN_SAMPLES)
@@ -94,7 +94,7 @@ impl QueryCpu {
         out
     }
 
-    fn phase(&self, phase: Phase) -> u64 {
+    pub(super) fn phase(&self, phase: Phase) -> u64 {
         Phase::ALL
             .iter()
             .position(|p| *p == phase)
@@ -275,12 +275,12 @@ pub fn generic_plan_locking(queries: &[QueryCpu]) -> Vec<Finding> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use exporters::{ProfileMeta, StackSample};
     use std::sync::Arc;
 
-    fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
+    pub fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
         StackSample {
             frames: frames
                 .iter()
@@ -297,7 +297,7 @@ mod tests {
         }
     }
 
-    fn profile(samples: Vec<StackSample>) -> Profile {
+    pub fn profile(samples: Vec<StackSample>) -> Profile {
         Profile {
             meta: ProfileMeta::cpu(99, 0, 1),
             samples,

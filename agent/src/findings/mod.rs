@@ -5,7 +5,9 @@
 //! thresholds on shares of the measured time, not on particular workloads.
 
 mod cpu;
+mod functions;
 mod pgss;
+mod phases;
 mod probes;
 
 use std::fmt::Write as _;
@@ -69,6 +71,13 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     let queries = cpu::QueryCpu::from_profile(evidence.on_cpu);
     let mut findings = Vec::new();
     findings.extend(cpu::planning_dominated(&queries));
+    findings.extend(phases::unusual_phase(&queries));
+    let period = evidence.on_cpu.meta.period;
+    findings.extend(functions::dominating(
+        evidence.probes,
+        &statement_time(&queries, period, evidence.off_cpu),
+        cpu::MIN_SAMPLES * period,
+    ));
     findings.extend(cpu::spinning(&queries, evidence.on_cpu));
     findings.extend(cpu::generic_plan_locking(&queries));
     findings.extend(probes::locks_per_execution(evidence.probes));
@@ -76,6 +85,28 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(cpu::top_consumers(&queries, evidence.on_cpu.total_count()));
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     findings
+}
+
+/// Each statement's time: its on-CPU samples × the sampling period, plus its off-CPU time
+/// without idle client waits (which are not the statement's).
+fn statement_time(
+    queries: &[cpu::QueryCpu],
+    period_ns: u64,
+    off_cpu: Option<&Profile>,
+) -> functions::StatementTime {
+    let mut time: functions::StatementTime = queries
+        .iter()
+        .map(|q| (q.query_id, q.samples * period_ns))
+        .collect();
+    for sample in off_cpu.iter().flat_map(|p| &p.samples) {
+        if sample.label("off_cpu") == Some("idle") {
+            continue;
+        }
+        if let Some(query_id) = sample.label("queryid").and_then(|q| q.parse().ok()) {
+            *time.entry(query_id).or_insert(0) += sample.count;
+        }
+    }
+    time
 }
 
 /// The findings as the end of a trace prints them.

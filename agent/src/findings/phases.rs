@@ -1,0 +1,148 @@
+//! Statements whose CPU goes to a phase that is normally short. A statement runs parse,
+//! analysis, planning, executor start, run, finish and commit; for almost every statement the
+//! time is in run (or in planning, which `planning_dominated` covers). When executor start,
+//! finish or commit takes most of it, Postgres is doing work around the statement rather
+//! than the statement itself, and that work is named by the phase: it is also work
+//! pg_stat_statements times elsewhere or not at all.
+
+use super::cpu::{statements, QueryCpu};
+use super::{percent, Finding, Severity};
+use crate::postgres::phase::Phase;
+
+/// A phase this share of a statement's CPU dominates it.
+const DOMINANT: f64 = 0.40;
+const CRITICAL: f64 = 0.70;
+
+/// Why a phase can take a statement's time, the frames to look under, and what to consider.
+struct Unusual {
+    phase: Phase,
+    what: &'static str,
+    frames: &'static [&'static str],
+    action: &'static str,
+}
+
+const UNUSUAL: [Unusual; 3] = [
+    Unusual {
+        phase: Phase::ExecutorStart,
+        what: "starting its executor (opening, locking and initializing every relation and \
+               node of the plan, initial partition pruning, JIT code generation)",
+        frames: &[
+            "PortalStart",
+            "standard_ExecutorStart",
+            "InitPlan",
+            "ExecInitNode",
+        ],
+        action: "a plan over many partitions or relations is initialized at every execution: \
+                 check that pruning happens at plan time (constants rather than parameters, or \
+                 plan_cache_mode = force_custom_plan), that the plan does not reference far more \
+                 partitions than it reads, and whether JIT (jit_above_cost) compiles more than \
+                 the statement is worth",
+    },
+    Unusual {
+        phase: Phase::Finish,
+        what: "finishing (AFTER triggers fired at the end of the statement, ExecutorEnd \
+               closing what the plan opened)",
+        frames: &["PortalDrop", "standard_ExecutorFinish", "standard_ExecutorEnd"],
+        action: "look at the AFTER triggers and foreign-key checks on the tables it modifies \
+                 (their functions' statements are timed as their own only with \
+                 pg_stat_statements.track = all), and at plans that open many partitions",
+    },
+    Unusual {
+        phase: Phase::Commit,
+        what: "committing (deferred triggers and constraints, ON COMMIT actions, and the \
+               commit's own bookkeeping)",
+        frames: &[
+            "CommitTransactionCommand",
+            "CommitTransaction",
+            "AfterTriggerFireDeferred",
+        ],
+        action: "work deferred to commit (DEFERRABLE INITIALLY DEFERRED constraint triggers, \
+                 deferred foreign keys, ON COMMIT DELETE ROWS temporary tables) runs after the \
+                 statement: pg_stat_statements does not count it in this statement's time; \
+                 check the deferred triggers of the tables it writes and whether they need to \
+                 be deferred",
+    },
+];
+
+/// Statements dominated by executor start, finish or commit.
+pub fn unusual_phase(queries: &[QueryCpu]) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for q in statements(queries) {
+        for unusual in &UNUSUAL {
+            let share = q.phase(unusual.phase) as f64 / q.samples as f64;
+            if share < DOMINANT {
+                continue;
+            }
+            findings.push(Finding {
+                kind: "phase_dominance",
+                severity: if share >= CRITICAL {
+                    Severity::Critical
+                } else {
+                    Severity::Warning
+                },
+                title: format!(
+                    "queryid {} spends {} of its CPU in {}, not running the statement",
+                    q.query_id,
+                    percent(share),
+                    unusual.phase.label()
+                ),
+                numbers: vec![
+                    (format!("in {}", unusual.phase.label()), percent(share)),
+                    (
+                        "in run".into(),
+                        percent(q.phase(Phase::Run) as f64 / q.samples as f64),
+                    ),
+                    ("samples".into(), q.samples.to_string()),
+                    ("what the phase does".into(), unusual.what.into()),
+                ],
+                query_ids: vec![q.query_id],
+                frames: unusual.frames.iter().map(|f| f.to_string()).collect(),
+                action: unusual.action.into(),
+            });
+        }
+    }
+    findings
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::findings::cpu::tests::{profile, sample};
+
+    #[test]
+    fn a_statement_mostly_committing_is_named_and_one_mostly_running_is_not() {
+        let p = profile(vec![
+            sample(
+                7,
+                "commit",
+                &[
+                    "PostgresMain",
+                    "CommitTransactionCommand",
+                    "AfterTriggerFireDeferred",
+                ],
+                80,
+            ),
+            sample(7, "run", &["PostgresMain", "PortalRun"], 20),
+            sample(8, "run", &["PostgresMain", "PortalRun"], 80),
+            sample(8, "commit", &["PostgresMain", "CommitTransactionCommand"], 20),
+            sample(9, "executor_start", &["PortalStart", "InitPlan"], 45),
+            sample(9, "run", &["PortalRun"], 55),
+        ]);
+        let found = unusual_phase(&QueryCpu::from_profile(&p));
+        let named: Vec<(i64, Severity)> = found.iter().map(|f| (f.query_ids[0], f.severity)).collect();
+        assert_eq!(
+            named,
+            vec![(7, Severity::Critical), (9, Severity::Warning)],
+            "{found:?}"
+        );
+        assert!(found[0].title.contains("in commit"), "{}", found[0].title);
+    }
+
+    #[test]
+    fn too_few_samples_or_queryid_0_say_nothing() {
+        let few = profile(vec![sample(7, "commit", &["CommitTransactionCommand"], 10)]);
+        assert!(unusual_phase(&QueryCpu::from_profile(&few)).is_empty());
+        let unknown = profile(vec![sample(0, "finish", &["PortalDrop"], 100)]);
+        assert!(unusual_phase(&QueryCpu::from_profile(&unknown)).is_empty());
+    }
+}
