@@ -127,6 +127,10 @@ fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() ->
         storm.contains("pg_stat_statements evicts entries"),
         "128 distinct statements in 100 entries: the evictions were not named:\n{storm}"
     );
+    ensure!(
+        storm.contains("of the time statements were blocked"),
+        "the statements that wait the most are always named under --off-cpu:\n{storm}"
+    );
     let calm = findings_of_128_statements("5000")?;
     eprintln!("pg_stat_statements.max = 5000:\n{calm}");
     ensure!(

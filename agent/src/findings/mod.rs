@@ -9,6 +9,7 @@ mod functions;
 mod pgss;
 mod phases;
 mod probes;
+mod waits;
 
 use std::fmt::Write as _;
 
@@ -83,6 +84,7 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(probes::locks_per_execution(evidence.probes));
     findings.extend(pgss::evictions(evidence.pgss.as_ref(), evidence.off_cpu));
     findings.extend(cpu::top_consumers(&queries, evidence.on_cpu.total_count()));
+    findings.extend(waits::top_waiters(evidence.off_cpu));
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     findings
 }
