@@ -267,3 +267,86 @@ fn a_probed_function_taking_most_of_a_statement_is_named_and_a_small_one_is_not(
     );
     Ok(())
 }
+
+/// The findings of a trace of one join of 20000 rows to a 10-row table with a primary key,
+/// planned under `join_settings` (set for the database), and the join's queryid.
+fn findings_of_join_with(join_settings: &str) -> Result<(String, String)> {
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE tiny (id int PRIMARY KEY); INSERT INTO tiny SELECT generate_series(1, 10)")?;
+    cluster.psql(
+        "CREATE TABLE big (x int); INSERT INTO big SELECT i % 10 + 1 FROM generate_series(1, 20000) i",
+    )?;
+    cluster.psql("VACUUM ANALYZE tiny, big")?;
+    cluster.psql(&format!("ALTER DATABASE postgres SET {join_settings}"))?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("join.sql");
+    std::fs::write(
+        &script,
+        "SELECT count(*) FROM big JOIN tiny ON tiny.id = big.x;\n",
+    )?;
+    let trace = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
+    cluster.pgbench(&[
+        "-n",
+        "-c",
+        "2",
+        "-j",
+        "2",
+        "-T",
+        "4",
+        "-f",
+        &script.display().to_string(),
+    ])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'SELECT count(*) FROM big%'")?
+        .trim()
+        .to_string();
+    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the join");
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid))
+}
+
+#[test]
+fn a_nested_loop_descending_an_index_per_row_is_named_and_a_hash_join_is_not() -> Result<()> {
+    require_root_and_bpf();
+    let names = |findings: &str, queryid: &str| {
+        findings.lines().any(|l| {
+            l.contains(&format!("queryid {queryid} spends")) && l.contains("descending B-tree indexes")
+        })
+    };
+    // One index scan of tiny's primary key per row of big (no Memoize to cache them).
+    let (looped, queryid) = findings_of_join_with(
+        "enable_hashjoin = off; ALTER DATABASE postgres SET enable_mergejoin = off; \
+         ALTER DATABASE postgres SET enable_memoize = off; ALTER DATABASE postgres SET enable_material = off",
+    )?;
+    eprintln!("nested loop:\n{looped}");
+    ensure!(
+        names(&looped, &queryid),
+        "20000 index scans of a 10-row table per execution, yet the descents were not named for \
+         queryid {queryid}:\n{looped}"
+    );
+    let (hashed, queryid) = findings_of_join_with("enable_nestloop = off")?;
+    eprintln!("hash join:\n{hashed}");
+    ensure!(
+        !names(&hashed, &queryid),
+        "a hash join reads tiny once, yet index descents were named:\n{hashed}"
+    );
+    // A prepared primary-key lookup is one index scan and little else: the busiest ordinary
+    // share of index scan starts there is.
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-q", "-s", "1"])?;
+    let trace = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
+    cluster.pgbench(&["-n", "-S", "-M", "prepared", "-c", "2", "-j", "2", "-T", "4"])?;
+    let lookups = trace.interrupt()?.stdout;
+    let queryid = cluster.pgbench_select_queryid()?;
+    ensure!(
+        !names(&lookups, &queryid),
+        "primary-key lookups start one index scan each, as they should, yet index descents were \
+         named:\n{lookups}"
+    );
+    Ok(())
+}

@@ -45,6 +45,10 @@ pub struct QueryCpu {
     /// Samples in the planner itself (`planner`, `standard_planner`): the plan phase also
     /// covers a cached plan's revalidation and locking, which is not planning.
     pub planner: u64,
+    /// Samples starting B-tree index scans: `_bt_first` (descending from the root to the first
+    /// leaf and reading it) and the rescan that precedes it when a scan is restarted
+    /// (`btrescan`).
+    pub index_descents: u64,
 }
 
 fn user_names(frames: &[Frame]) -> Vec<&str> {
@@ -82,6 +86,12 @@ impl QueryCpu {
             }
             if names.iter().any(|n| *n == "planner" || *n == "standard_planner") {
                 query.planner += sample.count;
+            }
+            if names
+                .iter()
+                .any(|n| matches!(*n, "_bt_first" | "_bt_search" | "_bt_getroot" | "btrescan"))
+            {
+                query.index_descents += sample.count;
             }
             if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
                 if names[plan..].contains(&"LockRelationOid") {

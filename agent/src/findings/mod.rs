@@ -6,6 +6,7 @@
 
 mod cpu;
 mod functions;
+mod indexes;
 mod pgss;
 mod phases;
 mod probes;
@@ -73,6 +74,7 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     let mut findings = Vec::new();
     findings.extend(cpu::planning_dominated(&queries));
     findings.extend(phases::unusual_phase(&queries));
+    findings.extend(indexes::repeated_descents(&queries));
     let period = evidence.on_cpu.meta.period;
     findings.extend(functions::dominating(
         evidence.probes,
