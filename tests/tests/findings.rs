@@ -71,6 +71,10 @@ fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> 
         "{locks} locks per execution, fewer than the {PARTITIONS} partitions: {line}"
     );
     ensure!(
+        generic.contains("plan_cache_mode: force_generic_plan"),
+        "the generic plan findings do not quote plan_cache_mode, read over SQL:\n{generic}"
+    );
+    ensure!(
         generic.contains(&format!("queryid {queryid} uses")),
         "the top CPU consumers are always named:\n{generic}"
     );
@@ -257,6 +261,15 @@ fn a_probed_function_taking_most_of_a_statement_is_named_and_a_small_one_is_not(
         names(&many, &queryid),
         "each VACUUM scans 20000 pg_class rows in vac_update_datfrozenxid, yet it was not named \
          for queryid {queryid}:\n{many}"
+    );
+    let relations: u64 = many
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("pg_class rows (database postgres): "))
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("the finding does not quote pg_class's size, read over SQL:\n{many}"))?;
+    ensure!(
+        relations >= 20_000,
+        "pg_class has {relations} rows, fewer than the views made"
     );
     let (few, queryid) = findings_of_vacuums_beside(0)?;
     eprintln!("no extra relations:\n{few}");

@@ -5,6 +5,7 @@
 //! thresholds on shares of the measured time, not on particular workloads.
 
 mod cpu;
+mod facts;
 mod functions;
 mod indexes;
 mod pgss;
@@ -66,6 +67,8 @@ pub struct Evidence<'a> {
     pub off_cpu: Option<&'a Profile>,
     /// pg_stat_statements' eviction counter over the measurement, when it could be read.
     pub pgss: Option<PgssEvidence>,
+    /// Settings and sizes read over SQL, when pgscope could connect.
+    pub instance: Option<&'a crate::postgres::sql::InstanceFacts>,
 }
 
 /// Every rule over the evidence, most severe first.
@@ -87,6 +90,9 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(pgss::evictions(evidence.pgss.as_ref(), evidence.off_cpu));
     findings.extend(cpu::top_consumers(&queries, evidence.on_cpu.total_count()));
     findings.extend(waits::top_waiters(evidence.off_cpu));
+    if let Some(instance) = evidence.instance {
+        facts::annotate(&mut findings, instance);
+    }
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     findings
 }

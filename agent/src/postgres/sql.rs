@@ -226,3 +226,37 @@ pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
     }
     Ok(names)
 }
+
+/// Settings and sizes the findings explain their numbers with, as pgscope's own session sees
+/// them (a setting made per database or role for other sessions is not seen).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InstanceFacts {
+    /// `plan_cache_mode`: auto, force_generic_plan or force_custom_plan.
+    pub plan_cache_mode: String,
+    /// `pg_stat_statements.track_planning`, where the extension is loaded.
+    pub track_planning: Option<bool>,
+    /// The connected database's name and its pg_class rows, which every VACUUM command's
+    /// vac_update_datfrozenxid scans.
+    pub database: String,
+    pub relations: i64,
+}
+
+pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('plan_cache_mode'), \
+                    current_setting('pg_stat_statements.track_planning', true), \
+                    current_database()::text, \
+                    (SELECT count(*) FROM pg_class)",
+            &[],
+        )
+        .await
+        .context("reading plan_cache_mode, track_planning and the size of pg_class")?;
+    let track_planning: Option<String> = row.try_get(1).context("pg_stat_statements.track_planning")?;
+    Ok(InstanceFacts {
+        plan_cache_mode: row.try_get(0).context("plan_cache_mode")?,
+        track_planning: track_planning.map(|v| v == "on"),
+        database: row.try_get(2).context("current_database()")?,
+        relations: row.try_get(3).context("count(*) FROM pg_class")?,
+    })
+}

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bpf::abi::Function;
 use crate::findings::{Evidence, Finding, PgssEvidence, ProbeRow};
+use crate::postgres::sql::InstanceFacts;
 
 pub const SCHEMA: &str = "pgscope.recording/v1";
 
@@ -31,6 +32,9 @@ pub struct Recording {
     pub probes: Vec<RecordedProbe>,
     /// pg_stat_statements' eviction counter over the trace.
     pub pgss: Option<PgssEvidence>,
+    /// Settings and sizes the findings quote (plan_cache_mode, pg_class rows, …).
+    #[serde(default)]
+    pub instance: Option<InstanceFacts>,
     /// Normalized query texts by queryid (decimal), when the instance could be reached.
     pub query_texts: BTreeMap<String, String>,
 }
@@ -115,6 +119,7 @@ impl Recording {
             probes: &probes,
             off_cpu: self.off_cpu.as_ref(),
             pgss: self.pgss,
+            instance: self.instance.as_ref(),
         })
     }
 
@@ -164,6 +169,7 @@ mod tests {
                 },
             ],
             pgss: None,
+            instance: None,
             query_texts: BTreeMap::from([("-42".into(), "SELECT 1".into())]),
         }
     }

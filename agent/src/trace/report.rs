@@ -48,6 +48,7 @@ pub(super) fn finish(
         query_texts,
         database_names,
         pgss_end,
+        instance,
     } = sql_facts;
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
     let profile = session.profile(false, kernel.as_ref(), meta, &database_names);
@@ -132,6 +133,7 @@ pub(super) fn finish(
         probes: &probe_rows,
         off_cpu: off_cpu_profile.as_ref(),
         pgss,
+        instance: instance.as_ref(),
     });
     if !findings.is_empty() {
         println!("findings:");
@@ -148,6 +150,7 @@ pub(super) fn finish(
             off_cpu: off_cpu_profile.clone(),
             probes: probe_rows.iter().map(RecordedProbe::new).collect(),
             pgss,
+            instance: instance.clone(),
             query_texts: query_texts
                 .iter()
                 .map(|(id, text)| (id.to_string(), text.clone()))

@@ -15,6 +15,8 @@ pub struct SqlFacts {
     pub database_names: HashMap<u32, String>,
     /// pg_stat_statements' counters at the end, when they were read at the start too.
     pub pgss_end: Option<sql::PgssInfo>,
+    /// Settings and sizes the findings quote.
+    pub instance: Option<sql::InstanceFacts>,
 }
 
 /// How long reading pg_stat_statements' counters at the start may take: it delays the trace.
@@ -58,7 +60,8 @@ pub async fn fetch(
     let databases = session
         .on_cpu()
         .is_some_and(|stacks| !stacks.database_oids().is_empty());
-    // What the one line about a failed connection says is missing.
+    // What the one line about a failed connection says is missing. The settings the findings
+    // quote are read whenever there is a connection to make for anything else.
     let missing = match (texts, databases) {
         (false, false) if pgss_start.is_none() => return SqlFacts::default(),
         (false, false) => "pg_stat_statements' counters at the end",
@@ -94,6 +97,10 @@ pub async fn fetch(
             Ok(names) => facts.database_names = names,
             Err(error) => eprintln!("pgscope: no database names (database labels stay OIDs): {error:#}"),
         }
+    }
+    match sql::instance_facts(&client).await {
+        Ok(instance) => facts.instance = Some(instance),
+        Err(error) => tracing::debug!("no settings for the findings: {error:#}"),
     }
     if pgss_start.is_some() {
         match sql::pgss_info(&client).await {
