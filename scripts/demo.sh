@@ -24,9 +24,11 @@ echo "demo: running pgbench (2 clients, TPC-B-like) and profiling the instance f
 pgc_pgbench -c 2 -j 2 -T 25 postgres >"$PGC_WORK/pgbench.log" 2>&1 &
 bench_pid=$!
 "$pgscope" trace --instance "$PGC_DATA" --duration 15s --frequency 99 --top 10 --off-cpu \
-  --svg "$out_dir/pgscope-demo.svg" --folded "$out_dir/pgscope-demo.folded"
+  --svg "$out_dir/pgscope-demo.svg" --folded "$out_dir/pgscope-demo.folded" \
+  --report "$out_dir/pgscope-demo.html"
 wait "$bench_pid" 2>/dev/null || true
 bench_pid=
 grep -E '^tps' "$PGC_WORK/pgbench.log" | head -1 | sed 's/^/demo: pgbench /' || true
-echo "demo: open $out_dir/pgscope-demo.svg (on CPU) and $out_dir/pgscope-demo.offcpu.svg (where"
-echo "      backends waited, by wait event) in a browser to explore the flamegraphs"
+echo "demo: open $out_dir/pgscope-demo.html in a browser: the findings, both flamegraphs and a"
+echo "      table per query; or $out_dir/pgscope-demo.svg (on CPU) and"
+echo "      $out_dir/pgscope-demo.offcpu.svg (where backends waited, by wait event) alone"

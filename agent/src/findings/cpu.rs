@@ -49,6 +49,9 @@ pub struct QueryCpu {
     /// leaf and reading it) and the rescan that precedes it when a scan is restarted
     /// (`btrescan`).
     pub index_descents: u64,
+    /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
+    /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
+    pub deferred_to_commit: u64,
 }
 
 fn user_names(frames: &[Frame]) -> Vec<&str> {
@@ -92,6 +95,17 @@ impl QueryCpu {
                 .any(|n| matches!(*n, "_bt_first" | "_bt_search" | "_bt_getroot" | "btrescan"))
             {
                 query.index_descents += sample.count;
+            }
+            if names.iter().any(|n| {
+                matches!(
+                    *n,
+                    "AfterTriggerFireDeferred"
+                        | "PreCommit_on_commit_actions"
+                        | "PreCommit_Notify"
+                        | "smgrDoPendingDeletes"
+                )
+            }) {
+                query.deferred_to_commit += sample.count;
             }
             if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
                 if names[plan..].contains(&"LockRelationOid") {

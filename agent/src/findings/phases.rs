@@ -1,9 +1,10 @@
 //! Statements whose CPU goes to a phase that is normally short. A statement runs parse,
 //! analysis, planning, executor start, run, finish and commit; for almost every statement the
 //! time is in run (or in planning, which `planning_dominated` covers). When executor start,
-//! finish or commit takes most of it, Postgres is doing work around the statement rather
-//! than the statement itself, and that work is named by the phase: it is also work
-//! pg_stat_statements times elsewhere or not at all.
+//! finish or work deferred to commit takes most of it, Postgres is doing work around the
+//! statement rather than the statement itself, and that work is named by the phase: it is
+//! also work pg_stat_statements times elsewhere or not at all. The commit's own work (flushing
+//! WAL: a COMMIT statement is all commit) is not unusual, so only deferred work counts there.
 
 use super::cpu::{statements, QueryCpu};
 use super::{percent, Finding, Severity};
@@ -16,6 +17,8 @@ const CRITICAL: f64 = 0.70;
 /// Why a phase can take a statement's time, the frames to look under, and what to consider.
 struct Unusual {
     phase: Phase,
+    /// The samples of the phase that count: the whole phase, or a part of it.
+    counted: fn(&QueryCpu) -> u64,
     what: &'static str,
     frames: &'static [&'static str],
     action: &'static str,
@@ -24,6 +27,7 @@ struct Unusual {
 const UNUSUAL: [Unusual; 3] = [
     Unusual {
         phase: Phase::ExecutorStart,
+        counted: |q| q.phase(Phase::ExecutorStart),
         what: "starting its executor (opening, locking and initializing every relation and \
                node of the plan, initial partition pruning, JIT code generation)",
         frames: &[
@@ -40,6 +44,7 @@ const UNUSUAL: [Unusual; 3] = [
     },
     Unusual {
         phase: Phase::Finish,
+        counted: |q| q.phase(Phase::Finish),
         what: "finishing (AFTER triggers fired at the end of the statement, ExecutorEnd \
                closing what the plan opened)",
         frames: &["PortalDrop", "standard_ExecutorFinish", "standard_ExecutorEnd"],
@@ -49,8 +54,9 @@ const UNUSUAL: [Unusual; 3] = [
     },
     Unusual {
         phase: Phase::Commit,
-        what: "committing (deferred triggers and constraints, ON COMMIT actions, and the \
-               commit's own bookkeeping)",
+        counted: |q| q.deferred_to_commit,
+        what: "work deferred to commit (deferred triggers and constraints, ON COMMIT actions, \
+               NOTIFY, removing dropped relations' files)",
         frames: &[
             "CommitTransactionCommand",
             "CommitTransaction",
@@ -69,7 +75,7 @@ pub fn unusual_phase(queries: &[QueryCpu]) -> Vec<Finding> {
     let mut findings = Vec::new();
     for q in statements(queries) {
         for unusual in &UNUSUAL {
-            let share = q.phase(unusual.phase) as f64 / q.samples as f64;
+            let share = (unusual.counted)(q) as f64 / q.samples as f64;
             if share < DOMINANT {
                 continue;
             }
@@ -125,6 +131,9 @@ mod tests {
             sample(7, "run", &["PostgresMain", "PortalRun"], 20),
             sample(8, "run", &["PostgresMain", "PortalRun"], 80),
             sample(8, "commit", &["PostgresMain", "CommitTransactionCommand"], 20),
+            // A COMMIT statement is all commit, flushing WAL: not unusual.
+            sample(10, "commit", &["CommitTransactionCommand", "XLogFlush"], 95),
+            sample(10, "run", &["PortalRun", "standard_ProcessUtility"], 5),
             sample(9, "executor_start", &["PortalStart", "InitPlan"], 45),
             sample(9, "run", &["PortalRun"], 55),
         ]);
