@@ -144,6 +144,41 @@ fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() ->
     Ok(())
 }
 
+/// Traces `cluster` with `trace` while pgbench runs `sql` from `clients` clients for 4 s;
+/// returns the findings section and the queryid pg_stat_statements gives the statement whose
+/// text starts with `statement`.
+fn findings_of_script(
+    cluster: &PgCluster,
+    trace: Trace,
+    sql: &str,
+    clients: &str,
+    statement: &str,
+) -> Result<(String, String)> {
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("script.sql");
+    std::fs::write(&script, sql)?;
+    let running = trace.duration_secs(600).spawn()?;
+    let script = script.display().to_string();
+    cluster.pgbench(&["-n", "-c", clients, "-j", clients, "-T", "4", "-f", &script])?;
+    let output = running.interrupt()?;
+    let queryid = cluster
+        .psql(&format!(
+            "SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE '{statement}%'"
+        ))?
+        .trim()
+        .to_string();
+    ensure!(
+        !queryid.is_empty(),
+        "no pg_stat_statements entry for `{statement}`"
+    );
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid))
+}
+
 /// A trigger's function burning CPU for each inserted row: the same work, either at the end
 /// of the statement or deferred to commit.
 const HEAVY_TRIGGER_FUNCTION: &str = "CREATE FUNCTION heavy() RETURNS trigger LANGUAGE plpgsql AS \
@@ -156,33 +191,14 @@ fn findings_of_inserts_with(trigger: &str) -> Result<(String, String)> {
     cluster.psql("CREATE TABLE t (x int)")?;
     cluster.psql(HEAVY_TRIGGER_FUNCTION)?;
     cluster.psql(trigger)?;
-    let dir = tempfile::tempdir()?;
-    let script = dir.path().join("insert.sql");
-    std::fs::write(&script, "INSERT INTO t VALUES (1);\n")?;
-    let trace = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
-    cluster.pgbench(&[
-        "-n",
-        "-c",
+    let trace = Trace::instance(cluster.data_dir());
+    findings_of_script(
+        &cluster,
+        trace,
+        "INSERT INTO t VALUES (1);\n",
         "2",
-        "-j",
-        "2",
-        "-T",
-        "4",
-        "-f",
-        &script.display().to_string(),
-    ])?;
-    let output = trace.interrupt()?;
-    let queryid = cluster
-        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'INSERT INTO t%'")?
-        .trim()
-        .to_string();
-    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the insert");
-    let findings = output
-        .stdout
-        .split_once("findings:\n")
-        .map(|(_, rest)| rest.to_string())
-        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
-    Ok((findings, queryid))
+        "INSERT INTO t",
+    )
 }
 
 #[test]
@@ -223,27 +239,10 @@ fn findings_of_vacuums_beside(relations: u32) -> Result<(String, String)> {
          EXECUTE format('CREATE VIEW v%s AS SELECT 1 AS x', i); \
          IF i % 1000 = 0 THEN COMMIT; END IF; END LOOP; END $$"
     ))?;
-    let dir = tempfile::tempdir()?;
-    let script = dir.path().join("vacuum.sql");
-    std::fs::write(&script, "VACUUM small;\n")?;
     let trace = Trace::instance(cluster.data_dir())
         .probes("vac_update_datfrozenxid")
-        .probe_budget("none")
-        .duration_secs(600)
-        .spawn()?;
-    cluster.pgbench(&["-n", "-c", "1", "-T", "4", "-f", &script.display().to_string()])?;
-    let output = trace.interrupt()?;
-    let queryid = cluster
-        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'VACUUM small%'")?
-        .trim()
-        .to_string();
-    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the VACUUM");
-    let findings = output
-        .stdout
-        .split_once("findings:\n")
-        .map(|(_, rest)| rest.to_string())
-        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
-    Ok((findings, queryid))
+        .probe_budget("none");
+    findings_of_script(&cluster, trace, "VACUUM small;\n", "1", "VACUUM small")
 }
 
 #[test]
@@ -291,36 +290,9 @@ fn findings_of_join_with(join_settings: &str) -> Result<(String, String)> {
     )?;
     cluster.psql("VACUUM ANALYZE tiny, big")?;
     cluster.psql(&format!("ALTER DATABASE postgres SET {join_settings}"))?;
-    let dir = tempfile::tempdir()?;
-    let script = dir.path().join("join.sql");
-    std::fs::write(
-        &script,
-        "SELECT count(*) FROM big JOIN tiny ON tiny.id = big.x;\n",
-    )?;
-    let trace = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
-    cluster.pgbench(&[
-        "-n",
-        "-c",
-        "2",
-        "-j",
-        "2",
-        "-T",
-        "4",
-        "-f",
-        &script.display().to_string(),
-    ])?;
-    let output = trace.interrupt()?;
-    let queryid = cluster
-        .psql("SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'SELECT count(*) FROM big%'")?
-        .trim()
-        .to_string();
-    ensure!(!queryid.is_empty(), "no pg_stat_statements entry for the join");
-    let findings = output
-        .stdout
-        .split_once("findings:\n")
-        .map(|(_, rest)| rest.to_string())
-        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
-    Ok((findings, queryid))
+    let trace = Trace::instance(cluster.data_dir());
+    let join = "SELECT count(*) FROM big JOIN tiny ON tiny.id = big.x;\n";
+    findings_of_script(&cluster, trace, join, "2", "SELECT count(*) FROM big")
 }
 
 #[test]

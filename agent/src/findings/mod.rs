@@ -98,7 +98,7 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
 }
 
 /// Each statement's time: its on-CPU samples × the sampling period, plus its off-CPU time
-/// without idle client waits (which are not the statement's).
+/// without the client's time.
 fn statement_time(
     queries: &[cpu::QueryCpu],
     period_ns: u64,
@@ -109,7 +109,7 @@ fn statement_time(
         .map(|q| (q.query_id, q.samples * period_ns))
         .collect();
     for sample in off_cpu.iter().flat_map(|p| &p.samples) {
-        if sample.label("off_cpu") == Some("idle") {
+        if is_client_time(sample) {
             continue;
         }
         if let Some(query_id) = sample.label("queryid").and_then(|q| q.parse().ok()) {
@@ -133,6 +133,16 @@ pub fn render(findings: &[Finding]) -> String {
         let _ = writeln!(out, "    → {}", finding.action);
     }
     out
+}
+
+/// Whether an off-CPU sample is the client's time rather than the statement's: idle between
+/// statements, or waiting for the client inside a transaction (`Client:*`: its think time and
+/// round trips, while the previous statement's queryid stays in force).
+fn is_client_time(sample: &exporters::StackSample) -> bool {
+    sample.label("off_cpu") == Some("idle")
+        || sample
+            .label("wait_event")
+            .is_some_and(|w| w.starts_with("Client:"))
 }
 
 /// `12.3%`.

@@ -4,7 +4,7 @@
 
 use exporters::Profile;
 
-use super::{percent, Finding, Severity};
+use super::{is_client_time, percent, Finding, Severity};
 
 /// The eviction counter over the measurement.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -32,11 +32,7 @@ fn lock_share(off_cpu: &Profile) -> Option<f64> {
     let mut total = 0u64;
     let mut lock = 0u64;
     for sample in &off_cpu.samples {
-        if sample.label("off_cpu") == Some("idle")
-            || sample
-                .label("wait_event")
-                .is_some_and(|w| w.starts_with("Client:"))
-        {
+        if is_client_time(sample) {
             continue;
         }
         total += sample.count;

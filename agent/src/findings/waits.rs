@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use exporters::Profile;
 
-use super::{percent, Finding, Severity};
+use super::{is_client_time, percent, Finding, Severity};
 
 /// Statements named, at most, and the share of all waiting a statement needs to be named.
 const TOP: usize = 3;
@@ -25,11 +25,7 @@ pub fn top_waiters(off_cpu: Option<&Profile>) -> Vec<Finding> {
     let mut per_query: BTreeMap<i64, Waits> = BTreeMap::new();
     let mut total = 0u64;
     for sample in &profile.samples {
-        if sample.label("off_cpu") == Some("idle")
-            || sample
-                .label("wait_event")
-                .is_some_and(|w| w.starts_with("Client:"))
-        {
+        if is_client_time(sample) {
             continue;
         }
         total += sample.count;
