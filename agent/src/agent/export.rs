@@ -85,17 +85,18 @@ impl Exporter {
         self.sender.stats()
     }
 
-    /// Queues the stacks of every instance counted since `start` (unix ns), and starts the next
-    /// interval empty.
+    /// Queues the stacks of every instance counted over `interval` (unix ns), and starts the
+    /// next interval empty; each instance's findings are evaluated over what it sends.
     pub async fn upload(
         &mut self,
         session: &mut Session,
         config: &AgentConfig,
-        start: u64,
-        end: u64,
+        interval: std::ops::Range<u64>,
         probe_rows: &BTreeMap<u32, Vec<super::probes::CallRow>>,
         enqueued: &mut BTreeMap<&'static str, u64>,
+        findings: &mut super::findings::AgentFindings,
     ) {
+        let (start, end) = (interval.start, interval.end);
         let names: HashMap<u32, (String, Vec<(String, String)>)> = session
             .instances()
             .map(|instance| {
@@ -124,6 +125,8 @@ impl Exporter {
                 .map(|(names, _)| names.clone())
                 .unwrap_or_default();
             let mut profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
+            // What the interval shows, diagnosed from the profiles about to be sent.
+            findings.evaluate(name, &profiles, probe_rows.get(&root).map(Vec::as_slice));
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));
             }

@@ -2,6 +2,7 @@
 //! snapshots the main loop publishes once a second (BPF counters, instances, export state)
 //! plus the process's own CPU and memory read at scrape time.
 
+use super::findings::{FindingsSnapshot, MAX_PER_INSTANCE};
 use super::probes::ProbeMetrics;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -34,6 +35,8 @@ pub struct Snapshot {
     pub reloads_failed: u64,
     /// Function probes: hits per function, duty cycle and state per executable.
     pub probes: ProbeMetrics,
+    /// The findings in force per instance.
+    pub findings: FindingsSnapshot,
 }
 
 /// Renders the snapshot, with the agent's own CPU seconds and resident memory.
@@ -189,6 +192,7 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         snapshot.reloads_failed,
     );
     render_probes(&mut out, &snapshot.probes);
+    render_findings(&mut out, &snapshot.findings);
 
     out.family(
         "process_cpu_seconds_total",
@@ -242,6 +246,36 @@ fn render_probes(out: &mut Text, probes: &ProbeMetrics) {
                     ("mode", mode),
                 ],
                 u64::from(state.attached),
+            );
+        }
+    }
+}
+
+fn render_findings(out: &mut Text, findings: &FindingsSnapshot) {
+    out.family(
+        "pgscope_findings_evaluated_total",
+        "counter",
+        "Upload intervals whose findings were evaluated (one per instance and interval).",
+    );
+    out.value("pgscope_findings_evaluated_total", &[], findings.evaluated);
+    let help = format!(
+        "1 for each finding in force over an instance's last upload interval: its kind (the rule), \
+         severity and the queryid it names (0: none); at most {MAX_PER_INSTANCE} per instance, most \
+         severe first."
+    );
+    out.family("pgscope_finding", "gauge", &help);
+    for (instance, in_force) in &findings.current {
+        for (key, severity) in in_force {
+            let query_id = key.query_id.to_string();
+            out.value(
+                "pgscope_finding",
+                &[
+                    ("instance", instance),
+                    ("kind", key.kind),
+                    ("severity", severity.name()),
+                    ("queryid", &query_id),
+                ],
+                1,
             );
         }
     }

@@ -5,6 +5,7 @@
 pub mod config;
 mod discovery;
 mod export;
+mod findings;
 mod http;
 mod metrics;
 mod off_cpu_totals;
@@ -93,11 +94,13 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut totals = off_cpu_totals::Tracker::default();
     let mut state = LoopState::default();
     let mut function_probes = probes::AgentProbes::new(&config);
+    let mut agent_findings = findings::AgentFindings::default();
     let mut found = Found {
         probes: &mut probes,
         session: &mut session,
         exporter: &mut exporter,
         function_probes: &mut function_probes,
+        findings: &mut agent_findings,
     };
     found.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
@@ -134,7 +137,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
                 shared.beat();
                 session.forget_exited();
                 function_probes.measure_cpu(&session, Duration::from_secs(1));
-                shared.publish(state.snapshot(&probes, &session, &exporter, &function_probes, off_cpu));
+                shared.publish(state.snapshot(&probes, &session, &exporter, &function_probes, &agent_findings, off_cpu));
             }
             _ = duty_tick.tick() => {
                 function_probes.tick(&mut probes, &session, DUTY_TICK);
@@ -145,6 +148,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
                     session: &mut session,
                     exporter: &mut exporter,
                     function_probes: &mut function_probes,
+                    findings: &mut agent_findings,
                 }
                 .discover(&config, off_cpu);
             }
@@ -152,7 +156,9 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
                 let now = unix_nanos();
                 totals.add_new_waits(&mut probes, &mut session);
                 let rows = function_probes.take_interval(&mut probes, &session);
-                exporter.upload(&mut session, &config, interval_start, now, &rows, &mut state.enqueued).await;
+                exporter
+                    .upload(&mut session, &config, interval_start..now, &rows, &mut state.enqueued, &mut agent_findings)
+                    .await;
                 interval_start = now;
             }
             _ = hangup.recv() => {
@@ -188,10 +194,10 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         .upload(
             &mut session,
             &config,
-            interval_start,
-            unix_nanos(),
+            interval_start..unix_nanos(),
             &rows,
             &mut state.enqueued,
+            &mut agent_findings,
         )
         .await;
     // Detach before waiting on the network: the databases are left alone at once.
@@ -250,6 +256,7 @@ struct Found<'a> {
     session: &'a mut Session,
     exporter: &'a mut export::Exporter,
     function_probes: &'a mut probes::AgentProbes,
+    findings: &'a mut findings::AgentFindings,
 }
 
 impl Found<'_> {
@@ -261,6 +268,7 @@ impl Found<'_> {
             session,
             exporter,
             function_probes,
+            findings,
         } = self;
         let found = discovery::scan(&config.discovery);
         let attached: Vec<u32> = session
@@ -274,6 +282,7 @@ impl Found<'_> {
             function_probes.remove_instance(probes, session, *root);
             if let Some(gone) = session.remove_instance(*root) {
                 info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
+                findings.forget(&exporter.instance_name(&gone.context));
                 exporter.upload_instance(session, gone, config);
             }
             // Its processes leave the filter as they exit; those of a still-running instance that
@@ -348,6 +357,7 @@ impl LoopState {
         session: &Session,
         exporter: &export::Exporter,
         function_probes: &probes::AgentProbes,
+        findings: &findings::AgentFindings,
         off_cpu: bool,
     ) -> metrics::Snapshot {
         let bpf_counters = match probes.counters() {
@@ -393,6 +403,7 @@ impl LoopState {
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,
             probes: function_probes.metrics(probes),
+            findings: findings.snapshot(),
         }
     }
 }
