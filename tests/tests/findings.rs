@@ -335,3 +335,57 @@ fn a_nested_loop_descending_an_index_per_row_is_named_and_a_hash_join_is_not() -
     );
     Ok(())
 }
+
+/// The findings of a trace (s_lock and pgss_store probed, every call) of `clients` clients
+/// running pgbench's prepared select, and its queryid.
+fn findings_of_selects_from(clients: &str) -> Result<(String, String)> {
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-q", "-s", "1"])?;
+    let trace = Trace::instance(cluster.data_dir())
+        .probes("s_lock,pgss_store")
+        .probe_budget("none")
+        .off_cpu()
+        .duration_secs(600)
+        .spawn()?;
+    cluster.pgbench(&["-n", "-S", "-M", "prepared", "-c", clients, "-j", "2", "-T", "6"])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster.pgbench_select_queryid()?;
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    Ok((findings, queryid))
+}
+
+#[test]
+fn spinning_on_a_statements_pg_stat_statements_entry_is_named_by_call_site() -> Result<()> {
+    require_root_and_bpf();
+    let names = |findings: &str, queryid: &str| {
+        findings.lines().any(|l| {
+            l.contains(&format!(
+                "queryid {queryid} spins on the spinlock at pg_stat_statements.c:"
+            )) && l.contains("(pgss_store)")
+        })
+    };
+    // Eight backends updating the select's one entry: some find its spinlock taken.
+    let (crowded, queryid) = findings_of_selects_from("8")?;
+    eprintln!("8 clients:\n{crowded}");
+    ensure!(
+        names(&crowded, &queryid),
+        "8 clients on one pg_stat_statements entry spun on its spinlock, yet the call site was \
+         not named for queryid {queryid}:\n{crowded}"
+    );
+    ensure!(
+        crowded.contains("entry updates that spun (pgss_store calls)"),
+        "the share of the entry's updates that spun is missing:\n{crowded}"
+    );
+    // One backend alone never finds the entry's spinlock taken.
+    let (alone, queryid) = findings_of_selects_from("1")?;
+    eprintln!("1 client:\n{alone}");
+    ensure!(
+        !names(&alone, &queryid),
+        "one client cannot contend with itself, yet spinning was named:\n{alone}"
+    );
+    Ok(())
+}

@@ -86,6 +86,8 @@ impl AgentFindings {
             // The agent holds no SQL connection of its own for these.
             pgss: None,
             instance: None,
+            // The agent's probes count calls; call sites are `pgscope trace --probes s_lock`'s.
+            spin_sites: &[],
         });
         self.evaluated += 1;
         self.update(instance, &found);

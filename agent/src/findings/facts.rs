@@ -38,7 +38,12 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                     facts.relations.to_string(),
                 ));
             }
-            "function_dominance" | "pgss_evictions" if frames(Function::PgssStore.name()) => {
+            "function_dominance" | "pgss_evictions" | "spin_site"
+                if finding
+                    .frames
+                    .iter()
+                    .any(|f| f.starts_with(Function::PgssStore.name())) =>
+            {
                 if let Some(on) = facts.track_planning {
                     finding.numbers.push((
                         "pg_stat_statements.track_planning".into(),

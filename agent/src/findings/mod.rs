@@ -11,6 +11,7 @@ mod indexes;
 mod pgss;
 mod phases;
 mod probes;
+mod spin_sites;
 mod waits;
 
 use std::fmt::Write as _;
@@ -19,6 +20,7 @@ use exporters::Profile;
 
 pub use pgss::PgssEvidence;
 pub use probes::ProbeRow;
+pub use spin_sites::SpinSiteRow;
 
 /// How much a finding matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -69,6 +71,8 @@ pub struct Evidence<'a> {
     pub pgss: Option<PgssEvidence>,
     /// Settings and sizes read over SQL, when pgscope could connect.
     pub instance: Option<&'a crate::postgres::sql::InstanceFacts>,
+    /// Spinlock acquisitions that spun, per call site and queryid (`--probes s_lock`).
+    pub spin_sites: &'a [SpinSiteRow],
 }
 
 /// Every rule over the evidence, most severe first.
@@ -79,10 +83,16 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(phases::unusual_phase(&queries));
     findings.extend(indexes::repeated_descents(&queries));
     let period = evidence.on_cpu.meta.period;
+    let time = statement_time(&queries, period, evidence.off_cpu);
     findings.extend(functions::dominating(
         evidence.probes,
-        &statement_time(&queries, period, evidence.off_cpu),
+        &time,
         cpu::MIN_SAMPLES * period,
+    ));
+    findings.extend(spin_sites::spinning_sites(
+        evidence.spin_sites,
+        evidence.probes,
+        &time,
     ));
     findings.extend(cpu::spinning(&queries, evidence.on_cpu));
     findings.extend(cpu::generic_plan_locking(&queries));

@@ -10,7 +10,7 @@ use exporters::Profile;
 use serde::{Deserialize, Serialize};
 
 use crate::bpf::abi::Function;
-use crate::findings::{Evidence, Finding, PgssEvidence, ProbeRow};
+use crate::findings::{Evidence, Finding, PgssEvidence, ProbeRow, SpinSiteRow};
 use crate::postgres::sql::InstanceFacts;
 
 pub const SCHEMA: &str = "pgscope.recording/v1";
@@ -35,6 +35,9 @@ pub struct Recording {
     /// Settings and sizes the findings quote (plan_cache_mode, pg_class rows, …).
     #[serde(default)]
     pub instance: Option<InstanceFacts>,
+    /// Spinlock acquisitions that spun, per call site and queryid.
+    #[serde(default)]
+    pub spin_sites: Vec<SpinSiteRow>,
     /// Normalized query texts by queryid (decimal), when the instance could be reached.
     pub query_texts: BTreeMap<String, String>,
 }
@@ -120,6 +123,7 @@ impl Recording {
             off_cpu: self.off_cpu.as_ref(),
             pgss: self.pgss,
             instance: self.instance.as_ref(),
+            spin_sites: &self.spin_sites,
         })
     }
 
@@ -170,6 +174,7 @@ mod tests {
             ],
             pgss: None,
             instance: None,
+            spin_sites: Vec::new(),
             query_texts: BTreeMap::from([("-42".into(), "SELECT 1".into())]),
         }
     }

@@ -128,12 +128,25 @@ pub(super) fn finish(
             max: end.max,
             seconds: elapsed.as_secs_f64(),
         });
+    let spin_sites: Vec<crate::findings::SpinSiteRow> = probe_results
+        .spin_sites
+        .iter()
+        .map(|site| crate::findings::SpinSiteRow {
+            query_id: site.query_id,
+            file: site.file.clone(),
+            line: site.line,
+            function: site.function.clone(),
+            calls: site.stats.calls,
+            total_ns: site.stats.total_ns,
+        })
+        .collect();
     let findings = crate::findings::evaluate(&crate::findings::Evidence {
         on_cpu: &profile,
         probes: &probe_rows,
         off_cpu: off_cpu_profile.as_ref(),
         pgss,
         instance: instance.as_ref(),
+        spin_sites: &spin_sites,
     });
     if !findings.is_empty() {
         println!("findings:");
@@ -151,6 +164,7 @@ pub(super) fn finish(
             probes: probe_rows.iter().map(RecordedProbe::new).collect(),
             pgss,
             instance: instance.clone(),
+            spin_sites: spin_sites.clone(),
             query_texts: query_texts
                 .iter()
                 .map(|(id, text)| (id.to_string(), text.clone()))
