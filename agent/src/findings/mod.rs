@@ -89,10 +89,12 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
         &time,
         cpu::MIN_SAMPLES * period,
     ));
+    let seconds = evidence.on_cpu.meta.duration_nanos as f64 / 1e9;
     findings.extend(spin_sites::spinning_sites(
         evidence.spin_sites,
         evidence.probes,
         &time,
+        seconds,
     ));
     findings.extend(cpu::spinning(&queries, evidence.on_cpu));
     findings.extend(cpu::generic_plan_locking(&queries));

@@ -47,6 +47,13 @@ fn lock_of(file: &str) -> (&'static str, &'static str) {
             "look for the hot page: a small table or index read by every statement (the inner \
              side of a nested loop), which a different plan or fewer concurrent backends relieve",
         )
+    } else if file.ends_with("freelist.c") {
+        (
+            "the shared buffers' free list and clock sweep, taken to find a buffer for a page \
+             not in shared_buffers",
+            "backends evicting pages at once: a working set larger than shared_buffers (raise \
+             it, or read less: an index instead of a scan)",
+        )
     } else if file.ends_with("xlog.c") || file.ends_with("xloginsert.c") {
         (
             "WAL bookkeeping shared by every writer",
@@ -61,12 +68,13 @@ fn lock_of(file: &str) -> (&'static str, &'static str) {
     }
 }
 
-/// Call sites where a statement spun, with the share of its time it did: a warning from 5%,
+/// Call sites where a statement spun over `seconds`, with the share of its time it did: a warning from 5%,
 /// information below (how far from the cliff it is).
 pub fn spinning_sites(
     sites: &[SpinSiteRow],
     probes: &[ProbeRow],
     statement_time: &StatementTime,
+    seconds: f64,
 ) -> Vec<Finding> {
     let mut merged: BTreeMap<(i64, &str, u32, &str), (u64, u64)> = BTreeMap::new();
     for site in sites.iter().filter(|s| s.query_id != 0 && s.calls > 0) {
@@ -101,6 +109,10 @@ pub fn spinning_sites(
             numbers.push((
                 "entry updates that spun (pgss_store calls)".to_string(),
                 format!("{} of {updates}", percent(calls as f64 / updates as f64)),
+            ));
+            numbers.push((
+                "entry updates per second".to_string(),
+                format!("{:.0}", updates as f64 / seconds.max(1e-3)),
             ));
         }
         let site = format!("{}:{line} ({function})", short_path(file));
@@ -160,7 +172,7 @@ mod tests {
             calls: 30_000,
             total_ns: 0,
         }];
-        let found = spinning_sites(&sites, &probes, &time);
+        let found = spinning_sites(&sites, &probes, &time, 10.0);
         assert_eq!(found.len(), 2, "{found:?}");
         assert_eq!(
             (found[0].query_ids[0], found[0].severity),
@@ -173,7 +185,11 @@ mod tests {
             .numbers
             .iter()
             .any(|(k, v)| k.starts_with("entry updates that spun") && v == "1.0% of 30000"));
+        assert!(found[0]
+            .numbers
+            .iter()
+            .any(|(k, v)| k == "entry updates per second" && v == "3000"));
         assert_eq!((found[1].query_ids[0], found[1].severity), (8, Severity::Info));
-        assert!(spinning_sites(&[], &probes, &time).is_empty());
+        assert!(spinning_sites(&[], &probes, &time, 10.0).is_empty());
     }
 }
