@@ -201,7 +201,7 @@ fn flamegraph_section(
     let _ = writeln!(page, "<section id=\"{id}\">\n<h2>{heading}</h2>");
     let Some((profile, subtitle)) = profile else {
         page.push_str(
-            "<p>Not measured (the trace ran with --no-off-cpu, or the kernel refused).</p>\n</section>\n",
+            "<p>Not measured (the trace ran without --off-cpu, or the kernel refused it).</p>\n</section>\n",
         );
         return Ok(());
     };

@@ -40,7 +40,7 @@ pub struct Summary {
     pub relation_locks: Vec<RelationLockJson>,
     /// s_lock calls per (queryid, call site): which spinlock acquisitions had to spin.
     pub spin_sites: Vec<SpinSiteJson>,
-    /// Time off CPU; null when it was not measured (--no-off-cpu, or the kernel refused).
+    /// Time off CPU; null when it was not measured (no --off-cpu, or the kernel refused).
     pub off_cpu: Option<OffCpuJson>,
 }
 
