@@ -60,6 +60,10 @@ done
 src=$(find . -maxdepth 1 -type d -name 'postgresql-15*' | head -n 1)
 cd "$src"
 
+# Run from `make pg-nofp`, the outer make's MAKELEVEL would reach Postgres' build, which
+# generates its headers (utils/errcodes.h, …) only in a top-level make (MAKELEVEL 0): the
+# build then fails on a machine without the cache.
+unset MAKELEVEL MAKEFLAGS MFLAGS
 log "configuring (CFLAGS=-O2 -g -fomit-frame-pointer) into $prefix"
 ./configure --prefix="$prefix" --without-readline --without-icu --with-openssl \
   CFLAGS="-O2 -g -fomit-frame-pointer" >configure.log 2>&1 || { tail -30 configure.log >&2; exit 1; }
