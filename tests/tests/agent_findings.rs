@@ -1,39 +1,244 @@
 //! `pgscope agent` diagnoses what it ships: each instance's findings over each upload interval
-//! appear on /metrics as `pgscope_finding` series and in the log when they change. A workload
-//! whose inserts do most of their work in a trigger deferred to commit must raise the commit
-//! phase finding for the insert's queryid while it runs, and clear it once it stops.
+//! appear on /metrics as `pgscope_finding` series and in the log when they change. Under
+//! pgbench -S the top CPU consumer is pgbench's select, named by its pg_stat_statements queryid,
+//! until the load stops. A workload whose inserts do most of their work in a trigger deferred
+//! to commit must raise the commit phase finding for the insert's queryid while it runs, and
+//! clear it once it stops.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
-use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, PyroscopeCapture, RunningAgent};
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::{
+    require_root_and_bpf, wait_for, workload, PgCluster, PgInstall, PyroscopeCapture, RunningAgent,
+};
 
-const INSTANCE: &str = "pgscope_findings";
+/// One `pgscope_finding` series, by label.
+type Labels = BTreeMap<String, String>;
 
-/// The `pgscope_finding` line of the commit phase finding for `queryid`, if /metrics has it.
-fn commit_finding(metrics: &str, queryid: &str) -> Option<String> {
+/// The labels of every `pgscope_finding` line valued 1 in a Prometheus text exposition.
+fn findings_on(metrics: &str) -> Vec<Labels> {
     metrics
         .lines()
-        .find(|l| {
-            l.starts_with("pgscope_finding{")
-                && l.contains(&format!("instance=\"{INSTANCE}\""))
-                && l.contains("kind=\"phase_dominance\"")
-                && l.contains(&format!("queryid=\"{queryid}\""))
+        .filter_map(|line| line.strip_prefix("pgscope_finding{"))
+        .filter_map(|rest| rest.strip_suffix("} 1"))
+        .map(parse_labels)
+        .collect()
+}
+
+/// `k="v",k2="v2"` (values as the agent escapes them: `\\`, `\"`, `\n`).
+fn parse_labels(text: &str) -> Labels {
+    let mut labels = Labels::new();
+    let mut rest = text;
+    while let Some((name, after)) = rest.split_once("=\"") {
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((at, c)) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, escaped)) => value.push(escaped),
+                    None => {}
+                },
+                '"' => {
+                    end = at + 1;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        labels.insert(name.trim_start_matches(',').to_string(), value);
+        rest = &after[end..];
+    }
+    labels
+}
+
+/// The agent's log lines (`--log-json`) about findings: (message, fields).
+fn finding_logs(log: &str) -> Vec<(String, serde_json::Value)> {
+    log.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|line| {
+            let fields = line.get("fields")?.clone();
+            let message = fields.get("message")?.as_str()?.to_string();
+            message.starts_with("finding ").then_some((message, fields))
         })
-        .map(str::to_string)
+        .collect()
+}
+
+/// The appearances and clearings logged for one finding (kind and queryid), per severity, in
+/// order. Each severity must alternate, starting with its appearance: a finding is logged when
+/// it changes, never again while it stays.
+fn logged_changes(
+    log: &str,
+    instance: &str,
+    kind: &str,
+    queryid: &str,
+) -> Result<BTreeMap<String, Vec<String>>> {
+    let mut per_severity: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (message, fields) in finding_logs(log) {
+        let field = |name: &str| fields.get(name).and_then(|v| v.as_str()).unwrap_or("");
+        if field("instance") != instance || field("kind") != kind || field("queryid") != queryid {
+            continue;
+        }
+        ensure!(
+            !field("title").is_empty(),
+            "a finding logged without its title: {fields}"
+        );
+        if message == "finding appeared" {
+            ensure!(
+                !field("action").is_empty(),
+                "an appearance without its action: {fields}"
+            );
+        }
+        per_severity
+            .entry(field("severity").to_string())
+            .or_default()
+            .push(message);
+    }
+    for (severity, messages) in &per_severity {
+        for (index, message) in messages.iter().enumerate() {
+            let expected = if index % 2 == 0 {
+                "finding appeared"
+            } else {
+                "finding cleared"
+            };
+            ensure!(
+                message == expected,
+                "{kind} {queryid} ({severity}) was logged {messages:?}: appearances and clearings must alternate\n{log}"
+            );
+        }
+    }
+    Ok(per_severity)
+}
+
+fn agent_config(capture: &PyroscopeCapture, cluster: &PgCluster) -> String {
+    format!(
+        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\n\
+         [[discovery.include]]\ndata_dir = \"{}\"\n",
+        capture.url(),
+        cluster.data_dir().display()
+    )
+}
+
+#[test]
+fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_the_load_stops() -> Result<()>
+{
+    const INSTANCE: &str = "pgscope_top_cpu";
+    require_root_and_bpf();
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
+    agent.wait_metric(
+        "pgscope_instances",
+        "the instance",
+        Duration::from_secs(30),
+        |n| n >= 1.0,
+    )?;
+
+    let pgbench = cluster.spawn_pgbench(&["-n", "-S", "-c", "2", "-j", "2", "-T", "300"], 2)?;
+    let select = wait_for(
+        "pgbench's select in pg_stat_statements",
+        Duration::from_secs(30),
+        || Ok(cluster.pgbench_select_queryid().ok()),
+    )?;
+    let top = wait_for(
+        "a top_cpu finding for pgbench's select on /metrics",
+        Duration::from_secs(30),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            let top: Vec<Labels> = findings_on(&metrics)
+                .into_iter()
+                .filter(|l| l.get("kind").map(String::as_str) == Some("top_cpu"))
+                .collect();
+            let named = top.iter().any(|l| l.get("queryid") == Some(&select));
+            Ok(named.then_some(top))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let known: BTreeSet<String> = cluster
+        .psql("SELECT queryid FROM pg_stat_statements")?
+        .lines()
+        .map(|l| l.trim().to_string())
+        .collect();
+    for labels in &top {
+        ensure!(
+            labels.get("instance").map(String::as_str) == Some(INSTANCE),
+            "{labels:?}"
+        );
+        ensure!(
+            labels.get("severity").map(String::as_str) == Some("info"),
+            "{labels:?}"
+        );
+        let queryid = labels.get("queryid").map(String::as_str).unwrap_or("");
+        ensure!(
+            !queryid.is_empty() && known.contains(queryid),
+            "the top consumer's queryid `{queryid}` is not one of pg_stat_statements' {known:?}"
+        );
+    }
+    ensure!(top.len() <= 3, "at most 3 top consumers per instance: {top:?}");
+    // Three more intervals under the same load: the finding stays, and is not logged again.
+    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
+    agent.wait_metric(
+        "pgscope_findings_evaluated_total",
+        "three more intervals evaluated",
+        Duration::from_secs(60),
+        |n| n >= evaluated + 3.0,
+    )?;
+    let (_, metrics) = agent.get("/metrics")?;
+    ensure!(
+        findings_on(&metrics).iter().any(
+            |l| l.get("kind").map(String::as_str) == Some("top_cpu") && l.get("queryid") == Some(&select)
+        ),
+        "the select's top_cpu finding left /metrics while pgbench still ran:\n{metrics}"
+    );
+
+    // The load stops: the select runs no more, and the interval after it no longer names it.
+    pgbench.stop()?;
+    wait_for(
+        "the select's top_cpu finding to clear from /metrics",
+        Duration::from_secs(30),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            let still = findings_on(&metrics).iter().any(|l| {
+                l.get("kind").map(String::as_str) == Some("top_cpu") && l.get("queryid") == Some(&select)
+            });
+            Ok((!still).then_some(()))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let log = agent.log();
+    let changes = logged_changes(&log, INSTANCE, "top_cpu", &select)?;
+    // A steady load is one appearance, not one line per interval, and the stop one clearing.
+    ensure!(
+        changes.get("info")
+            == Some(&vec![
+                "finding appeared".to_string(),
+                "finding cleared".to_string()
+            ]),
+        "the select's top_cpu finding was logged {changes:?}:\n{log}"
+    );
+    // pg_stat_statements has room for every statement here (max 5000): nothing evicted.
+    let evictions = logged_changes(&log, INSTANCE, "pgss_evictions", "")?;
+    ensure!(
+        evictions.is_empty(),
+        "evictions named with room for every statement ({evictions:?}):\n{log}"
+    );
+    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
+    ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
+    Ok(())
 }
 
 #[test]
 fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clears_after() -> Result<()> {
+    const INSTANCE: &str = "pgscope_findings";
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[
-            ("shared_preload_libraries", "pg_stat_statements"),
-            ("cluster_name", INSTANCE),
-        ],
-    )?;
-    cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
     cluster.psql("CREATE TABLE t (x int)")?;
     cluster.psql(
         "CREATE FUNCTION heavy() RETURNS trigger LANGUAGE plpgsql AS \
@@ -48,19 +253,20 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
     std::fs::write(&script, "INSERT INTO t VALUES (1);\n")?;
 
     let capture = PyroscopeCapture::start()?;
-    let config = format!(
-        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\n\
-         [[discovery.include]]\ndata_dir = \"{}\"\n",
-        capture.url(),
-        cluster.data_dir().display()
-    );
-    let agent = RunningAgent::start(&config, &[])?;
+    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
     agent.wait_metric(
         "pgscope_instances",
         "the instance",
         Duration::from_secs(30),
         |n| n >= 1.0,
     )?;
+    let commit_finding = |metrics: &str, queryid: &str| {
+        findings_on(metrics).into_iter().find(|l| {
+            l.get("instance").map(String::as_str) == Some(INSTANCE)
+                && l.get("kind").map(String::as_str) == Some("phase_dominance")
+                && l.get("queryid").map(String::as_str) == Some(queryid)
+        })
+    };
 
     let script = script.display().to_string();
     let queryid = std::thread::scope(|scope| -> Result<String> {
@@ -75,7 +281,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
                 Ok(Some(id.trim().to_string()).filter(|id| !id.is_empty()))
             },
         )?;
-        let line = wait_for(
+        let labels = wait_for(
             "the commit phase finding on /metrics",
             Duration::from_secs(20),
             || {
@@ -85,22 +291,13 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
         );
         load.join()
             .map_err(|_| anyhow::anyhow!("pgbench thread panicked"))??;
-        let line = line.map_err(|error| anyhow::anyhow!("{error:#}\nagent log:\n{}", agent.log()))?;
+        let labels = labels.with_context(|| format!("agent log:\n{}", agent.log()))?;
         // Most of the insert's CPU is the deferred trigger's: a warning or worse (at 19 Hz an
         // interval holds few samples, so which of the two varies).
-        ensure!(
-            (line.contains("severity=\"critical\"") || line.contains("severity=\"warning\""))
-                && line.ends_with(" 1"),
-            "{line}"
-        );
+        let severity = labels.get("severity").map(String::as_str).unwrap_or("");
+        ensure!(matches!(severity, "warning" | "critical"), "{labels:?}");
         Ok(queryid)
     })?;
-    let log = agent.log();
-    ensure!(
-        log.lines()
-            .any(|l| l.contains("finding: queryid") && l.contains(&queryid) && l.contains("in commit")),
-        "the finding's appearance is not in the log:\n{log}"
-    );
 
     // The load has stopped: the next interval has no such statement, and the finding clears.
     wait_for(
@@ -112,22 +309,111 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
         },
     )?;
     let log = agent.log();
+    let changes = logged_changes(&log, INSTANCE, "phase_dominance", &queryid)?;
     ensure!(
-        log.lines()
-            .any(|l| l.contains("finding cleared") && l.contains(&queryid)),
-        "the finding's clearing is not in the log:\n{log}"
+        !changes.is_empty(),
+        "the finding's appearance is not in the log:\n{log}"
     );
-    let appearances = log
-        .lines()
-        .filter(|l| l.contains(&format!("finding: queryid {queryid} ")) && l.contains("in commit"))
-        .count();
-    ensure!(
-        appearances == 1,
-        "an unchanged finding must be logged once, not every interval ({appearances} times):\n{log}"
-    );
+    // Whatever severities it went through, each was cleared once the load stopped.
+    for (severity, messages) in &changes {
+        ensure!(
+            messages.last().map(String::as_str) == Some("finding cleared"),
+            "the {severity} finding's clearing is not in the log ({messages:?}):\n{log}"
+        );
+    }
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
     let (status, _) = agent.terminate()?;
     ensure!(status.success(), "the agent exited with {status}");
+    Ok(())
+}
+
+#[test]
+fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads_over_sql() -> Result<()> {
+    const INSTANCE: &str = "pgscope_pgss_storm";
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &PgInstall::distro()?,
+        &[("cluster_name", INSTANCE), ("pg_stat_statements.max", "100")],
+    )?;
+    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
+    agent.wait_metric(
+        "pgscope_instances",
+        "the instance",
+        Duration::from_secs(30),
+        |n| n >= 1.0,
+    )?;
+    // Two intervals with nothing to evict: the counter is read, and nothing is named.
+    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
+    agent.wait_metric(
+        "pgscope_findings_evaluated_total",
+        "two intervals evaluated before the load",
+        Duration::from_secs(30),
+        |n| n >= evaluated + 2.0,
+    )?;
+    let storm = |metrics: &str| {
+        findings_on(metrics).into_iter().find(|l| {
+            l.get("instance").map(String::as_str) == Some(INSTANCE)
+                && l.get("kind").map(String::as_str) == Some("pgss_evictions")
+        })
+    };
+    let (_, metrics) = agent.get("/metrics")?;
+    ensure!(
+        storm(&metrics).is_none(),
+        "evictions named before any workload ran:\n{metrics}"
+    );
+
+    // 16 clients, 128 distinct statements, 100 entries.
+    args.extend(["-n", "-c", "16", "-j", "2", "-T", "300"].map(String::from));
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let pgbench = cluster.spawn_pgbench(&arg_refs, 16)?;
+    let labels = wait_for(
+        "the eviction storm's finding on /metrics",
+        Duration::from_secs(30),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            Ok(storm(&metrics).filter(|l| l.get("severity").map(String::as_str) != Some("info")))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    // The storm is the instance's, not a statement's: no queryid.
+    ensure!(
+        labels.get("queryid").map(String::as_str) == Some(""),
+        "{labels:?}"
+    );
+    let dealloc: f64 = cluster
+        .psql("SELECT dealloc FROM pg_stat_statements_info")?
+        .trim()
+        .parse()
+        .context("pg_stat_statements_info.dealloc")?;
+    ensure!(dealloc > 0.0, "the storm evicted nothing ({dealloc})");
+
+    // The load stops: the counter stands still, and the finding clears.
+    pgbench.stop()?;
+    wait_for(
+        "the eviction finding to clear from /metrics",
+        Duration::from_secs(30),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            Ok(storm(&metrics).is_none().then_some(()))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let log = agent.log();
+    let changes = logged_changes(&log, INSTANCE, "pgss_evictions", "")?;
+    ensure!(
+        changes.keys().any(|s| s == "warning" || s == "critical"),
+        "the storm's appearance is not in the log ({changes:?}):\n{log}"
+    );
+    for (severity, messages) in &changes {
+        ensure!(
+            messages.last().map(String::as_str) == Some("finding cleared"),
+            "the {severity} eviction finding's clearing is not in the log ({messages:?}):\n{log}"
+        );
+    }
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
     Ok(())
 }

@@ -94,7 +94,7 @@ impl Exporter {
         interval: std::ops::Range<u64>,
         probe_rows: &BTreeMap<u32, Vec<super::probes::CallRow>>,
         enqueued: &mut BTreeMap<&'static str, u64>,
-        findings: &mut super::findings::AgentFindings,
+        findings: &mut super::findings_state::AgentFindings,
     ) {
         let (start, end) = (interval.start, interval.end);
         let names: HashMap<u32, (String, Vec<(String, String)>)> = session
@@ -107,9 +107,15 @@ impl Exporter {
                 )
             })
             .collect();
+        let mut pgss = HashMap::new();
         for instance in session.instances() {
+            let root = instance.context.root;
             let oids = instance.stacks.on_cpu.database_oids();
-            self.refresh_database_names(instance.context.root, &oids).await;
+            self.refresh_database_names(root, &oids).await;
+            // Read as the stacks are taken, so that the counter spans the same interval.
+            if let Some(evidence) = findings.read_pgss(root).await {
+                pgss.insert(root, evidence);
+            }
         }
         // Out of `self` while frames are named: enqueueing needs `self` mutably.
         let cached = self.kernel_symbols();
@@ -126,7 +132,12 @@ impl Exporter {
                 .unwrap_or_default();
             let mut profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
             // What the interval shows, diagnosed from the profiles about to be sent.
-            findings.evaluate(name, &profiles, probe_rows.get(&root).map(Vec::as_slice));
+            findings.evaluate(
+                name,
+                &profiles,
+                probe_rows.get(&root).map(Vec::as_slice),
+                pgss.get(&root).copied(),
+            );
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));
             }

@@ -2,7 +2,7 @@
 //! snapshots the main loop publishes once a second (BPF counters, instances, export state)
 //! plus the process's own CPU and memory read at scrape time.
 
-use super::findings::{FindingsSnapshot, MAX_PER_INSTANCE};
+use super::findings_state::{FindingsSnapshot, ALWAYS_REPORTED, MAX_ALWAYS_REPORTED, MAX_PER_INSTANCE};
 use super::probes::ProbeMetrics;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -260,19 +260,21 @@ fn render_findings(out: &mut Text, findings: &FindingsSnapshot) {
     out.value("pgscope_findings_evaluated_total", &[], findings.evaluated);
     let help = format!(
         "1 for each finding in force over an instance's last upload interval: its kind (the rule), \
-         severity and the queryid it names (0: none); at most {MAX_PER_INSTANCE} per instance, most \
-         severe first."
+         severity and the first queryid it names (empty: none). At most {MAX_PER_INSTANCE} per \
+         instance, most severe first, of which at most {MAX_ALWAYS_REPORTED} info findings of each \
+         always-reported kind ({}).",
+        ALWAYS_REPORTED.join(", ")
     );
     out.family("pgscope_finding", "gauge", &help);
     for (instance, in_force) in &findings.current {
-        for (key, severity) in in_force {
-            let query_id = key.query_id.to_string();
+        for key in in_force {
+            let query_id = key.query_label();
             out.value(
                 "pgscope_finding",
                 &[
                     ("instance", instance),
                     ("kind", key.kind),
-                    ("severity", severity.name()),
+                    ("severity", key.severity.name()),
                     ("queryid", &query_id),
                 ],
                 1,
@@ -382,6 +384,45 @@ mod tests {
             let (_, value) = line.rsplit_once(' ').expect("name and value");
             assert!(value.parse::<f64>().is_ok(), "bad value in {line}");
         }
+    }
+
+    #[test]
+    fn findings_render_one_series_each_with_an_empty_queryid_when_they_name_none() {
+        use super::super::findings_state::FindingKey;
+        use crate::findings::Severity;
+        let mut snapshot = Snapshot::default();
+        snapshot.findings.evaluated = 4;
+        snapshot.findings.current.insert(
+            "main".to_string(),
+            vec![
+                FindingKey {
+                    kind: "top_cpu",
+                    query_id: Some(-42),
+                    severity: Severity::Info,
+                },
+                FindingKey {
+                    kind: "spinlock_contention",
+                    query_id: None,
+                    severity: Severity::Warning,
+                },
+            ],
+        );
+        let text = render(&snapshot, &OwnUsage::default());
+        assert!(text.contains(
+            "pgscope_finding{instance=\"main\",kind=\"top_cpu\",severity=\"info\",queryid=\"-42\"} 1\n"
+        ));
+        assert!(text.contains(
+            "pgscope_finding{instance=\"main\",kind=\"spinlock_contention\",severity=\"warning\",queryid=\"\"} 1\n"
+        ));
+        assert!(text.contains("pgscope_findings_evaluated_total 4\n"));
+        let help = text
+            .lines()
+            .find(|l| l.starts_with("# HELP pgscope_finding "))
+            .expect("HELP line");
+        assert!(
+            help.contains("At most 20 per instance") && help.contains("at most 3 info findings"),
+            "{help}"
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 pub mod config;
 mod discovery;
 mod export;
-mod findings;
+mod findings_state;
 mod http;
 mod metrics;
 mod off_cpu_totals;
@@ -94,7 +94,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut totals = off_cpu_totals::Tracker::default();
     let mut state = LoopState::default();
     let mut function_probes = probes::AgentProbes::new(&config);
-    let mut agent_findings = findings::AgentFindings::default();
+    let mut agent_findings = findings_state::AgentFindings::default();
     let mut found = Found {
         probes: &mut probes,
         session: &mut session,
@@ -256,7 +256,7 @@ struct Found<'a> {
     session: &'a mut Session,
     exporter: &'a mut export::Exporter,
     function_probes: &'a mut probes::AgentProbes,
-    findings: &'a mut findings::AgentFindings,
+    findings: &'a mut findings_state::AgentFindings,
 }
 
 impl Found<'_> {
@@ -281,8 +281,9 @@ impl Found<'_> {
             }
             function_probes.remove_instance(probes, session, *root);
             if let Some(gone) = session.remove_instance(*root) {
-                info!(postmaster = root, instance = %exporter.instance_name(&gone.context), "instance gone (stopped, restarted or excluded)");
-                findings.forget(&exporter.instance_name(&gone.context));
+                let name = exporter.instance_name(&gone.context);
+                info!(postmaster = root, instance = %name, "instance gone (stopped, restarted or excluded); its findings go with it");
+                findings.forget(&name, *root);
                 exporter.upload_instance(session, gone, config);
             }
             // Its processes leave the filter as they exit; those of a still-running instance that
@@ -357,7 +358,7 @@ impl LoopState {
         session: &Session,
         exporter: &export::Exporter,
         function_probes: &probes::AgentProbes,
-        findings: &findings::AgentFindings,
+        findings: &findings_state::AgentFindings,
         off_cpu: bool,
     ) -> metrics::Snapshot {
         let bpf_counters = match probes.counters() {
