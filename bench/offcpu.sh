@@ -3,7 +3,9 @@
 # with `--off-cpu` vs without it, and without pgscope at all, interleaved in one run on
 # one cluster so that drift hits all alike. Also prints the off-CPU programs' events per second
 # and BPF time per event, from the kernel's BPF statistics (kernel.bpf_stats_enabled, switched
-# on for the run and restored after). A benchmark, not a test: it asserts nothing.
+# on for the run and restored after). Beside them, the floor: pgbench under an empty program on
+# sched_switch (bench/switch_floor), what any off-CPU profiler hooked on every context switch
+# pays before doing anything. A benchmark, not a test: it asserts nothing.
 #
 # Usage: bench/offcpu.sh [ROUNDS] [SECONDS_PER_RUN]   (needs root; builds pgscope in release)
 set -euo pipefail
@@ -22,13 +24,19 @@ stats_before=$(sysctl -n kernel.bpf_stats_enabled)
 trap 'sysctl -q -w kernel.bpf_stats_enabled="$stats_before"; pgcluster_stop; rm -rf "$work"' EXIT
 sysctl -q -w kernel.bpf_stats_enabled=1
 
+clang -g -O2 -target bpf -I"/usr/include/$(gcc -print-multiarch)" -Wall -Werror \
+  -c bench/switch_floor/floor.bpf.c -o "$work/floor.bpf.o"
+cc -O2 -Wall -Werror bench/switch_floor/floor.c -o "$work/floor" -lbpf
+
 pgcluster_start
 pgc_pgbench -i -q -s 10 postgres >/dev/null 2>&1
 pgc_pgbench -S -c "$clients" -j "$clients" -T 5 postgres >/dev/null 2>&1   # warm the cache
 
 run_pgbench() {
-  pgc_pgbench -S -c "$clients" -j "$clients" -T "$secs" postgres 2>/dev/null |
-    sed -n 's/^tps = \([0-9.]*\).*/\1/p'
+  local out
+  out=$(pgc_pgbench -S -c "$clients" -j "$clients" -T "$secs" postgres 2>"$work/pgbench.err") ||
+    { echo "pgbench failed:" >&2; cat "$work/pgbench.err" >&2; exit 1; }
+  sed -n 's/^tps = \([0-9.]*\).*/\1/p' <<<"$out"
 }
 
 # run_cnt and run_time_ns of pgscope's off-CPU programs, summed: "count ns".
@@ -53,21 +61,35 @@ run_traced() {
     "$before" "$after" "$tps"
 }
 
-declare -a base on off events ns
+# pgbench's TPS with the empty sched_switch program attached.
+run_floor() {
+  "$work/floor" "$work/floor.bpf.o" >"$work/floor.out" 2>&1 &
+  local floor_pid=$!
+  for _ in $(seq 100); do grep -q '^attached' "$work/floor.out" && break; sleep 0.1; done
+  grep -q '^attached' "$work/floor.out" || { cat "$work/floor.out" >&2; exit 1; }
+  run_pgbench
+  kill "$floor_pid"
+  wait "$floor_pid"
+}
+
+declare -a base floor on off events ns
 for ((r = 1; r <= rounds; r++)); do
   base+=("$(run_pgbench)")
+  floor+=("$(run_floor)")
   read -r t e n < <(run_traced --off-cpu)
   on+=("$t"); events+=("$e"); ns+=("$n")
   read -r t _ _ < <(run_traced)
   off+=("$t")
-  echo "round $r: tps without pgscope ${base[-1]}, trace ${off[-1]}, trace --off-cpu ${on[-1]}" >&2
+  echo "round $r: tps without pgscope ${base[-1]}, empty sched_switch program ${floor[-1]}, trace ${off[-1]}, trace --off-cpu ${on[-1]}" >&2
 done
 
-python3 - "$secs" "$clients" "${base[*]}" "${off[*]}" "${on[*]}" "${events[*]}" "${ns[*]}" <<'PY'
+python3 - "$secs" "$clients" "${base[*]}" "${off[*]}" "${on[*]}" "${events[*]}" "${ns[*]}" "${floor[*]}" <<'PY'
 import statistics as st, sys
 secs, clients = float(sys.argv[1]), sys.argv[2]
-base, off, on, events, ns = ([float(x) for x in a.split()] for a in sys.argv[3:8])
+base, off, on, events, ns, floor = ([float(x) for x in a.split()] for a in sys.argv[3:9])
 print(f"pgbench -S, {clients} clients: {st.mean(base):.0f} TPS without pgscope")
+print(f"empty sched_switch program / without: {st.mean(floor) / st.mean(base):.3f}; per round "
+      + " ".join(f"{f / b:.3f}" for f, b in zip(floor, base)))
 print(f"trace / without: {st.mean(off) / st.mean(base):.3f}")
 print(f"trace --off-cpu / without: {st.mean(on) / st.mean(base):.3f}")
 print(f"off-CPU on vs off (both traced): ratio {st.mean(on) / st.mean(off):.3f}; per round "
