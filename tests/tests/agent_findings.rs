@@ -112,6 +112,50 @@ fn logged_changes(
     Ok(per_severity)
 }
 
+/// The labels of `instance`'s finding of `kind` naming `queryid` ("": none) on /metrics.
+fn finding_of(metrics: &str, instance: &str, kind: &str, queryid: &str) -> Option<Labels> {
+    findings_on(metrics).into_iter().find(|l| {
+        l.get("instance").map(String::as_str) == Some(instance)
+            && l.get("kind").map(String::as_str) == Some(kind)
+            && l.get("queryid").map(String::as_str) == Some(queryid)
+    })
+}
+
+/// Once the workload behind a finding has stopped: waits for the finding to leave /metrics,
+/// then checks that the log said it appeared and that every severity it went through was
+/// cleared last. Returns what was logged, per severity.
+fn expect_cleared(
+    agent: &RunningAgent,
+    instance: &str,
+    kind: &str,
+    queryid: &str,
+) -> Result<BTreeMap<String, Vec<String>>> {
+    wait_for(
+        &format!("the {kind} finding of `{queryid}` to clear from /metrics"),
+        Duration::from_secs(30),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            Ok(finding_of(&metrics, instance, kind, queryid)
+                .is_none()
+                .then_some(()))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let log = agent.log();
+    let changes = logged_changes(&log, instance, kind, queryid)?;
+    ensure!(
+        !changes.is_empty(),
+        "the {kind} finding's appearance is not in the log:\n{log}"
+    );
+    for (severity, messages) in &changes {
+        ensure!(
+            messages.last().map(String::as_str) == Some("finding cleared"),
+            "the {severity} {kind} finding's clearing is not in the log ({messages:?}):\n{log}"
+        );
+    }
+    Ok(changes)
+}
+
 fn agent_config(capture: &PyroscopeCapture, cluster: &PgCluster) -> String {
     format!(
         "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\n\
@@ -197,20 +241,8 @@ fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_t
 
     // The load stops: the select runs no more, and the interval after it no longer names it.
     pgbench.stop()?;
-    wait_for(
-        "the select's top_cpu finding to clear from /metrics",
-        Duration::from_secs(30),
-        || {
-            let (_, metrics) = agent.get("/metrics")?;
-            let still = findings_on(&metrics).iter().any(|l| {
-                l.get("kind").map(String::as_str) == Some("top_cpu") && l.get("queryid") == Some(&select)
-            });
-            Ok((!still).then_some(()))
-        },
-    )
-    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    let changes = expect_cleared(&agent, INSTANCE, "top_cpu", &select)?;
     let log = agent.log();
-    let changes = logged_changes(&log, INSTANCE, "top_cpu", &select)?;
     // A steady load is one appearance, not one line per interval, and the stop one clearing.
     ensure!(
         changes.get("info")
@@ -260,13 +292,6 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
         Duration::from_secs(30),
         |n| n >= 1.0,
     )?;
-    let commit_finding = |metrics: &str, queryid: &str| {
-        findings_on(metrics).into_iter().find(|l| {
-            l.get("instance").map(String::as_str) == Some(INSTANCE)
-                && l.get("kind").map(String::as_str) == Some("phase_dominance")
-                && l.get("queryid").map(String::as_str) == Some(queryid)
-        })
-    };
 
     let script = script.display().to_string();
     let queryid = std::thread::scope(|scope| -> Result<String> {
@@ -286,7 +311,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
             Duration::from_secs(20),
             || {
                 let (_, metrics) = agent.get("/metrics")?;
-                Ok(commit_finding(&metrics, &queryid))
+                Ok(finding_of(&metrics, INSTANCE, "phase_dominance", &queryid))
             },
         );
         load.join()
@@ -300,27 +325,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
     })?;
 
     // The load has stopped: the next interval has no such statement, and the finding clears.
-    wait_for(
-        "the finding to clear from /metrics",
-        Duration::from_secs(20),
-        || {
-            let (_, metrics) = agent.get("/metrics")?;
-            Ok(commit_finding(&metrics, &queryid).is_none().then_some(()))
-        },
-    )?;
-    let log = agent.log();
-    let changes = logged_changes(&log, INSTANCE, "phase_dominance", &queryid)?;
-    ensure!(
-        !changes.is_empty(),
-        "the finding's appearance is not in the log:\n{log}"
-    );
-    // Whatever severities it went through, each was cleared once the load stopped.
-    for (severity, messages) in &changes {
-        ensure!(
-            messages.last().map(String::as_str) == Some("finding cleared"),
-            "the {severity} finding's clearing is not in the log ({messages:?}):\n{log}"
-        );
-    }
+    expect_cleared(&agent, INSTANCE, "phase_dominance", &queryid)?;
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
     let (status, _) = agent.terminate()?;
@@ -353,12 +358,8 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
         Duration::from_secs(30),
         |n| n >= evaluated + 2.0,
     )?;
-    let storm = |metrics: &str| {
-        findings_on(metrics).into_iter().find(|l| {
-            l.get("instance").map(String::as_str) == Some(INSTANCE)
-                && l.get("kind").map(String::as_str) == Some("pgss_evictions")
-        })
-    };
+    // The storm is the instance's, not a statement's: it names no queryid.
+    let storm = |metrics: &str| finding_of(metrics, INSTANCE, "pgss_evictions", "");
     let (_, metrics) = agent.get("/metrics")?;
     ensure!(
         storm(&metrics).is_none(),
@@ -369,8 +370,8 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
     args.extend(["-n", "-c", "16", "-j", "2", "-T", "300"].map(String::from));
     let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let pgbench = cluster.spawn_pgbench(&arg_refs, 16)?;
-    let labels = wait_for(
-        "the eviction storm's finding on /metrics",
+    wait_for(
+        "the eviction storm's finding (a warning or worse) on /metrics",
         Duration::from_secs(30),
         || {
             let (_, metrics) = agent.get("/metrics")?;
@@ -378,11 +379,6 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
         },
     )
     .with_context(|| format!("agent log:\n{}", agent.log()))?;
-    // The storm is the instance's, not a statement's: no queryid.
-    ensure!(
-        labels.get("queryid").map(String::as_str) == Some(""),
-        "{labels:?}"
-    );
     let dealloc: f64 = cluster
         .psql("SELECT dealloc FROM pg_stat_statements_info")?
         .trim()
@@ -392,27 +388,11 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
 
     // The load stops: the counter stands still, and the finding clears.
     pgbench.stop()?;
-    wait_for(
-        "the eviction finding to clear from /metrics",
-        Duration::from_secs(30),
-        || {
-            let (_, metrics) = agent.get("/metrics")?;
-            Ok(storm(&metrics).is_none().then_some(()))
-        },
-    )
-    .with_context(|| format!("agent log:\n{}", agent.log()))?;
-    let log = agent.log();
-    let changes = logged_changes(&log, INSTANCE, "pgss_evictions", "")?;
+    let changes = expect_cleared(&agent, INSTANCE, "pgss_evictions", "")?;
     ensure!(
         changes.keys().any(|s| s == "warning" || s == "critical"),
-        "the storm's appearance is not in the log ({changes:?}):\n{log}"
+        "the storm was not logged as a warning or worse: {changes:?}"
     );
-    for (severity, messages) in &changes {
-        ensure!(
-            messages.last().map(String::as_str) == Some("finding cleared"),
-            "the {severity} eviction finding's clearing is not in the log ({messages:?}):\n{log}"
-        );
-    }
     let (status, log) = agent.terminate()?;
     ensure!(status.success(), "the agent exited with {status}:\n{log}");
     Ok(())
