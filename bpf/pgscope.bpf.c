@@ -676,7 +676,7 @@ int empty_return(struct pt_regs *ctx)
  * task is switched back in the blocked time is known: a wait with its stacks sent gets an end
  * record (or, shorter than the threshold, tells user space to drop them); every other wait —
  * short, preempted, idle, or over the stack rate — adds to exact per-(process, attribution)
- * totals. No kprobe is needed (not every kernel has them); the kernel side of a stack is the
+ * totals, except one that lasted a second or more: it is sent whole (pgscope_long_wait_end). No kprobe is needed (not every kernel has them); the kernel side of a stack is the
  * syscall.
  */
 
@@ -927,6 +927,20 @@ static __always_inline void switch_in(struct task_struct *next)
 	}
 	if (!long_wait)
 		task->attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+	if (blocked >= PGSCOPE_OFF_CPU_LONG_NS) {
+		struct pgscope_long_wait_end end = {
+			.tgid = task->tgid,
+			.tid = next->pid,
+			.start_ns = start_ns,
+			.blocked_ns = blocked,
+			.attr = task->attr,
+			.magic = PGSCOPE_LONG_WAIT_END_MAGIC,
+		};
+		if (bpf_ringbuf_output(&samples, &end, sizeof(end), 0) == 0)
+			return;
+		/* The time is not lost with the record: it goes to the totals. */
+		count(PGSCOPE_CNT_RINGBUF_FULL);
+	}
 	add_off_cpu_total(task->tgid, &task->attr, blocked);
 }
 

@@ -220,6 +220,26 @@ struct pgscope_wait_end {
 
 _Static_assert(sizeof(struct pgscope_wait_end) == 32, "mirrored in agent/src/bpf/abi.rs");
 
+/* The end of a wait without stacks that lasted at least PGSCOPE_OFF_CPU_LONG_NS: sent whole
+ * rather than added to the totals, so that user space, which may have shipped parts of it
+ * while it was open (the agent does at every upload, so that a backend blocked for minutes
+ * shows in every interval), knows which wait ended and ships only the rest. Long waits are
+ * rare (at most one a second per thread), so this costs the hot path nothing. Told apart from
+ * samples and pgscope_wait_end by its size. */
+struct pgscope_long_wait_end {
+	__u32 tgid;
+	__u32 tid;
+	__u64 start_ns; /* pgscope_off_cpu_task.start_ns of the wait */
+	__u64 blocked_ns;
+	struct pgscope_attribution attr;
+	__u64 magic; /* PGSCOPE_LONG_WAIT_END_MAGIC */
+};
+
+#define PGSCOPE_LONG_WAIT_END_MAGIC 0x646e45746961574cULL /* "LWaitEnd" */
+#define PGSCOPE_OFF_CPU_LONG_NS 1000000000ULL
+
+_Static_assert(sizeof(struct pgscope_long_wait_end) == 64, "mirrored in agent/src/bpf/abi.rs");
+
 /* pgscope_sample.off_cpu_flags */
 enum pgscope_off_cpu_flags {
 	/* Stacks taken when the wait began; its blocked time follows in a pgscope_wait_end. */

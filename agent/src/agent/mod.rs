@@ -154,6 +154,9 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
             }
             _ = upload.tick() => {
                 let now = unix_nanos();
+                // Records already in the ring buffer belong to this interval: the stacks of
+                // waits still open among them, and the ends of waits no longer open.
+                collect::drain(ring.get_mut(), &mut session);
                 totals.add_new_waits(&mut probes, &mut session);
                 let rows = function_probes.take_interval(&mut probes, &session);
                 exporter

@@ -1,7 +1,8 @@
 //! Off-CPU time measured without a stack (short waits, preemptions, idle waits) is kept by the
 //! kernel as running totals per (process, wait): each upload interval takes what grew since
 //! the last one, and totals of exited processes are read one last time and removed, so the
-//! bounded map does not fill up under connection churn.
+//! bounded map does not fill up under connection churn. Waits still open for a second or more
+//! are shipped as far as they went (`Session::ship_open_waits`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -57,6 +58,12 @@ impl Tracker {
         session.add_waits_without_stack(waits.into_iter());
         if let Err(error) = probes.remove_off_cpu_totals(&exited) {
             warn!("cannot remove the off-CPU totals of exited processes: {error:#}");
+        }
+        // Long waits still going on are shipped as far as they went: a backend blocked for
+        // the whole interval is in it.
+        match probes.open_off_cpu_waits() {
+            Ok(open) => session.ship_open_waits(&open),
+            Err(error) => warn!("cannot read the off-CPU waits still open: {error:#}"),
         }
     }
 }

@@ -231,6 +231,41 @@ impl WaitEnd {
         (end.magic == WAIT_END_MAGIC).then_some(end)
     }
 }
+/// `struct pgscope_long_wait_end`: a wait without stacks that lasted at least
+/// [`OFF_CPU_LONG_NS`], sent whole instead of added to the totals.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LongWaitEnd {
+    pub tgid: u32,
+    pub tid: u32,
+    /// When it began: `OffCpuTask::start_ns` of the wait.
+    pub start_ns: u64,
+    pub blocked_ns: u64,
+    pub attr: RawAttribution,
+    pub magic: u64,
+}
+
+const LONG_WAIT_END_MAGIC: u64 = 0x646e_4574_6961_574c;
+const _: () = assert!(size_of::<LongWaitEnd>() == 64);
+
+/// `PGSCOPE_OFF_CPU_LONG_NS`: waits at least this long end in a [`LongWaitEnd`] (or a
+/// [`WaitEnd`] when their stacks were sent), never only in the totals.
+pub const OFF_CPU_LONG_NS: u64 = 1_000_000_000;
+
+impl LongWaitEnd {
+    /// A ring buffer record that is a long wait's end (samples are far longer, wait ends
+    /// shorter).
+    pub fn parse(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != size_of::<LongWaitEnd>() {
+            return None;
+        }
+        // SAFETY: the length matches, LongWaitEnd is plain old data (repr(C), only integers)
+        // and read_unaligned does not require the record to be aligned.
+        let end: LongWaitEnd = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<LongWaitEnd>()) };
+        (end.magic == LONG_WAIT_END_MAGIC).then_some(end)
+    }
+}
+
 const _: () = assert!(size_of::<RawAttribution>() == 32);
 const _: () = assert!(size_of::<OffCpuKey>() == 40);
 const _: () = assert!(size_of::<OffCpuTotal>() == 16);
@@ -373,6 +408,29 @@ mod tests {
         wrong[31] ^= 1;
         assert_eq!(WaitEnd::parse(&wrong), None, "magic checked");
         assert_eq!(WaitEnd::parse(&[0u8; SAMPLE_STACK_OFFSET]), None);
+    }
+
+    #[test]
+    fn tells_long_wait_ends_from_wait_ends_and_samples() {
+        let end = LongWaitEnd {
+            tgid: 7,
+            tid: 8,
+            start_ns: 100,
+            blocked_ns: 3_000_000_000,
+            attr: RawAttribution {
+                query_id: 42,
+                ..RawAttribution::default()
+            },
+            magic: LONG_WAIT_END_MAGIC,
+        };
+        // SAFETY: LongWaitEnd is repr(C) plain old data of 64 bytes.
+        let bytes: [u8; 64] = unsafe { std::mem::transmute(end) };
+        assert_eq!(LongWaitEnd::parse(&bytes), Some(end));
+        assert_eq!(WaitEnd::parse(&bytes), None);
+        let mut wrong = bytes;
+        wrong[63] ^= 1;
+        assert_eq!(LongWaitEnd::parse(&wrong), None, "magic checked");
+        assert_eq!(LongWaitEnd::parse(&[0u8; 32]), None);
     }
 
     #[test]

@@ -3,10 +3,12 @@
 //! counters. Dropping [`OnCpuProbes`] detaches every program (aya closes the links).
 
 pub mod abi;
+mod open_waits;
 mod task_storage;
 
+pub use open_waits::OpenWait;
+
 use anyhow::{anyhow, Context, Result};
-use std::os::fd::AsFd;
 use std::path::Path;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
@@ -149,27 +151,6 @@ impl OnCpuProbes {
             .attach()
             .context("attaching to the sched_switch BTF tracepoint")?;
         Ok(())
-    }
-
-    /// Waits still open now: (process, attribution when it blocked, nanoseconds so far) of
-    /// every traced process switched out and not back in.
-    pub fn open_off_cpu_waits(&self) -> Result<Vec<(u32, abi::RawAttribution, u64)>> {
-        let Map::Unsupported(tasks) = self.map("off_cpu_tasks")? else {
-            return Err(anyhow!(
-                "`off_cpu_tasks` is not the task storage map it should be"
-            ));
-        };
-        let now = monotonic_ns();
-        let mut open = Vec::new();
-        for pid in self.target_pids()? {
-            // SAFETY: OffCpuTask mirrors the map's value type (sizes asserted in abi.rs).
-            let task = unsafe { task_storage::lookup::<abi::OffCpuTask>(tasks.fd().as_fd(), pid) }
-                .with_context(|| format!("reading the off-CPU state of PID {pid}"))?;
-            if let Some(task) = task.filter(|t| t.measured == 1 && t.start_ns != 0) {
-                open.push((task.tgid, task.attr, now.saturating_sub(task.start_ns)));
-            }
-        }
-        Ok(open)
     }
 
     /// Off-CPU time of waits without a stack, per (process, class, wait event, queryid, state).

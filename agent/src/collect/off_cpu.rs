@@ -6,6 +6,7 @@
 use exporters::Profile;
 
 use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution, ATTR_STACK_NOT_SAMPLED};
+use crate::bpf::OpenWait;
 
 /// Off-CPU stacks taken per second per CPU at most, by default. A stack is taken when a wait
 /// begins (its length is not known yet), so waits that turn out short cost one too; a busy
@@ -100,11 +101,11 @@ impl WaitWithoutStack {
         })
     }
 
-    pub fn from_open(open: &[(u32, RawAttribution, u64)]) -> impl Iterator<Item = Self> + '_ {
-        open.iter().map(|&(tgid, attr, ns)| Self {
-            tgid,
-            attr,
-            ns,
+    pub fn from_open(open: &[OpenWait]) -> impl Iterator<Item = Self> + '_ {
+        open.iter().map(|wait| Self {
+            tgid: wait.tgid,
+            attr: wait.attr,
+            ns: wait.so_far_ns,
             still_open: true,
         })
     }

@@ -11,7 +11,10 @@ use super::instance::InstanceContext;
 use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{OffCpuClass, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
+use crate::bpf::abi::{
+    LongWaitEnd, OffCpuClass, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_LONG_NS, OFF_CPU_PENDING,
+};
+use crate::bpf::OpenWait;
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
 use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
@@ -75,6 +78,9 @@ pub struct Session {
     pending_waits: HashMap<u32, PendingWait>,
     /// Wait ends without their stacks (the record was lost or did not match).
     pub unmatched_wait_ends: u64,
+    /// Long waits still open of which parts were shipped (`ship_open_waits`), by thread and
+    /// start: the nanoseconds shipped, which their end leaves out.
+    shipped_open: HashMap<(u32, u64), u64>,
 }
 
 impl Session {
@@ -97,6 +103,7 @@ impl Session {
             live,
             pending_waits: HashMap::new(),
             unmatched_wait_ends: 0,
+            shipped_open: HashMap::new(),
         }
     }
 
@@ -224,6 +231,10 @@ impl Session {
             self.end_wait(end);
             return;
         }
+        if let Some(end) = LongWaitEnd::parse(bytes) {
+            self.end_long_wait(end);
+            return;
+        }
         let record = match SampleRecord::parse(bytes) {
             Ok(record) => record,
             Err(error) => {
@@ -308,7 +319,9 @@ impl Session {
             self.unmatched_wait_ends += 1;
             return;
         }
-        if end.blocked_ns == 0 {
+        let shipped = self.shipped_open.remove(&(end.tid, end.start_ns)).unwrap_or(0);
+        let rest = end.blocked_ns.saturating_sub(shipped);
+        if rest == 0 {
             return;
         }
         if let Some(instance) = self.instances.get_mut(&pending.root) {
@@ -318,8 +331,71 @@ impl Session {
                 pending.class,
                 pending.syscall,
                 pending.user,
-                end.blocked_ns,
+                rest,
             );
+        }
+    }
+
+    /// A wait without stacks that lasted a second or more has ended: what was not shipped of
+    /// it while it was open is counted like the totals' waits.
+    fn end_long_wait(&mut self, end: LongWaitEnd) {
+        let shipped = self.shipped_open.remove(&(end.tid, end.start_ns)).unwrap_or(0);
+        let rest = end.blocked_ns.saturating_sub(shipped);
+        if rest > 0 {
+            self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
+                tgid: end.tgid,
+                attr: end.attr,
+                ns: rest,
+                still_open: false,
+            }));
+        }
+    }
+
+    /// Ships what grew, since it was last shipped, of every wait open for a second or more:
+    /// the agent does at every upload, so that a backend blocked for minutes is in each
+    /// interval's profile rather than all at once in the one its wait ends in. A part goes
+    /// where the wait's end will: with its stacks when they were taken as it began, else with
+    /// the frame of its kind of wait. The end (a [`WaitEnd`] or [`LongWaitEnd`], both carrying
+    /// the wait's whole time, never the totals) counts only what was not shipped.
+    pub fn ship_open_waits(&mut self, open: &[OpenWait]) {
+        // A wait that ended is forgotten with its end record; one whose end record never came
+        // (its process gone) is forgotten here.
+        self.shipped_open.retain(|(tid, start), _| {
+            open.iter().any(|w| w.tid == *tid && w.start_ns == *start)
+                || Path::new(&format!("/proc/{tid}")).exists()
+        });
+        for wait in open.iter().filter(|w| w.so_far_ns >= OFF_CPU_LONG_NS) {
+            let id = (wait.tid, wait.start_ns);
+            let shipped = self.shipped_open.get(&id).copied().unwrap_or(0);
+            let part = wait.so_far_ns.saturating_sub(shipped);
+            if part == 0 {
+                continue;
+            }
+            self.shipped_open.insert(id, wait.so_far_ns);
+            let pending = self
+                .pending_waits
+                .get(&wait.tid)
+                .filter(|p| p.start_ns == wait.start_ns);
+            match pending {
+                Some(pending) => {
+                    if let Some(instance) = self.instances.get_mut(&pending.root) {
+                        instance.stacks.off_cpu.add_off_cpu(
+                            pending.tgid,
+                            pending.attribution.clone(),
+                            pending.class,
+                            pending.syscall,
+                            pending.user.clone(),
+                            part,
+                        );
+                    }
+                }
+                None => self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
+                    tgid: wait.tgid,
+                    attr: wait.attr,
+                    ns: part,
+                    still_open: false,
+                })),
+            }
         }
     }
 
