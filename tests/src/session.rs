@@ -73,6 +73,21 @@ impl Session<'_> {
         Ok(state == "active")
     }
 
+    /// Waits until pg_stat_activity shows the backend waiting on `wait_event`
+    /// (`type:event`, e.g. `Lock:transactionid`).
+    pub fn wait_until_waiting_on(&self, wait_event: &str) -> Result<()> {
+        let query = format!(
+            "SELECT coalesce(wait_event_type || ':' || wait_event, '') FROM pg_stat_activity \
+             WHERE pid = {}",
+            self.backend_pid
+        );
+        wait_for(
+            &format!("backend {} to wait on {wait_event}", self.backend_pid),
+            ACTIVE_TIMEOUT,
+            || Ok((self.cluster.psql(&query)? == wait_event).then_some(())),
+        )
+    }
+
     fn wait_active(&mut self, sql: &str) -> Result<u32> {
         let query = format!(
             "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' AND state = 'active'",

@@ -66,18 +66,7 @@ fn a_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()>
     holder.query("BEGIN")?;
     holder.query("UPDATE held SET v = v + 1 WHERE id = 1")?;
     let waiter = cluster.spawn_session("UPDATE held SET v = v + 10 WHERE id = 1")?;
-    let waiter_pid = waiter.pid();
-    wait_for(
-        "the second update to wait for the row lock",
-        Duration::from_secs(30),
-        || {
-            let event = cluster.psql(&format!(
-                "SELECT coalesce(wait_event_type || ':' || wait_event, '') FROM pg_stat_activity \
-             WHERE pid = {waiter_pid}"
-            ))?;
-            Ok((event == WAIT_EVENT).then_some(()))
-        },
-    )?;
+    waiter.wait_until_waiting_on(WAIT_EVENT)?;
     let blocked = Instant::now();
     // While B is still blocked, its wait so far reaches Pyroscope. B wakes once after
     // deadlock_timeout (1 s) to check for a deadlock, which ends its first wait: more than

@@ -30,18 +30,7 @@ fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
     holder.query("BEGIN")?;
     holder.query("UPDATE held SET v = v + 1 WHERE id = 1")?;
     let waiter = cluster.spawn_session("UPDATE held SET v = v + 10 WHERE id = 1")?;
-    let waiter_pid = waiter.pid();
-    wait_for(
-        "the second update to wait for the row lock",
-        Duration::from_secs(30),
-        || {
-            let event = cluster.psql(&format!(
-                "SELECT coalesce(wait_event_type || ':' || wait_event, '') FROM pg_stat_activity \
-                 WHERE pid = {waiter_pid}"
-            ))?;
-            Ok((event == "Lock:transactionid").then_some(()))
-        },
-    )?;
+    waiter.wait_until_waiting_on("Lock:transactionid")?;
     let blocked = Instant::now();
     std::thread::sleep(HOLD);
     holder.query("COMMIT")?;
