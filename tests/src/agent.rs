@@ -112,6 +112,17 @@ impl RunningAgent {
         .with_context(|| format!("agent log:\n{}", self.log()))
     }
 
+    /// Waits until the agent has found at least `count` Postgres instances.
+    pub fn wait_for_instances(&self, count: usize) -> Result<()> {
+        self.wait_metric(
+            "pgscope_instances",
+            &format!("the agent to find {count} instance(s)"),
+            Duration::from_secs(30),
+            |n| n >= count as f64,
+        )
+        .map(|_| ())
+    }
+
     /// Sends a signal to the agent.
     pub fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) on our own child's pid.

@@ -73,6 +73,15 @@ impl Session<'_> {
         Ok(state == "active")
     }
 
+    /// Waits until the backend has finished its query (no longer active).
+    pub fn wait_until_finished(&self) -> Result<()> {
+        wait_for(
+            &format!("backend {} to finish its query", self.backend_pid),
+            ACTIVE_TIMEOUT,
+            || Ok((!self.is_active()?).then_some(())),
+        )
+    }
+
     /// Waits until pg_stat_activity shows the backend waiting on `wait_event`
     /// (`type:event`, e.g. `Lock:transactionid`).
     pub fn wait_until_waiting_on(&self, wait_event: &str) -> Result<()> {

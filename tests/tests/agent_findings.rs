@@ -175,12 +175,7 @@ fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_t
     cluster.pgbench(&["-i", "-s", "1", "-q"])?;
     let capture = PyroscopeCapture::start()?;
     let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_metric(
-        "pgscope_instances",
-        "the instance",
-        Duration::from_secs(30),
-        |n| n >= 1.0,
-    )?;
+    agent.wait_for_instances(1)?;
 
     let pgbench = cluster.spawn_pgbench(&["-n", "-S", "-c", "2", "-j", "2", "-T", "300"], 2)?;
     let select = wait_for(
@@ -286,12 +281,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
 
     let capture = PyroscopeCapture::start()?;
     let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_metric(
-        "pgscope_instances",
-        "the instance",
-        Duration::from_secs(30),
-        |n| n >= 1.0,
-    )?;
+    agent.wait_for_instances(1)?;
 
     let script = script.display().to_string();
     let queryid = std::thread::scope(|scope| -> Result<String> {
@@ -344,12 +334,7 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
     let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
     let capture = PyroscopeCapture::start()?;
     let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_metric(
-        "pgscope_instances",
-        "the instance",
-        Duration::from_secs(30),
-        |n| n >= 1.0,
-    )?;
+    agent.wait_for_instances(1)?;
     // Two intervals with nothing to evict: the counter is read, and nothing is named.
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     agent.wait_metric(

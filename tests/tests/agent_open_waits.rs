@@ -55,12 +55,7 @@ fn a_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()>
         cluster.data_dir().display()
     );
     let agent = RunningAgent::start(&config, &[])?;
-    agent.wait_metric(
-        "pgscope_instances",
-        "the instance",
-        Duration::from_secs(30),
-        |n| n >= 1.0,
-    )?;
+    agent.wait_for_instances(1)?;
 
     let mut holder = cluster.connect()?;
     holder.query("BEGIN")?;
@@ -87,9 +82,7 @@ fn a_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()>
     std::thread::sleep(HOLD.saturating_sub(blocked.elapsed()));
     holder.query("COMMIT")?;
     let held = blocked.elapsed();
-    wait_for("the second update to finish", Duration::from_secs(30), || {
-        Ok((!waiter.is_active()?).then_some(()))
-    })?;
+    waiter.wait_until_finished()?;
     drop(waiter);
     holder.close()?;
 

@@ -98,12 +98,7 @@ fn probes_per_instance(budget: &str, seconds: &str, tolerance: f64) -> Result<()
         ));
     }
     let agent = RunningAgent::start(&config, &[])?;
-    agent.wait_metric(
-        "pgscope_instances",
-        "three instances",
-        Duration::from_secs(30),
-        |n| n >= 3.0,
-    )?;
+    agent.wait_for_instances(3)?;
     wait_for("the probes of both executables", Duration::from_secs(30), || {
         let (_, text) = agent.get("/metrics")?;
         let attached = text

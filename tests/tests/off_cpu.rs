@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use pgscope_tests::summary::{OffCpuQueryWait, OffCpuWait};
-use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// How long session A holds the row lock once B waits for it.
 const HOLD: Duration = Duration::from_secs(3);
@@ -35,9 +35,7 @@ fn a_row_lock_wait_is_measured_with_its_wait_event_and_stack() -> Result<()> {
     std::thread::sleep(HOLD);
     holder.query("COMMIT")?;
     let held = blocked.elapsed();
-    wait_for("the second update to finish", Duration::from_secs(30), || {
-        Ok((!waiter.is_active()?).then_some(()))
-    })?;
+    waiter.wait_until_finished()?;
     drop(waiter);
     holder.close()?;
     let (_, summary) = trace.finish()?;
