@@ -382,3 +382,30 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
     ensure!(status.success(), "the agent exited with {status}:\n{log}");
     Ok(())
 }
+
+#[test]
+fn an_instance_without_pg_stat_statements_is_not_sent_queries_that_fail() -> Result<()> {
+    const INSTANCE: &str = "pgscope_no_pgss";
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
+    let capture = PyroscopeCapture::start()?;
+    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
+    agent.wait_for_instances(1)?;
+    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
+    agent.wait_metric(
+        "pgscope_findings_evaluated_total",
+        "two intervals evaluated",
+        Duration::from_secs(30),
+        |n| n >= evaluated + 2.0,
+    )?;
+    // The agent looked for the eviction counter and found no extension: that must not be an
+    // error in the DBA's server log at every look.
+    let log = cluster.server_log();
+    ensure!(
+        !log.contains("pg_stat_statements_info"),
+        "the agent's look for pg_stat_statements left errors in the server log:\n{log}"
+    );
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
+    Ok(())
+}

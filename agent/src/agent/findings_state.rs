@@ -24,9 +24,12 @@ pub const MAX_ALWAYS_REPORTED: usize = 3;
 pub const ALWAYS_REPORTED: [&str; 2] = ["top_cpu", "top_wait"];
 /// How long reading pg_stat_statements' eviction counter may take: the upload waits on it.
 const PGSS_TIMEOUT: Duration = Duration::from_secs(2);
-/// After a failed read, how long before the next try: an instance without the extension, or
-/// one the agent cannot connect to, must not cost a connection attempt every interval.
+/// After a failed read, how long before the next try: an instance the agent cannot connect
+/// to must not cost a connection attempt every interval.
 const PGSS_RETRY: Duration = Duration::from_secs(60);
+/// After finding the extension not created: creating it is rare, and a look costs the
+/// instance a connection.
+const PGSS_ABSENT_RETRY: Duration = Duration::from_secs(600);
 
 /// What identifies a finding from one interval to the next: its rule, the queryid it names
 /// and its severity. Its numbers change every time and are not part of it; a severity that
@@ -97,8 +100,8 @@ impl AgentFindings {
     /// pg_stat_statements' evictions since the last interval of the instance of `root`, read
     /// over the same kind of connection as the database names (its socket, as the data
     /// directory's owner), kept open between intervals. None for the first interval, or when
-    /// the counter cannot be read (extension not created in database `postgres`, no access):
-    /// retried a minute later over a new connection.
+    /// the counter cannot be read: tried again over a new connection a minute later (no
+    /// access, no answer), or ten minutes later (extension not created in database `postgres`).
     pub async fn read_pgss(&mut self, root: u32) -> Option<PgssEvidence> {
         let reading = self.pgss.entry(root).or_default();
         if reading.retry_at.is_some_and(|at| Instant::now() < at) {
@@ -117,31 +120,32 @@ impl AgentFindings {
             *client = Some(connected);
             info
         };
-        let info = match tokio::time::timeout(PGSS_TIMEOUT, read).await {
-            Ok(Ok(info)) => info,
-            failed => {
-                match failed {
-                    Ok(Err(error)) => debug!(
-                        postmaster = root,
-                        "no pg_stat_statements eviction counts: {error:#}"
-                    ),
-                    _ => debug!(
-                        postmaster = root,
-                        "no pg_stat_statements eviction counts: the read timed out"
-                    ),
-                }
-                *reading = PgssReading {
-                    client: None,
-                    last: None,
-                    retry_at: Some(Instant::now() + PGSS_RETRY),
-                };
-                return None;
+        let (why_not, retry) = match tokio::time::timeout(PGSS_TIMEOUT, read).await {
+            Ok(Ok(Some(info))) => {
+                let now = Instant::now();
+                reading.retry_at = None;
+                let (before, then) = reading.last.replace((info, now))?;
+                return pgss_evidence(before, info, now.duration_since(then));
             }
+            Ok(Ok(None)) => (
+                "the extension is not created in database `postgres`".to_string(),
+                PGSS_ABSENT_RETRY,
+            ),
+            Ok(Err(error)) => (format!("{error:#}"), PGSS_RETRY),
+            Err(_) => ("the read timed out".to_string(), PGSS_RETRY),
         };
-        let now = Instant::now();
-        reading.retry_at = None;
-        let (before, then) = reading.last.replace((info, now))?;
-        pgss_evidence(before, info, now.duration_since(then))
+        debug!(
+            postmaster = root,
+            "no pg_stat_statements eviction counts ({why_not}): tried again in {retry:?}"
+        );
+        // The connection is closed until then: an instance without the extension keeps no
+        // idle backend of the agent's.
+        *reading = PgssReading {
+            client: None,
+            last: None,
+            retry_at: Some(Instant::now() + retry),
+        };
+        None
     }
 
     /// Evaluates the rules over one instance's interval — the profiles about to be shipped and

@@ -195,9 +195,19 @@ pub struct PgssInfo {
     pub max: i64,
 }
 
-/// pg_stat_statements' counters (PG14+), where the extension is created in the connected
-/// database.
-pub async fn pgss_info(client: &Client) -> Result<PgssInfo> {
+/// pg_stat_statements' counters (PG14+); None where the extension is not created in the
+/// connected database. Asked first whether its view exists, so that an instance without it
+/// does not log an error for every try.
+pub async fn pgss_info(client: &Client) -> Result<Option<PgssInfo>> {
+    let created: bool = client
+        .query_one("SELECT to_regclass('pg_stat_statements_info') IS NOT NULL", &[])
+        .await
+        .context("looking for pg_stat_statements_info")?
+        .try_get(0)
+        .context("looking for pg_stat_statements_info")?;
+    if !created {
+        return Ok(None);
+    }
     let row = client
         .query_one(
             "SELECT dealloc, current_setting('pg_stat_statements.max')::bigint FROM pg_stat_statements_info",
@@ -205,10 +215,10 @@ pub async fn pgss_info(client: &Client) -> Result<PgssInfo> {
         )
         .await
         .context("reading pg_stat_statements_info (is the extension created in database `postgres`?)")?;
-    Ok(PgssInfo {
+    Ok(Some(PgssInfo {
         dealloc: row.try_get(0).context("pg_stat_statements_info.dealloc")?,
         max: row.try_get(1).context("pg_stat_statements.max")?,
-    })
+    }))
 }
 
 /// `pg_database.datname` by OID, as `pg_stat_activity.datname` shows it (pg_database is shared

@@ -37,7 +37,13 @@ pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<sql::Pgss
         sql::pgss_info(&client).await
     };
     match tokio::time::timeout(PGSS_TIMEOUT, read).await {
-        Ok(Ok(info)) => Some(info),
+        Ok(Ok(Some(info))) => Some(info),
+        Ok(Ok(None)) => {
+            tracing::debug!(
+                "no pg_stat_statements counters: the extension is not created in database `postgres`"
+            );
+            None
+        }
         Ok(Err(error)) => {
             tracing::debug!("no pg_stat_statements counters: {error:#}");
             None
@@ -104,7 +110,7 @@ pub async fn fetch(
     }
     if pgss_start.is_some() {
         match sql::pgss_info(&client).await {
-            Ok(info) => facts.pgss_end = Some(info),
+            Ok(info) => facts.pgss_end = info,
             Err(error) => eprintln!("pgscope: no pg_stat_statements eviction count: {error:#}"),
         }
     }
