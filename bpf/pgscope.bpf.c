@@ -676,8 +676,8 @@ int empty_return(struct pt_regs *ctx)
  * task is switched back in the blocked time is known: a wait with its stacks sent gets an end
  * record (or, shorter than the threshold, tells user space to drop them); every other wait —
  * short, preempted, idle, or over the stack rate — adds to exact per-(process, attribution)
- * totals, except one that lasted a second or more: it is sent whole (pgscope_long_wait_end). No kprobe is needed (not every kernel has them); the kernel side of a stack is the
- * syscall.
+ * totals, except one that lasted a second or more: it is sent whole (pgscope_long_wait_end).
+ * No kprobe is needed (not every kernel has them); the kernel side of a stack is the syscall.
  */
 
 struct {
