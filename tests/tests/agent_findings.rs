@@ -156,13 +156,38 @@ fn expect_cleared(
     Ok(changes)
 }
 
-fn agent_config(capture: &PyroscopeCapture, cluster: &PgCluster) -> String {
-    format!(
+/// A capture endpoint and an agent (JSON logs, 2 s uploads) profiling `cluster` alone, once
+/// the agent has found it.
+fn start_agent(cluster: &PgCluster) -> Result<(PyroscopeCapture, RunningAgent)> {
+    let capture = PyroscopeCapture::start()?;
+    let config = format!(
         "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\n\
          [[discovery.include]]\ndata_dir = \"{}\"\n",
         capture.url(),
         cluster.data_dir().display()
-    )
+    );
+    let agent = RunningAgent::start(&config, &["--log-json"])?;
+    agent.wait_for_instances(1)?;
+    Ok((capture, agent))
+}
+
+/// Waits until the agent has evaluated `count` more upload intervals.
+fn wait_intervals(agent: &RunningAgent, count: u32) -> Result<()> {
+    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
+    agent.wait_metric(
+        "pgscope_findings_evaluated_total",
+        &format!("{count} more intervals evaluated"),
+        Duration::from_secs(30 * u64::from(count)),
+        |n| n >= evaluated + f64::from(count),
+    )?;
+    Ok(())
+}
+
+/// SIGTERM: the agent must exit 0.
+fn stop(agent: RunningAgent) -> Result<()> {
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
+    Ok(())
 }
 
 #[test]
@@ -173,9 +198,7 @@ fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_t
     let cluster =
         PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
     cluster.pgbench(&["-i", "-s", "1", "-q"])?;
-    let capture = PyroscopeCapture::start()?;
-    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_for_instances(1)?;
+    let (_capture, agent) = start_agent(&cluster)?;
 
     let pgbench = cluster.spawn_pgbench(&["-n", "-S", "-c", "2", "-j", "2", "-T", "300"], 2)?;
     let select = wait_for(
@@ -219,13 +242,7 @@ fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_t
     }
     ensure!(top.len() <= 3, "at most 3 top consumers per instance: {top:?}");
     // Three more intervals under the same load: the finding stays, and is not logged again.
-    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
-    agent.wait_metric(
-        "pgscope_findings_evaluated_total",
-        "three more intervals evaluated",
-        Duration::from_secs(60),
-        |n| n >= evaluated + 3.0,
-    )?;
+    wait_intervals(&agent, 3)?;
     let (_, metrics) = agent.get("/metrics")?;
     ensure!(
         findings_on(&metrics).iter().any(
@@ -255,9 +272,7 @@ fn the_top_cpu_consumer_under_pgbench_is_its_select_named_by_its_queryid_until_t
     );
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
-    let (status, log) = agent.terminate()?;
-    ensure!(status.success(), "the agent exited with {status}:\n{log}");
-    Ok(())
+    stop(agent)
 }
 
 #[test]
@@ -279,9 +294,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
     let script = dir.path().join("insert.sql");
     std::fs::write(&script, "INSERT INTO t VALUES (1);\n")?;
 
-    let capture = PyroscopeCapture::start()?;
-    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_for_instances(1)?;
+    let (_capture, agent) = start_agent(&cluster)?;
 
     let script = script.display().to_string();
     let queryid = std::thread::scope(|scope| -> Result<String> {
@@ -318,9 +331,7 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
     expect_cleared(&agent, INSTANCE, "phase_dominance", &queryid)?;
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
-    let (status, _) = agent.terminate()?;
-    ensure!(status.success(), "the agent exited with {status}");
-    Ok(())
+    stop(agent)
 }
 
 #[test]
@@ -332,17 +343,9 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
         &[("cluster_name", INSTANCE), ("pg_stat_statements.max", "100")],
     )?;
     let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
-    let capture = PyroscopeCapture::start()?;
-    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_for_instances(1)?;
+    let (_capture, agent) = start_agent(&cluster)?;
     // Two intervals with nothing to evict: the counter is read, and nothing is named.
-    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
-    agent.wait_metric(
-        "pgscope_findings_evaluated_total",
-        "two intervals evaluated before the load",
-        Duration::from_secs(30),
-        |n| n >= evaluated + 2.0,
-    )?;
+    wait_intervals(&agent, 2)?;
     // The storm is the instance's, not a statement's: it names no queryid.
     let storm = |metrics: &str| finding_of(metrics, INSTANCE, "pgss_evictions", "");
     let (_, metrics) = agent.get("/metrics")?;
@@ -378,9 +381,7 @@ fn the_agent_names_a_pg_stat_statements_eviction_storm_from_the_counter_it_reads
         changes.keys().any(|s| s == "warning" || s == "critical"),
         "the storm was not logged as a warning or worse: {changes:?}"
     );
-    let (status, log) = agent.terminate()?;
-    ensure!(status.success(), "the agent exited with {status}:\n{log}");
-    Ok(())
+    stop(agent)
 }
 
 #[test]
@@ -388,16 +389,8 @@ fn an_instance_without_pg_stat_statements_is_not_sent_queries_that_fail() -> Res
     const INSTANCE: &str = "pgscope_no_pgss";
     require_root_and_bpf();
     let cluster = PgCluster::start_with(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
-    let capture = PyroscopeCapture::start()?;
-    let agent = RunningAgent::start(&agent_config(&capture, &cluster), &["--log-json"])?;
-    agent.wait_for_instances(1)?;
-    let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
-    agent.wait_metric(
-        "pgscope_findings_evaluated_total",
-        "two intervals evaluated",
-        Duration::from_secs(30),
-        |n| n >= evaluated + 2.0,
-    )?;
+    let (_capture, agent) = start_agent(&cluster)?;
+    wait_intervals(&agent, 2)?;
     // The agent looked for the eviction counter and found no extension: that must not be an
     // error in the DBA's server log at every look.
     let log = cluster.server_log();
@@ -405,7 +398,5 @@ fn an_instance_without_pg_stat_statements_is_not_sent_queries_that_fail() -> Res
         !log.contains("pg_stat_statements_info"),
         "the agent's look for pg_stat_statements left errors in the server log:\n{log}"
     );
-    let (status, log) = agent.terminate()?;
-    ensure!(status.success(), "the agent exited with {status}:\n{log}");
-    Ok(())
+    stop(agent)
 }

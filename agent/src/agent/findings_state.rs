@@ -70,21 +70,11 @@ struct Changes {
 /// pg_stat_statements' eviction counter of one instance, at its last read, and the connection
 /// it is read over: kept open, so that an instance logging its connections does not log one
 /// every interval.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct PgssReading {
     client: Option<tokio_postgres::Client>,
     last: Option<(sql::PgssInfo, Instant)>,
     retry_at: Option<Instant>,
-}
-
-impl std::fmt::Debug for PgssReading {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgssReading")
-            .field("connected", &self.client.is_some())
-            .field("last", &self.last)
-            .field("retry_at", &self.retry_at)
-            .finish()
-    }
 }
 
 /// Per instance (by its name, as its series are labelled): the findings of its last interval.
@@ -141,9 +131,8 @@ impl AgentFindings {
         // The connection is closed until then: an instance without the extension keeps no
         // idle backend of the agent's.
         *reading = PgssReading {
-            client: None,
-            last: None,
             retry_at: Some(Instant::now() + retry),
+            ..PgssReading::default()
         };
         None
     }

@@ -219,16 +219,18 @@ pub struct WaitEnd {
 const WAIT_END_MAGIC: u64 = 0x646e_4574_6961_5750;
 const _: () = assert!(size_of::<WaitEnd>() == 32);
 
+/// A ring buffer record of exactly `T`'s size, copied out; records of other kinds are told
+/// apart by their size.
+fn record_of<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
+    // SAFETY: the length matches, Pod types are plain old data valid for any bytes, and
+    // read_unaligned does not require the record to be aligned.
+    (bytes.len() == size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
 impl WaitEnd {
     /// A ring buffer record that is a wait's end (samples are far longer).
     pub fn parse(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != size_of::<WaitEnd>() {
-            return None;
-        }
-        // SAFETY: the length matches, WaitEnd is plain old data (repr(C), only integers) and
-        // read_unaligned does not require the record to be aligned.
-        let end: WaitEnd = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<WaitEnd>()) };
-        (end.magic == WAIT_END_MAGIC).then_some(end)
+        record_of::<Self>(bytes).filter(|end| end.magic == WAIT_END_MAGIC)
     }
 }
 /// `struct pgscope_long_wait_end`: a wait without stacks that lasted at least
@@ -256,13 +258,7 @@ impl LongWaitEnd {
     /// A ring buffer record that is a long wait's end (samples are far longer, wait ends
     /// shorter).
     pub fn parse(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != size_of::<LongWaitEnd>() {
-            return None;
-        }
-        // SAFETY: the length matches, LongWaitEnd is plain old data (repr(C), only integers)
-        // and read_unaligned does not require the record to be aligned.
-        let end: LongWaitEnd = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<LongWaitEnd>()) };
-        (end.magic == LONG_WAIT_END_MAGIC).then_some(end)
+        record_of::<Self>(bytes).filter(|end| end.magic == LONG_WAIT_END_MAGIC)
     }
 }
 
@@ -275,6 +271,10 @@ unsafe impl aya::Pod for OffCpuKey {}
 unsafe impl aya::Pod for OffCpuTotal {}
 // SAFETY: repr(C) plain old data without padding (size asserted above).
 unsafe impl aya::Pod for OffCpuTask {}
+// SAFETY: repr(C) plain old data without padding (sizes asserted above: 4+4+8+8+8 and
+// 4+4+8+8+32+8 bytes).
+unsafe impl aya::Pod for WaitEnd {}
+unsafe impl aya::Pod for LongWaitEnd {}
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
 
 impl SampleHeader {
