@@ -464,6 +464,16 @@ struct {
 	__type(value, __u64);
 } function_hits SEC(".maps");
 
+/* Entries per function by processes that are not targets. A uprobe is set on the file, so every
+ * process mapping it (other instances of the same binary, tools linking the library) traps too:
+ * the overhead budget counts these traps alongside the targets'. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PGSCOPE_FN_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} foreign_function_hits SEC(".maps");
+
 static __always_inline __u64 current_query_id(__u32 tgid)
 {
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
@@ -536,11 +546,16 @@ int on_function_entry(struct pt_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
 	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
-		return 0;
 	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
-	__u64 *hits = bpf_map_lookup_elem(&function_hits, &function);
+	__u64 *hits;
+
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE)) {
+		hits = bpf_map_lookup_elem(&foreign_function_hits, &function);
+		if (hits)
+			*hits += 1;
+		return 0;
+	}
+	hits = bpf_map_lookup_elem(&function_hits, &function);
 	if (hits)
 		*hits += 1;
 	struct call_entry entry = {};

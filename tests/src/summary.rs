@@ -130,6 +130,22 @@ impl TraceSummary {
             .with_context(|| format!("no `{key}` of {function} in probes[]"))
     }
 
+    /// `probe_hits_outside_trace[function]`: traps taken by processes the trace did not
+    /// follow that map the probed file; `None` when the function was not probed.
+    pub fn probe_hits_outside_trace(&self, function: &str) -> Result<Option<u64>> {
+        let hits = self
+            .json
+            .get("probe_hits_outside_trace")
+            .and_then(Value::as_object)
+            .context("the summary has no object `probe_hits_outside_trace`")?;
+        hits.get(function)
+            .map(|n| {
+                n.as_u64()
+                    .with_context(|| format!("hits of {function} are not a number"))
+            })
+            .transpose()
+    }
+
     /// Every `probes[]` row as (function, stats).
     pub fn probes(&self) -> Result<Vec<(String, CallStats)>> {
         self.array("probes")?

@@ -223,6 +223,18 @@ fn render_probes(out: &mut Text, probes: &ProbeMetrics) {
         out.value("pgscope_probe_calls_total", &[("function", function)], *hits);
     }
     out.family(
+        "pgscope_probe_foreign_hits_total",
+        "counter",
+        "Probe traps taken by processes the agent does not profile that map the same file (excluded instances, other programs): nothing is measured for them, but each pays a trap, and the duty cycle's budget counts them.",
+    );
+    for (function, hits) in &probes.foreign_hits {
+        out.value(
+            "pgscope_probe_foreign_hits_total",
+            &[("function", function)],
+            *hits,
+        );
+    }
+    out.family(
         "pgscope_probe_duty_cycle",
         "gauge",
         "Share of the time the hot probes of an executable are attached (1: always).",

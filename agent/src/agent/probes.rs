@@ -136,6 +136,8 @@ impl KeyState {
 pub struct ProbeMetrics {
     /// Entries per function since the agent started (probe hits while attached).
     pub hits: Vec<(&'static str, u64)>,
+    /// Entries per function by processes that are not profiled, since the agent started.
+    pub foreign_hits: Vec<(&'static str, u64)>,
     /// Per executable: the shared duty cycle and each probe's state.
     pub groups: Vec<(String, f64, Vec<ProbeState>)>,
 }
@@ -414,12 +416,13 @@ impl AgentProbes {
         if !self.enabled() {
             return ProbeMetrics::default();
         }
-        let hits = probes
-            .function_hits()
-            .map(|hits| Function::ALL.iter().map(|f| f.name()).zip(hits).collect())
-            .unwrap_or_default();
+        let per_function = |hits: anyhow::Result<[u64; Function::ALL.len()]>| {
+            hits.map(|hits| Function::ALL.iter().map(|f| f.name()).zip(hits).collect())
+                .unwrap_or_default()
+        };
         ProbeMetrics {
-            hits,
+            hits: per_function(probes.function_hits()),
+            foreign_hits: per_function(probes.foreign_function_hits()),
             groups: self
                 .groups
                 .iter()

@@ -358,9 +358,20 @@ impl OnCpuProbes {
         Ok(program)
     }
 
-    /// Entries per function since load, summed over CPUs, indexed by [`Function`] value.
+    /// Entries per function by target processes since load, summed over CPUs, indexed by
+    /// [`Function`] value.
     pub fn function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
-        let map = self.map("function_hits")?;
+        self.hits_per_function("function_hits")
+    }
+
+    /// Entries per function by processes that are not targets (other instances of the same
+    /// executable): they trap as well, since a uprobe is set on the file, not on a process.
+    pub fn foreign_function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
+        self.hits_per_function("foreign_function_hits")
+    }
+
+    fn hits_per_function(&self, name: &str) -> Result<[u64; Function::ALL.len()]> {
+        let map = self.map(name)?;
         let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
         let mut hits = [0u64; Function::ALL.len()];
         for (slot, function) in hits.iter_mut().zip(Function::ALL) {

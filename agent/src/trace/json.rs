@@ -34,6 +34,9 @@ pub struct Summary {
     pub processes: Vec<ProcessJson>,
     /// Per probed function, over all backends and queries.
     pub probes: Vec<ProbeJson>,
+    /// Per probed function: traps taken by processes outside the trace that map the same file
+    /// (other instances of the executable); not measured, but counted in the probe budget.
+    pub probe_hits_outside_trace: BTreeMap<String, u64>,
     /// Per (queryid, probed function), over all backends.
     pub probes_by_query: Vec<ProbeByQueryJson>,
     /// LockRelationOid calls per (queryid, relation, lock mode).
@@ -289,6 +292,12 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             })
             .collect(),
         processes: processes(inputs.profile),
+        probe_hits_outside_trace: inputs
+            .probes
+            .foreign_hits
+            .iter()
+            .map(|(function, &hits)| (function.name().to_string(), hits))
+            .collect(),
         probes: inputs
             .probes
             .by_function()

@@ -38,6 +38,10 @@ pub struct ProbeResults {
     /// s_lock call sites per queryid, named and scaled like the calls.
     pub spin_sites: Vec<SpinSite>,
     pub extrapolations: BTreeMap<Function, Extrapolation>,
+    /// Per function: traps taken by processes that are not traced (other instances of the same
+    /// executable or library). Nothing is measured for them, but they cost their processes a
+    /// trap each, and count against the probe budget.
+    pub foreign_hits: BTreeMap<Function, u64>,
 }
 
 impl ProbeResults {
@@ -59,6 +63,7 @@ impl ProbeResults {
             relation_locks: probes.relation_locks()?,
             spin_sites,
             extrapolations,
+            foreign_hits: set.foreign_hits(probes)?,
         })
     }
 
@@ -233,8 +238,28 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
             );
         }
     }
+    render_foreign_hits(results, &mut out);
     spin_sites::render(&results.spin_sites, limit, &mut out);
     out
+}
+
+/// Says how often processes that are not traced trapped on the probes: a uprobe is set on the
+/// file, so every instance running the same executable pays for it.
+fn render_foreign_hits(results: &ProbeResults, out: &mut String) {
+    let hits: Vec<String> = results
+        .foreign_hits
+        .iter()
+        .filter(|(_, &hits)| hits > 0)
+        .map(|(function, hits)| format!("{} {hits}", function.name()))
+        .collect();
+    if !hits.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nprocesses outside the trace that map the same files hit the probes too (not \
+             measured, counted in the probe budget): {}",
+            hits.join(", ")
+        );
+    }
 }
 
 #[cfg(test)]
@@ -285,6 +310,7 @@ mod tests {
                 ),
             ],
             extrapolations: BTreeMap::new(),
+            foreign_hits: BTreeMap::new(),
         };
         let by_function = results.by_function();
         let lock = ProbedCall {
@@ -306,6 +332,21 @@ mod tests {
         assert_eq!(results.locks_by_relation(), vec![((7, 16384, 1), 7)]);
         let table = render(&results, 1.0, 10);
         assert!(table.contains("AccessShareLock"), "{table}");
+        assert!(!table.contains("outside the trace"), "{table}");
+    }
+
+    #[test]
+    fn hits_outside_the_trace_are_named() {
+        let results = ProbeResults {
+            attached: vec![Function::PortalStart],
+            foreign_hits: BTreeMap::from([(Function::PortalStart, 1234)]),
+            ..Default::default()
+        };
+        let table = render(&results, 1.0, 10);
+        assert!(
+            table.contains("outside the trace") && table.contains("PortalStart 1234"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -345,6 +386,7 @@ mod tests {
                 10,
             )],
             extrapolations,
+            foreign_hits: BTreeMap::from([(Function::LockRelationOid, 0)]),
         };
         let lock = ProbedCall {
             function: Function::LockRelationOid,

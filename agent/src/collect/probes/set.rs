@@ -156,6 +156,10 @@ pub struct ProbeSet {
     ns_per_hit: f64,
     cycle: DutyCycle,
     last_hits: [u64; Function::ALL.len()],
+    /// Hits by processes that are not targets (other instances mapping the same file), as last
+    /// read and when the probes were attached: their traps are part of the probes' cost.
+    last_foreign_hits: [u64; Function::ALL.len()],
+    foreign_hits_at_attach: [u64; Function::ALL.len()],
     since_plan: Duration,
     /// Whether the duty cycle was planned once (the first plan comes sooner).
     planned: bool,
@@ -254,6 +258,8 @@ impl ProbeSet {
             ns_per_hit,
             cycle: DutyCycle::new(),
             last_hits: [0; Function::ALL.len()],
+            last_foreign_hits: [0; Function::ALL.len()],
+            foreign_hits_at_attach: [0; Function::ALL.len()],
             since_plan: Duration::ZERO,
             planned: false,
             live_hits: [0; Function::ALL.len()],
@@ -270,6 +276,8 @@ impl ProbeSet {
             return Ok(set);
         }
         set.last_hits = probes.function_hits()?;
+        set.last_foreign_hits = probes.foreign_function_hits()?;
+        set.foreign_hits_at_attach = set.last_foreign_hits;
         set.live_hits = set.last_hits;
         let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
             .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
@@ -486,6 +494,24 @@ impl ProbeSet {
         self.probes.iter().map(|p| p.function).collect()
     }
 
+    /// Per probed function: hits by processes that are not targets since the probes were
+    /// attached. They pay a trap per call although nothing is measured for them, and count
+    /// against the budget.
+    pub fn foreign_hits(&self, probes: &OnCpuProbes) -> Result<BTreeMap<Function, u64>> {
+        let now = probes.foreign_function_hits()?;
+        Ok(self
+            .probes
+            .iter()
+            .map(|p| {
+                let index = p.function as usize;
+                (
+                    p.function,
+                    now[index].saturating_sub(self.foreign_hits_at_attach[index]),
+                )
+            })
+            .collect())
+    }
+
     /// Advances by `elapsed`: accounts hits and attached time, re-plans once a second from the
     /// instance's CPU use (`instance_cpu_ns_per_s`, from the on-CPU samples), and attaches or
     /// detaches the hot probes when the shared window starts or ends.
@@ -500,14 +526,18 @@ impl ProbeSet {
             return Ok(());
         }
         let hits = probes.function_hits()?;
+        let foreign = probes.foreign_function_hits()?;
         for probe in &mut self.probes {
+            let index = probe.function as usize;
+            let foreign_delta = foreign[index].saturating_sub(self.last_foreign_hits[index]);
             if probe.links.is_some() {
-                let index = probe.function as usize;
-                probe.hits_window += hits[index].saturating_sub(self.last_hits[index]);
+                // Every trap costs the same CPU whoever takes it: the budget counts them all.
+                probe.hits_window += hits[index].saturating_sub(self.last_hits[index]) + foreign_delta;
                 probe.attached_window += elapsed;
             }
         }
         self.last_hits = hits;
+        self.last_foreign_hits = foreign;
 
         self.since_plan += elapsed;
         let plan_after = if self.planned {
