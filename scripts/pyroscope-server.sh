@@ -46,6 +46,7 @@ build() {
 start() {
   local port=$1 dir=$2
   mkdir -p "$dir"
+  dir=$(cd "$dir" && pwd)
   build >/dev/null
   # A server already on the port would answer /ready and pass for this one.
   if curl -s -o /dev/null "http://127.0.0.1:$port/ready"; then
@@ -53,16 +54,28 @@ start() {
     exit 1
   fi
   # Single binary (-target=all), filesystem storage, nothing sent anywhere (no usage stats, no
-  # self-profiling pushes), gossip bound to loopback.
-  "$bin" -target=all \
-    -server.http-listen-port="$port" -server.grpc-listen-port="$((port + 1))" \
+  # self-profiling pushes). Every listen, ring and gossip address is loopback: left unset, the
+  # rings advertise the host's interface address. Every data directory is under DIR, and the
+  # server runs in DIR, so that a default relative path (./data…) cannot land elsewhere.
+  local ring_addrs=() ring
+  for ring in compactor.ring distributor.ring overrides-exporter.ring query-scheduler.ring \
+    store-gateway.sharding-ring; do
+    ring_addrs+=("-$ring.instance-addr=127.0.0.1")
+  done
+  (cd "$dir" && exec "$bin" -target=all \
+    -server.http-listen-address=127.0.0.1 -server.http-listen-port="$port" \
+    -server.grpc-listen-address=127.0.0.1 -server.grpc-listen-port="$((port + 1))" \
     -memberlist.bind-addr=127.0.0.1 -memberlist.advertise-addr=127.0.0.1 \
     -memberlist.bind-port="$((port + 2))" -memberlist.advertise-port="$((port + 2))" \
+    -ingester.lifecycler.addr=127.0.0.1 -query-frontend.instance-addr=127.0.0.1 \
+    "${ring_addrs[@]}" \
     -storage.backend=filesystem -storage.filesystem.dir="$dir/store" \
-    -pyroscopedb.data-path="$dir/data" \
+    -pyroscopedb.data-path="$dir/data" -compactor.data-dir="$dir/data-compactor" \
+    -blocks-storage.bucket-store.sync-dir="$dir/sync" \
+    -embedded-grafana.data-path="$dir/grafana" \
     -usage-stats.enabled=false -self-profiling.disable-push=true \
     -ingester.min-ready-duration=0s \
-    >"$dir/pyroscope.log" 2>&1 &
+    >"$dir/pyroscope.log" 2>&1) &
   local pid=$!
   # Ready within a few seconds (the ingester's 15 s settling time is for rings of many).
   for _ in $(seq 120); do
