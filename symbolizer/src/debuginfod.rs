@@ -185,6 +185,8 @@ pub(crate) enum FetchError {
         #[source]
         source: crate::Error,
     },
+    #[error("`{url}` sent an ELF file without section headers (cut off?); discarded")]
+    NoSectionHeaders { url: String },
     #[error("`{url}` sent the wrong file; discarded")]
     WrongBuild {
         url: String,
@@ -399,6 +401,11 @@ impl Debuginfod {
                 url: url.to_string(),
                 source,
             })?;
+        // A debug file is read through its sections; a cut one still has the program headers
+        // (and build-id note) of its start.
+        if !debug.has_section_headers {
+            return Err(FetchError::NoSectionHeaders { url: url.to_string() });
+        }
         check_build_id(build_id, debug.build_id.as_deref()).map_err(|source| FetchError::WrongBuild {
             url: url.to_string(),
             source,
@@ -436,7 +443,11 @@ fn cached(entry: &Path, build_id: &[u8]) -> Option<ElfData> {
         }
     };
     match check_build_id(build_id, debug.build_id.as_deref()) {
-        Ok(()) => Some(debug),
+        Ok(()) if debug.has_section_headers => Some(debug),
+        Ok(()) => {
+            tracing::warn!(entry = %entry.display(), "ignoring a debuginfod cache entry without section headers; fetching it again");
+            None
+        }
         Err(error) => {
             let error: &(dyn std::error::Error + 'static) = &error;
             tracing::warn!(entry = %entry.display(), error, "ignoring a bad debuginfod cache entry; fetching it again");

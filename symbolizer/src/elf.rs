@@ -10,7 +10,7 @@ use object::elf::{PF_X, PT_LOAD};
 use object::read::elf::{ElfFile64, ProgramHeader};
 use object::{LittleEndian, Object, ObjectSection};
 
-use crate::Error;
+use crate::{eh_frame_hdr, segments, Error};
 
 /// x86_64 page size: the kernel maps segments at page granularity.
 const PAGE: u64 = 4096;
@@ -88,6 +88,9 @@ pub(crate) struct ElfData {
     pub got: Option<Section>,
     /// Whether the file has a non-empty `.symtab`.
     pub has_symtab: bool,
+    /// False when the section headers are absent or corrupt: the sections above were then
+    /// found through program headers (see [`crate::segments`]).
+    pub has_section_headers: bool,
 }
 
 impl ElfData {
@@ -119,24 +122,52 @@ impl ElfData {
     }
 
     fn parse(path: PathBuf, backing: Backing) -> Result<ElfData, Error> {
+        let mut elf = Self::parse_headers(path, backing)?;
+        let hdr_ok = match (
+            &elf.eh_frame_hdr,
+            &elf.eh_frame,
+            elf.section_bytes(&elf.eh_frame_hdr),
+        ) {
+            (Some(hdr), Some(eh_frame), Some(bytes)) => {
+                eh_frame_hdr::is_valid(&bytes, hdr.svma.start, &eh_frame.svma)
+            }
+            _ => true,
+        };
+        if !hdr_ok {
+            tracing::debug!(path = %elf.path.display(), "ignoring a corrupt .eh_frame_hdr");
+            elf.eh_frame_hdr = None;
+        }
+        Ok(elf)
+    }
+
+    fn parse_headers(path: PathBuf, backing: Backing) -> Result<ElfData, Error> {
         let backing = Arc::new(backing);
         let elf_err = |source| Error::Elf {
             path: path.clone(),
             source,
         };
-        let elf = Elf::parse(&backing[..]).map_err(elf_err)?;
-        let endian = elf.endian();
-        let segments = elf
-            .elf_program_headers()
+        // Program headers are all the kernel needs to run a file: without them it is no
+        // module, but section headers may be absent or corrupt (see `segments`).
+        let phdrs = segments::program_headers(&backing[..]).map_err(elf_err)?;
+        let segments: Vec<Segment> = phdrs
             .iter()
-            .filter(|ph| ph.p_type(endian) == PT_LOAD)
+            .filter(|ph| ph.p_type(LittleEndian) == PT_LOAD)
             .map(|ph| Segment {
-                offset: ph.p_offset(endian),
-                vaddr: ph.p_vaddr(endian),
-                filesz: ph.p_filesz(endian),
-                exec: ph.p_flags(endian) & PF_X != 0,
+                offset: ph.p_offset(LittleEndian),
+                vaddr: ph.p_vaddr(LittleEndian),
+                filesz: ph.p_filesz(LittleEndian),
+                exec: ph.p_flags(LittleEndian) & PF_X != 0,
             })
             .collect();
+        let elf = match Elf::parse(&backing[..]) {
+            Ok(elf) if !elf.elf_section_table().is_empty() => elf,
+            parsed => {
+                if let Err(err) = parsed {
+                    tracing::debug!(path = %path.display(), %err, "unusable section headers; reading program headers only");
+                }
+                return Ok(Self::from_program_headers(path, backing.clone(), phdrs, segments));
+            }
+        };
         let section = |name: &str| {
             let s = elf.section_by_name(name)?;
             let file_range = s.file_range().and_then(|(offset, size)| {
@@ -166,8 +197,48 @@ impl ElfData {
             debuglink,
             segments,
             has_symtab,
+            has_section_headers: true,
             backing: backing.clone(),
         })
+    }
+
+    /// A file whose section headers are missing or corrupt: unwind info through
+    /// `PT_GNU_EH_FRAME`, the build-id from `PT_NOTE`, symbols later from `PT_DYNAMIC`.
+    fn from_program_headers(
+        path: PathBuf,
+        backing: Arc<Backing>,
+        phdrs: &[segments::Phdr],
+        segments: Vec<Segment>,
+    ) -> ElfData {
+        let data = &backing[..];
+        let (eh_frame_hdr, eh_frame) = segments::eh_frame(data, phdrs, &segments).unzip();
+        ElfData {
+            text: segments::text(&segments),
+            eh_frame,
+            eh_frame_hdr,
+            got: None,
+            build_id: segments::build_id(data, phdrs).map(<[u8]>::to_vec),
+            debuglink: None,
+            has_symtab: false,
+            has_section_headers: false,
+            segments,
+            path,
+            backing,
+        }
+    }
+
+    /// The defined symbols of the dynamic segment, for a file without usable section headers
+    /// (with them, `.dynsym` is read through [`ElfData::object`]).
+    pub fn segment_dynamic_symbols(&self) -> Vec<segments::DynamicSymbol<'_>> {
+        match segments::program_headers(self.data()) {
+            Ok(phdrs) => segments::dynamic_symbols(self.data(), phdrs, &self.segments),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Whether `svma` lies in the file bytes of an executable load segment.
+    pub fn is_code(&self, svma: u64) -> bool {
+        self.exec_segment(svma).is_some()
     }
 
     /// All bytes of the file.
@@ -268,6 +339,7 @@ mod tests {
             eh_frame_hdr: None,
             got: None,
             has_symtab: false,
+            has_section_headers: true,
         }
     }
 

@@ -47,8 +47,20 @@ pub fn executable_globals(pid: u32, names: &[&str]) -> Result<HashMap<String, u6
             pid,
             exe: exe_path.clone(),
         })?;
-    let object = elf.object()?;
     let mut found = HashMap::new();
+    if !elf.has_section_headers {
+        // No `.dynsym` section: the loader's view of the same table.
+        for symbol in elf.segment_dynamic_symbols() {
+            let Ok(name) = std::str::from_utf8(symbol.name) else {
+                continue;
+            };
+            if names.contains(&name) && !found.contains_key(name) {
+                found.insert(name.to_string(), symbol.addr.wrapping_add(bias));
+            }
+        }
+        return Ok(found);
+    }
+    let object = elf.object()?;
     for symbol in object.dynamic_symbols().chain(object.symbols()) {
         let Ok(name) = symbol.name() else { continue };
         if symbol.is_definition() && names.contains(&name) && !found.contains_key(name) {

@@ -131,6 +131,13 @@ impl ModuleData {
                 (self.elf.as_ref(), Origin::DynSym),
             ] {
                 let Some(file) = file else { continue };
+                if !file.has_section_headers {
+                    // Its `.dynsym` is reached through the dynamic segment instead.
+                    if origin == Origin::DynSym {
+                        table.add_dynamic_segment(&file.segment_dynamic_symbols(), |svma| file.is_code(svma));
+                    }
+                    continue;
+                }
                 match file.object() {
                     Ok(object) => table.add(&object, origin),
                     Err(err) => tracing::debug!(error = %err, "cannot read symbols"),

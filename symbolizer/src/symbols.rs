@@ -8,6 +8,7 @@ use object::read::elf::SectionHeader;
 use object::{Object, ObjectSymbol, ObjectSymbolTable};
 
 use crate::elf::Elf;
+use crate::segments::DynamicSymbol;
 
 /// How far back to look for a sized symbol containing an address; symbols nest or overlap
 /// only in hand-written assembly, and then by a handful.
@@ -64,37 +65,72 @@ impl SymbolTable {
                 continue;
             };
             let in_exec = exec_sections.get(index.0).copied().unwrap_or(false);
-            let wanted = match raw.st_type() {
-                STT_FUNC | STT_GNU_IFUNC => true,
-                // Assembly entry points without `.type`: only global ones, in code.
-                STT_NOTYPE => in_exec && raw.st_bind() != object::elf::STB_LOCAL,
-                _ => false,
-            };
-            if !wanted || symbol.address() == 0 {
-                continue;
-            }
             let Ok(name) = symbol.name_bytes() else { continue };
-            // `.symtab` of shared objects spells versioned definitions `name@@VERSION`.
-            let name = name.split(|&b| b == b'@').next().unwrap_or(name);
-            if name.is_empty() {
-                continue;
-            }
-            let binding = match raw.st_bind() {
-                STB_GLOBAL => 0,
-                STB_WEAK => 1,
-                _ => 2,
-            };
-            let sym = Sym {
-                addr: symbol.address(),
-                size: symbol.size(),
-                rank: (origin, binding),
-                name: Arc::from(String::from_utf8_lossy(name)),
-            };
-            if sym.size > 0 {
-                self.sized.push(sym.clone());
-            }
-            self.all.push(sym);
+            self.push(
+                name,
+                symbol.address(),
+                symbol.size(),
+                (raw.st_type(), raw.st_bind()),
+                in_exec,
+                origin,
+            );
         }
+    }
+
+    /// Add the function symbols of the dynamic segment of a file without usable section
+    /// headers; `is_code` tells whether an address lies in an executable segment.
+    pub fn add_dynamic_segment(&mut self, symbols: &[DynamicSymbol<'_>], is_code: impl Fn(u64) -> bool) {
+        for symbol in symbols {
+            self.push(
+                symbol.name,
+                symbol.addr,
+                symbol.size,
+                (symbol.st_type, symbol.st_bind),
+                is_code(symbol.addr),
+                Origin::DynSym,
+            );
+        }
+    }
+
+    /// Keep one symbol if it names a function.
+    fn push(
+        &mut self,
+        name: &[u8],
+        addr: u64,
+        size: u64,
+        (st_type, st_bind): (u8, u8),
+        in_exec: bool,
+        origin: Origin,
+    ) {
+        let wanted = match st_type {
+            STT_FUNC | STT_GNU_IFUNC => true,
+            // Assembly entry points without `.type`: only global ones, in code.
+            STT_NOTYPE => in_exec && st_bind != object::elf::STB_LOCAL,
+            _ => false,
+        };
+        if !wanted || addr == 0 {
+            return;
+        }
+        // `.symtab` of shared objects spells versioned definitions `name@@VERSION`.
+        let name = name.split(|&b| b == b'@').next().unwrap_or(name);
+        if name.is_empty() {
+            return;
+        }
+        let binding = match st_bind {
+            STB_GLOBAL => 0,
+            STB_WEAK => 1,
+            _ => 2,
+        };
+        let sym = Sym {
+            addr,
+            size,
+            rank: (origin, binding),
+            name: Arc::from(String::from_utf8_lossy(name)),
+        };
+        if sym.size > 0 {
+            self.sized.push(sym.clone());
+        }
+        self.all.push(sym);
     }
 
     /// Sort after all tables were added.
