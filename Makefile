@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint clean
+.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint fuzz clean
 
 all: build
 
@@ -37,6 +37,13 @@ lint: deps
 
 unit-test: deps
 	$(CARGO) test --locked --workspace --exclude pgscope-tests
+
+# The symbolizer's fuzz harnesses (symbolizer/tests/fuzz_*.rs) at length; `make unit-test` runs
+# a few hundred cases of each. PGSCOPE_FUZZ_CASES=N sets the cases per property. A debug build:
+# integer overflow panics there, and is found.
+PGSCOPE_FUZZ_CASES ?= 100000
+fuzz: deps
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p symbolizer --test 'fuzz_*'
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test).

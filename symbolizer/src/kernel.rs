@@ -42,6 +42,8 @@ impl KernelSymbols {
         let mut parsed: Vec<(u64, (bool, u32), u32, u32)> = Vec::new();
         let mut names = String::new();
         let mut lines = 0;
+        // Judged on every line, text or not: a file of data symbols is not a hidden one.
+        let mut any_address = false;
         for (index, line) in r.lines().enumerate() {
             let line = line.map_err(|source| Error::Io {
                 path: PathBuf::from(path),
@@ -51,6 +53,7 @@ impl KernelSymbols {
             let Some(addr) = fields.next() else { continue };
             lines += 1;
             let addr = u64::from_str_radix(addr, 16).map_err(|_| malformed(index + 1, "bad address"))?;
+            any_address |= addr != 0;
             let kind = fields
                 .next()
                 .ok_or_else(|| malformed(index + 1, "missing type"))?;
@@ -68,7 +71,7 @@ impl KernelSymbols {
             names.push_str(name);
             parsed.push((addr, (!global, len), start, len));
         }
-        if lines > 0 && parsed.iter().all(|&(addr, ..)| addr == 0) {
+        if lines > 0 && !any_address {
             return Err(Error::KallsymsHidden {
                 path: path.to_path_buf(),
             });
@@ -144,6 +147,15 @@ ffffffffc0a01000 t ext4_fill_super\t[ext4]
         let err = KernelSymbols::from_reader(text.as_bytes()).expect_err("hidden");
         assert!(matches!(err, Error::KallsymsHidden { .. }));
         assert!(err.to_string().contains("kptr_restrict"));
+    }
+
+    #[test]
+    fn data_symbols_only_is_an_empty_table_not_hidden_addresses() {
+        // Found by tests/fuzz_kallsyms.rs: the text symbols' addresses were checked, and an
+        // empty set of them is "all zero".
+        let k = KernelSymbols::from_reader("ffffffff81000000 D some_data\n".as_bytes()).expect("not hidden");
+        assert!(k.is_empty());
+        assert_eq!(k.lookup(0xffffffff81000001), None);
     }
 
     #[test]

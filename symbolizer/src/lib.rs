@@ -55,6 +55,8 @@ mod eh_frame_hdr;
 mod elf;
 mod error;
 mod functions;
+#[doc(hidden)]
+pub mod fuzzing;
 mod globals;
 mod kernel;
 mod maps;
