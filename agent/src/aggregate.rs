@@ -69,6 +69,15 @@ impl UnwindStats {
     }
 }
 
+/// The largest weight a stack is counted with: pprof and Pyroscope hold int64. Only a corrupt
+/// record reaches it (2^63 ns of off-CPU time is 292 years); it stays there rather than
+/// wrapping or making the whole profile unencodable.
+const WEIGHT_MAX: u64 = i64::MAX as u64;
+
+fn add_weight(total: &mut u64, weight: u64) {
+    *total = total.saturating_add(weight).min(WEIGHT_MAX);
+}
+
 /// Aggregated samples of one trace session: on-CPU samples (weight 1 each), or off-CPU waits
 /// (weight: nanoseconds off CPU).
 #[derive(Default)]
@@ -126,7 +135,7 @@ impl StackAggregator {
             user: user.frames.into_boxed_slice(),
             complete,
         };
-        *self.stacks.entry(key).or_insert(0) += weight;
+        add_weight(self.stacks.entry(key).or_insert(0), weight);
     }
 
     /// Adds time measured without a stack, shown as the single frame `placeholder`.
@@ -148,7 +157,7 @@ impl StackAggregator {
             user: Box::new([]),
             complete: true,
         };
-        *self.stacks.entry(key).or_insert(0) += weight;
+        add_weight(self.stacks.entry(key).or_insert(0), weight);
     }
 
     /// Distinct (process, labels, stack) keys held.
@@ -165,7 +174,7 @@ impl StackAggregator {
         let mut counts: HashMap<i64, u64> = HashMap::new();
         for (key, &count) in &self.stacks {
             if let Some(query_id) = key.attribution.query_id.filter(|&q| q != 0) {
-                *counts.entry(query_id).or_insert(0) += count;
+                add_weight(counts.entry(query_id).or_insert(0), count);
             }
         }
         let mut sorted: Vec<_> = counts.into_iter().collect();

@@ -35,7 +35,7 @@ impl ContainerIdentity {
 
 /// The innermost PID of the `NSpid:` line of `/proc/PID/status` (host PID first, then one per
 /// nested namespace).
-fn namespace_pid(status: &str) -> Option<u32> {
+pub(crate) fn namespace_pid(status: &str) -> Option<u32> {
     let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
     line.split_whitespace().last()?.parse().ok()
 }

@@ -6,8 +6,14 @@ mod bpf;
 mod collect;
 mod container;
 mod findings;
+#[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
+mod fuzzing;
+mod input_file;
 mod postgres;
 mod preflight;
+mod redact;
 mod report;
 mod target;
 mod trace;
@@ -166,7 +172,7 @@ struct AgentArgs {
     /// How often profiles are sent (default 15s).
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     upload_interval: Option<Duration>,
-    /// Address of /metrics, /healthz and /readyz (default 0.0.0.0:9437).
+    /// Address of /metrics, /healthz and /readyz (default 127.0.0.1:9437: loopback only).
     #[arg(long, value_name = "ADDR:PORT")]
     metrics_addr: Option<std::net::SocketAddr>,
     /// Profile off-CPU time too (where backends wait; costs more: see bench/offcpu.sh).

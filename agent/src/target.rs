@@ -42,7 +42,7 @@ impl ProcessInfo {
 }
 
 /// Parses `comm` and `ppid` out of /proc/PID/stat; comm may contain spaces and parentheses.
-fn parse_stat(stat: &str) -> Option<(String, u32)> {
+pub(crate) fn parse_stat(stat: &str) -> Option<(String, u32)> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
     let comm = stat.get(open + 1..close)?.to_string();
@@ -180,13 +180,13 @@ fn postmaster_pid_of(data_dir: &Path) -> Result<u32> {
 /// What `postmaster.pid` says of the postmaster: its PID (line 1) and start time (line 3,
 /// seconds since the epoch; absent in files of very old majors).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PidFile {
-    pid: u32,
-    started_unix: Option<u64>,
+pub(crate) struct PidFile {
+    pub(crate) pid: u32,
+    pub(crate) started_unix: Option<u64>,
 }
 
 impl PidFile {
-    fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         let mut lines = text.lines();
         let pid = lines.next()?.trim().parse().ok().filter(|&pid| pid > 0)?;
         let started_unix = lines.nth(1).and_then(|line| line.trim().parse().ok());
@@ -229,7 +229,7 @@ fn process_start_unix(pid: u32) -> Option<u64> {
 
 /// Field 22 (starttime) of /proc/PID/stat, counted after comm's closing parenthesis (comm may
 /// hold spaces and parentheses).
-fn start_ticks(stat: &str) -> Option<u64> {
+pub(crate) fn start_ticks(stat: &str) -> Option<u64> {
     let close = stat.rfind(')')?;
     // Fields after comm start at 3 (state); starttime is field 22.
     stat.get(close + 1..)?

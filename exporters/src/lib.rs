@@ -131,7 +131,10 @@ pub struct Profile {
 impl Profile {
     /// Sum of all sample counts.
     pub fn total_count(&self) -> u64 {
-        self.samples.iter().map(|s| s.count).sum()
+        // Saturating: a recording or a corrupt record may hold counts that add past u64.
+        self.samples
+            .iter()
+            .fold(0, |total, s| total.saturating_add(s.count))
     }
 }
 

@@ -104,6 +104,12 @@ def test_default_manifests_are_valid_and_least_privilege():
     assert env["PGSCOPE_PYROSCOPE_URL"]["value"] == "http://pyroscope.monitoring:4040"
     assert env["PGSCOPE_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert "PGSCOPE_PYROSCOPE_PASSWORD" not in env, "no credentials configured, none referenced"
+    # /metrics on the pod's IP, not 0.0.0.0; probes reach it there through the named port.
+    assert env["PGSCOPE_METRICS_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9437, "protocol": "TCP"}]
+    assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
+    assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
+    assert "0.0.0.0" not in text, "nothing binds every interface"
     # No ServiceMonitor (CRD) unless asked for; no Secret without credentials.
     assert not any(k == "ServiceMonitor" for k, _ in manifests)
     assert not any(k == "Secret" for k, _ in manifests)
@@ -130,7 +136,7 @@ def test_default_config_is_what_the_agent_defaults_to():
         "off_cpu_min_stack": "100us", "off_cpu_idle": False}
     assert config["labels"] == {"service_name": "postgres/{instance}", "pid": False, "pod_service_name": True}
     assert config["discovery"] == {"include": [], "exclude": []}
-    assert config["server"] == {"metrics_addr": "0.0.0.0:9437", "log_format": "json"}
+    assert config["server"] == {"metrics_addr": "127.0.0.1:9437", "log_format": "json"}
 
 
 def test_every_option_is_wired():
@@ -167,7 +173,7 @@ def test_every_option_is_wired():
     assert config["discovery"] == {
         "include": [{"data_dir": "/var/lib/postgresql/data", "port": 5432}],
         "exclude": [{"binary": "/usr/lib/postgresql/13/bin/postgres"}]}
-    assert config["server"] == {"metrics_addr": "0.0.0.0:9500", "log_format": "text"}
+    assert config["server"] == {"metrics_addr": "127.0.0.1:9500", "log_format": "text"}
 
     # Credentials: a Secret, referenced key by key.
     secret = of_kind(manifests, "Secret")
@@ -186,6 +192,8 @@ def test_every_option_is_wired():
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     service = of_kind(manifests, "Service")
     assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9500, "targetPort": "metrics"}]
+    assert "0.0.0.0" not in text
 
 
 def test_an_existing_secret_replaces_the_rendered_one():
@@ -219,11 +227,15 @@ def test_the_rendered_config_passes_the_agents_own_check(values, tmp_path):
         ca.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text())
         path.write_text(text.replace("/etc/pgscope/ca/ca.pem", str(ca)))
     pgscope = os.environ.get("PGSCOPE_BIN", str(CHART.parent.parent / "target/debug/pgscope"))
+    # The pod's IP as the downward API gives it: the agent serves there, on the chart's port.
     result = subprocess.run(
         [pgscope, "agent", "--check-config", "--config", str(path)],
-        env={**os.environ, "PGSCOPE_PYROSCOPE_URL": "http://pyroscope.monitoring:4040"},
+        env={**os.environ, "PGSCOPE_PYROSCOPE_URL": "http://pyroscope.monitoring:4040",
+             "PGSCOPE_METRICS_ADDR": "10.244.1.17"},
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    port = agent_config(manifests)["server"]["metrics_addr"].rsplit(":", 1)[1]
+    assert f"server: 10.244.1.17:{port}," in result.stdout, result.stdout
 
 
 ROOT = CHART.parent.parent

@@ -130,3 +130,69 @@ impl Drop for Sleeper {
         let _ = self.0.wait();
     }
 }
+
+/// How long refusing a file that is not one may take: reading `/dev/zero` used to never end.
+const REFUSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Runs `pgscope <args>`, failing if it has not exited within [`REFUSE_TIMEOUT`].
+fn run_bounded(args: &[&str]) -> Result<Output> {
+    let mut command = pgscope_tests::pgscope::pgscope_command(args)?;
+    pgscope_tests::process::output_with_timeout(&mut command, REFUSE_TIMEOUT)
+        .with_context(|| format!("`pgscope {}` hung reading a file that never ends", args.join(" ")))
+}
+
+#[test]
+fn a_recording_that_is_not_a_regular_file_is_refused_at_once() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out_path = dir.path().join("report.html");
+    let out_arg = out_path.to_string_lossy();
+    let out = run_bounded(&["report", "--from", "/dev/zero", "--out", &out_arg])?;
+    let stderr = expect_one_sentence_failure(&out)?;
+    ensure!(
+        stderr.contains("`/dev/zero` is a character device, not a regular file"),
+        "the error does not say what /dev/zero is: {stderr}"
+    );
+    let dir_arg = dir.path().to_string_lossy();
+    let out = run_bounded(&["report", "--from", &dir_arg, "--out", &out_arg])?;
+    let stderr = expect_one_sentence_failure(&out)?;
+    ensure!(stderr.contains("is a directory"), "{stderr}");
+    Ok(())
+}
+
+#[test]
+fn an_oversize_recording_is_refused_with_its_size_and_the_limit() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("huge.json");
+    // Sparse: 2 GiB long, no disk used.
+    std::fs::File::create(&path)?.set_len(2 << 30)?;
+    let out_path = dir.path().join("report.html");
+    let out = run_bounded(&[
+        "report",
+        "--from",
+        &path.to_string_lossy(),
+        "--out",
+        &out_path.to_string_lossy(),
+    ])?;
+    let stderr = expect_one_sentence_failure(&out)?;
+    ensure!(
+        stderr.contains("is 2 GiB, over the 1 GiB limit"),
+        "the error does not give the size and the limit: {stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_config_that_is_not_a_regular_file_is_refused_at_once() -> Result<()> {
+    let out = run_bounded(&["agent", "--config", "/dev/zero", "--check-config"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(USAGE_ERROR),
+        "exit {} instead of {USAGE_ERROR} (invalid configuration): {stderr}",
+        out.status
+    );
+    ensure!(
+        stderr.contains("the config file `/dev/zero` is a character device, not a regular file"),
+        "the error does not say what /dev/zero is: {stderr}"
+    );
+    Ok(())
+}

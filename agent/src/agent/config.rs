@@ -3,12 +3,15 @@
 //! errors that name the bad key.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer};
+
+use crate::input_file;
+use crate::redact::{self, Secret};
 
 /// The whole configuration; every section and key is optional in the file.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -44,14 +47,16 @@ impl Default for ProbesConfig {
     }
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+/// Its `Debug` shows the URL redacted and the password and token as `***`.
+#[derive(Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PyroscopeConfig {
     /// Base URL of Pyroscope (or of a gateway in front of it), e.g. `http://pyroscope:4040`.
+    /// Credentials in it (`https://user:pass@…`) are used as basic auth.
     pub url: Option<String>,
     pub basic_auth_user: Option<String>,
-    pub basic_auth_password: Option<String>,
-    pub bearer_token: Option<String>,
+    pub basic_auth_password: Option<Secret>,
+    pub bearer_token: Option<Secret>,
     /// `X-Scope-OrgID`, for multi-tenant Pyroscope.
     pub tenant_id: Option<String>,
     /// PEM file of a CA to trust besides the system's.
@@ -61,6 +66,21 @@ pub struct PyroscopeConfig {
     /// Memory the upload queue may hold while Pyroscope is unreachable; older batches are
     /// dropped (and counted) beyond it.
     pub queue_max_bytes: u64,
+}
+
+impl std::fmt::Debug for PyroscopeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PyroscopeConfig")
+            .field("url", &self.url.as_deref().map(redact::url))
+            .field("basic_auth_user", &self.basic_auth_user)
+            .field("basic_auth_password", &self.basic_auth_password)
+            .field("bearer_token", &self.bearer_token)
+            .field("tenant_id", &self.tenant_id)
+            .field("ca_file", &self.ca_file)
+            .field("timeout", &self.timeout)
+            .field("queue_max_bytes", &self.queue_max_bytes)
+            .finish()
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -123,7 +143,8 @@ pub struct InstanceFilter {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
-    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    /// Where `/metrics`, `/healthz` and `/readyz` are served: loopback by default, so that
+    /// nothing off the host reads them unless asked (the Helm chart sets the pod's IP).
     pub metrics_addr: SocketAddr,
     /// `text` or `json` logs.
     pub log_format: LogFormat,
@@ -182,9 +203,51 @@ impl Default for LabelsConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            metrics_addr: SocketAddr::from(([0, 0, 0, 0], 9437)),
+            metrics_addr: SocketAddr::from(([127, 0, 0, 1], 9437)),
             log_format: LogFormat::Text,
         }
+    }
+}
+
+/// `line L, column C (key `k`): ` of byte `offset` of a TOML text; the key is the text before
+/// `=` on that line when it looks like a key.
+fn place(text: &str, offset: usize) -> String {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let before = &text[..offset];
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = before.matches('\n').count() + 1;
+    let column = before[line_start..].chars().count() + 1;
+    let line_text = text[line_start..].lines().next().unwrap_or_default();
+    let key = line_text
+        .split_once('=')
+        .map(|(key, _)| key.trim())
+        .filter(|key| !key.is_empty() && key.len() <= 64)
+        .filter(|key| {
+            key.chars()
+                .all(|c| c.is_ascii_lowercase() || c == '_' || c == '.')
+        });
+    match key {
+        Some(key) => format!("line {line}, column {column} (key `{key}`): "),
+        None => format!("line {line}, column {column}: "),
+    }
+}
+
+/// `PGSCOPE_METRICS_ADDR`: `IP:PORT`, or an IP alone (what Kubernetes' `status.podIP` gives)
+/// served on `port`.
+fn metrics_addr(value: &str, port: u16) -> Result<SocketAddr> {
+    if let Ok(addr) = value.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    match value
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        Ok(ip) => Ok(SocketAddr::new(ip, port)),
+        Err(_) => bail!("PGSCOPE_METRICS_ADDR: `{value}` is neither IP:PORT nor an IP address"),
     }
 }
 
@@ -218,8 +281,7 @@ impl AgentConfig {
     ) -> Result<Self> {
         let mut config = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading the config file `{}`", path.display()))?;
+                let text = input_file::read_to_string(path, "the config file", input_file::CONFIG_MAX_BYTES)?;
                 Self::parse(&text).with_context(|| format!("in the config file `{}`", path.display()))?
             }
             None => Self::default(),
@@ -230,9 +292,17 @@ impl AgentConfig {
         Ok(config)
     }
 
+    /// Errors say where (line, column, key) and what, e.g. "unknown field `frequncy`", but
+    /// never quote the file's line as toml would: a password may be on it, under a misspelt
+    /// key that redaction cannot recognise.
     pub fn parse(text: &str) -> Result<Self> {
-        // toml's message names the key and shows the line, e.g. "unknown field `frequncy`".
-        toml::from_str(text).map_err(|error| anyhow::anyhow!("{}", error.to_string().trim_end()))
+        toml::from_str(text).map_err(|error| {
+            let place = error
+                .span()
+                .map(|span| place(text, span.start))
+                .unwrap_or_default();
+            anyhow::anyhow!("{place}{}", redact::text(error.message().trim_end()))
+        })
     }
 
     /// `PGSCOPE_PYROSCOPE_URL`, … : secrets (password, token) are best given this way, e.g.
@@ -242,13 +312,22 @@ impl AgentConfig {
         for (name, slot) in [
             ("PGSCOPE_PYROSCOPE_URL", &mut pyroscope.url),
             ("PGSCOPE_PYROSCOPE_USER", &mut pyroscope.basic_auth_user),
-            ("PGSCOPE_PYROSCOPE_PASSWORD", &mut pyroscope.basic_auth_password),
-            ("PGSCOPE_PYROSCOPE_TOKEN", &mut pyroscope.bearer_token),
             ("PGSCOPE_PYROSCOPE_TENANT", &mut pyroscope.tenant_id),
         ] {
             if let Some(value) = env(name).filter(|v| !v.is_empty()) {
                 *slot = Some(value);
             }
+        }
+        for (name, slot) in [
+            ("PGSCOPE_PYROSCOPE_PASSWORD", &mut pyroscope.basic_auth_password),
+            ("PGSCOPE_PYROSCOPE_TOKEN", &mut pyroscope.bearer_token),
+        ] {
+            if let Some(value) = env(name).filter(|v| !v.is_empty()) {
+                *slot = Some(Secret::new(value));
+            }
+        }
+        if let Some(value) = env("PGSCOPE_METRICS_ADDR").filter(|v| !v.is_empty()) {
+            self.server.metrics_addr = metrics_addr(&value, self.server.metrics_addr.port())?;
         }
         if let Some(value) = env("PGSCOPE_SERVICE_NAME").filter(|v| !v.is_empty()) {
             self.labels.service_name = value;
@@ -302,7 +381,7 @@ impl AgentConfig {
              discovery: {} include / {} exclude filters\n  \
              probes: {}\n  \
              server: {}, {:?} logs",
-            self.pyroscope.url.as_deref().unwrap_or("?"),
+            redact::url(self.pyroscope.url.as_deref().unwrap_or("?")),
             self.pyroscope
                 .tenant_id
                 .as_ref()
@@ -343,8 +422,13 @@ impl AgentConfig {
         let Some(url) = &self.pyroscope.url else {
             bail!("pyroscope.url is not set: pass --pyroscope-url, set PGSCOPE_PYROSCOPE_URL or `url` under [pyroscope]");
         };
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            bail!("pyroscope.url `{url}` must start with http:// or https://");
+        // Says what is wrong without quoting a password the URL holds.
+        let (_, url_auth) = exporters::pyroscope::split_credentials(url)
+            .map_err(|error| anyhow::anyhow!("pyroscope.url: {error}"))?;
+        if url_auth.is_some()
+            && (self.pyroscope.basic_auth_user.is_some() || self.pyroscope.bearer_token.is_some())
+        {
+            bail!("pyroscope.url holds credentials (user:password@) and pyroscope.basic_auth_user or bearer_token is set too: keep one");
         }
         if self.pyroscope.basic_auth_user.is_some() != self.pyroscope.basic_auth_password.is_some() {
             bail!("pyroscope.basic_auth_user and pyroscope.basic_auth_password go together: set both or neither");
@@ -408,102 +492,7 @@ impl AgentConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
+mod tests;
 
-    fn no_env(_: &str) -> Option<String> {
-        None
-    }
-
-    #[test]
-    fn an_empty_file_is_the_defaults() {
-        let config = AgentConfig::parse("").expect("empty config parses");
-        assert_eq!(config, AgentConfig::default());
-        assert_eq!(config.collection.frequency, 19);
-        assert_eq!(config.collection.upload_interval, Duration::from_secs(15));
-    }
-
-    #[test]
-    fn a_full_file_parses() {
-        let config = AgentConfig::parse(
-            r#"
-            [pyroscope]
-            url = "https://pyroscope.example:4040"
-            basic_auth_user = "u"
-            basic_auth_password = "p"
-            tenant_id = "team-a"
-            timeout = "5s"
-            [collection]
-            frequency = 49
-            upload_interval = "10s"
-            off_cpu = true
-            off_cpu_min_stack = "1ms"
-            [labels]
-            service_name = "pg/{instance}"
-            pid = true
-            static = { env = "prod", region = "eu" }
-            [[discovery.exclude]]
-            port = 5433
-            [server]
-            metrics_addr = "127.0.0.1:9999"
-            log_format = "json"
-            "#,
-        )
-        .expect("full config parses");
-        config.validate().expect("full config is valid");
-        assert_eq!(config.collection.off_cpu_min_stack, Duration::from_millis(1));
-        assert_eq!(
-            config.labels.static_labels.get("region").map(String::as_str),
-            Some("eu")
-        );
-        assert_eq!(config.discovery.exclude[0].port, Some(5433));
-        assert_eq!(config.server.log_format, LogFormat::Json);
-    }
-
-    #[test]
-    fn errors_name_the_bad_key() {
-        let error = AgentConfig::parse("[collection]\nfrequncy = 10\n").unwrap_err();
-        assert!(format!("{error:#}").contains("frequncy"), "{error:#}");
-        let error = AgentConfig::parse("[collection]\nupload_interval = \"soon\"\n").unwrap_err();
-        assert!(format!("{error:#}").contains("upload_interval"), "{error:#}");
-        let mut config = AgentConfig::default();
-        config.pyroscope.url = Some("pyroscope:4040".into());
-        let error = config.validate().unwrap_err();
-        assert!(format!("{error:#}").contains("pyroscope.url"), "{error:#}");
-        config.pyroscope.url = Some("http://p:4040".into());
-        config.collection.frequency = 0;
-        assert!(format!("{:#}", config.validate().unwrap_err()).contains("collection.frequency"));
-        config.collection.frequency = 19;
-        config.labels.static_labels.insert("bad-name".into(), "x".into());
-        assert!(format!("{:#}", config.validate().unwrap_err()).contains("bad-name"));
-    }
-
-    #[test]
-    fn flags_override_the_environment_which_overrides_the_file() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("agent.toml");
-        std::fs::write(
-            &path,
-            "[pyroscope]\nurl = \"http://file:4040\"\n[collection]\nfrequency = 7\n",
-        )
-        .expect("write config");
-        let env = |name: &str| match name {
-            "PGSCOPE_PYROSCOPE_URL" => Some("http://env:4040".to_string()),
-            "PGSCOPE_FREQUENCY" => Some("11".to_string()),
-            _ => None,
-        };
-        let config = AgentConfig::load(Some(&path), &env, &Overrides::default()).expect("loads");
-        assert_eq!(config.pyroscope.url.as_deref(), Some("http://env:4040"));
-        assert_eq!(config.collection.frequency, 11);
-        let flags = Overrides {
-            pyroscope_url: Some("http://flag:4040".into()),
-            frequency: Some(29),
-            ..Overrides::default()
-        };
-        let config = AgentConfig::load(Some(&path), &env, &flags).expect("loads");
-        assert_eq!(config.pyroscope.url.as_deref(), Some("http://flag:4040"));
-        assert_eq!(config.collection.frequency, 29);
-        let missing = AgentConfig::load(None, &no_env, &Overrides::default()).unwrap_err();
-        assert!(format!("{missing:#}").contains("pyroscope.url"));
-    }
-}
+#[cfg(test)]
+mod fuzz;

@@ -146,8 +146,15 @@ impl Exporter {
         self.kernel = cached;
     }
 
-    /// Queues what is left of an instance that is gone.
-    pub fn upload_instance(&mut self, session: &mut Session, gone: Instance, config: &AgentConfig) {
+    /// Queues what is left of an instance that is gone, counted in `enqueued` like every
+    /// interval's profiles (a batch delivered or dropped must have been counted as queued).
+    pub fn upload_instance(
+        &mut self,
+        session: &mut Session,
+        gone: Instance,
+        config: &AgentConfig,
+        enqueued: &mut BTreeMap<&'static str, u64>,
+    ) {
         let name = self.instance_name(&gone.context);
         let container = container_labels(&gone.context);
         let end = super::unix_nanos();
@@ -170,8 +177,7 @@ impl Exporter {
             end,
         );
         self.kernel = cached;
-        let mut enqueued = BTreeMap::new();
-        self.enqueue(&name, &container, profiles, config, &mut enqueued);
+        self.enqueue(&name, &container, profiles, config, enqueued);
     }
 
     fn enqueue(
@@ -357,18 +363,22 @@ fn host_name() -> String {
 fn client_config(config: &AgentConfig) -> Result<ClientConfig> {
     let pyroscope = &config.pyroscope;
     let ca_cert_pem = match &pyroscope.ca_file {
-        Some(path) => Some(
-            std::fs::read(path).with_context(|| format!("reading pyroscope.ca_file `{}`", path.display()))?,
-        ),
+        Some(path) => Some(crate::input_file::read(
+            path,
+            "pyroscope.ca_file",
+            crate::input_file::CA_MAX_BYTES,
+        )?),
         None => None,
     };
     Ok(ClientConfig {
         url: pyroscope.url.clone().unwrap_or_default(),
-        basic_auth: pyroscope
-            .basic_auth_user
-            .clone()
-            .zip(pyroscope.basic_auth_password.clone()),
-        bearer_token: pyroscope.bearer_token.clone(),
+        basic_auth: pyroscope.basic_auth_user.clone().zip(
+            pyroscope
+                .basic_auth_password
+                .as_ref()
+                .map(|p| p.expose().to_string()),
+        ),
+        bearer_token: pyroscope.bearer_token.as_ref().map(|t| t.expose().to_string()),
         tenant_id: pyroscope.tenant_id.clone(),
         ca_cert_pem,
         timeout: pyroscope.timeout,

@@ -437,6 +437,78 @@ mod tests {
         );
     }
 
+    /// Only these label names exist on /metrics: each value is a count's key (kind, reason),
+    /// a queryid, a function, an executable path or an instance name, never text a query
+    /// holds.
+    const LABELS: [&str; 10] = [
+        "kind",
+        "reason",
+        "instance",
+        "profile",
+        "result",
+        "function",
+        "executable",
+        "mode",
+        "severity",
+        "queryid",
+    ];
+
+    #[test]
+    fn query_texts_never_reach_metrics() {
+        use super::super::findings_state::AgentFindings;
+        use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
+        const SQL: &str = "SELECT secret_literal_4711 FROM accounts WHERE password = 'hunter2'";
+        // Samples as the agent builds them, here with SQL wherever text could hide: a label
+        // and a frame name. Busy enough for the always-reported findings to name its queryid.
+        let sample = |query_id: &str, count| StackSample {
+            frames: vec![
+                Frame {
+                    name: "exec_simple_query".into(),
+                    kind: FrameKind::User,
+                },
+                Frame {
+                    name: SQL.into(),
+                    kind: FrameKind::User,
+                },
+            ],
+            labels: vec![
+                ("queryid".into(), query_id.into()),
+                ("query".into(), SQL.into()),
+                ("backend_type".into(), "client backend".into()),
+            ],
+            count,
+        };
+        let profile = Profile {
+            meta: ProfileMeta::cpu(19, 1, 15_000_000_000),
+            samples: vec![sample("-42", 900), sample("7", 100)],
+        };
+        let mut findings = AgentFindings::default();
+        findings.evaluate("main", &[("process_cpu", profile)], None, None);
+        let mut snapshot = Snapshot {
+            findings: findings.snapshot(),
+            ..Snapshot::default()
+        };
+        snapshot.instances.insert("main".into(), 3);
+        assert!(
+            !snapshot.findings.current["main"].is_empty(),
+            "the interval yields findings"
+        );
+        let text = render(&snapshot, &OwnUsage::default());
+        assert!(text.contains("queryid=\"-42\""), "{text}");
+        for needle in ["SELECT", "secret_literal_4711", "hunter2", "accounts"] {
+            assert!(!text.contains(needle), "`{needle}` on /metrics:\n{text}");
+        }
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((_, labels)) = line.split_once('{') else {
+                continue;
+            };
+            for pair in labels.split("\",") {
+                let name = pair.split('=').next().unwrap_or_default();
+                assert!(LABELS.contains(&name), "label `{name}` in {line}");
+            }
+        }
+    }
+
     #[test]
     fn own_usage_is_read_from_proc() {
         let usage = OwnUsage::read();

@@ -9,7 +9,7 @@ mod findings_state;
 mod http;
 mod metrics;
 mod off_cpu_totals;
-mod pods;
+pub(crate) mod pods;
 mod probes;
 
 use std::collections::BTreeMap;
@@ -101,6 +101,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         exporter: &mut exporter,
         function_probes: &mut function_probes,
         findings: &mut agent_findings,
+        enqueued: &mut state.enqueued,
     };
     found.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
@@ -149,6 +150,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
                     exporter: &mut exporter,
                     function_probes: &mut function_probes,
                     findings: &mut agent_findings,
+                    enqueued: &mut state.enqueued,
                 }
                 .discover(&config, off_cpu);
             }
@@ -260,6 +262,8 @@ struct Found<'a> {
     exporter: &'a mut export::Exporter,
     function_probes: &'a mut probes::AgentProbes,
     findings: &'a mut findings_state::AgentFindings,
+    /// Batches queued per profile type (`pgscope_profiles_enqueued_total`).
+    enqueued: &'a mut BTreeMap<&'static str, u64>,
 }
 
 impl Found<'_> {
@@ -272,6 +276,7 @@ impl Found<'_> {
             exporter,
             function_probes,
             findings,
+            enqueued,
         } = self;
         let found = discovery::scan(&config.discovery);
         let attached: Vec<u32> = session
@@ -287,7 +292,7 @@ impl Found<'_> {
                 let name = exporter.instance_name(&gone.context);
                 info!(postmaster = root, instance = %name, "instance gone (stopped, restarted or excluded); its findings go with it");
                 findings.forget(&name, *root);
-                exporter.upload_instance(session, gone, config);
+                exporter.upload_instance(session, gone, config, enqueued);
             }
             // Its processes leave the filter as they exit; those of a still-running instance that
             // the configuration now excludes leave it now (errors: already gone).

@@ -46,7 +46,7 @@ impl InstanceFacts {
         // The path as the postmaster sees it (in a container: inside it)...
         let data_dir = fs::read_link(format!("/proc/{pid}/cwd")).ok();
         // ...and its files read through /proc/PID/cwd, which resolves in its mount namespace.
-        let port = fs::read_to_string(format!("/proc/{pid}/cwd/postmaster.pid"))
+        let port = postgres::read_pid_file(pid)
             .ok()
             .and_then(|text| port_of_pid_file(&text));
         let cluster_name = target::children_of(pid)
@@ -82,25 +82,29 @@ impl InstanceFacts {
 }
 
 /// The port in a `postmaster.pid` file: PID, data directory, start time, port, … one per line.
-fn port_of_pid_file(text: &str) -> Option<u16> {
+pub(crate) fn port_of_pid_file(text: &str) -> Option<u16> {
     text.lines().nth(3)?.trim().parse().ok()
 }
 
 fn command_line(pid: u32) -> String {
     fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|bytes| {
-            String::from_utf8_lossy(&bytes)
-                .replace('\0', " ")
-                .trim()
-                .to_string()
-        })
+        .map(|bytes| title_of_cmdline(&bytes))
         .unwrap_or_default()
+}
+
+/// `/proc/PID/cmdline` as one line: a process title set by Postgres is NUL-padded, the
+/// arguments of others NUL-separated.
+pub(crate) fn title_of_cmdline(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .replace('\0', " ")
+        .trim()
+        .to_string()
 }
 
 /// `postgres: 15/main: checkpointer` → `15/main`. Postgres puts cluster_name between the
 /// program name and the process's role only when it is set; without it the title is
 /// `postgres: checkpointer`.
-fn cluster_name_of_title(title: &str) -> Option<String> {
+pub(crate) fn cluster_name_of_title(title: &str) -> Option<String> {
     let rest = title.strip_prefix("postgres: ")?;
     let (first, role) = rest.split_once(": ")?;
     // A backend's title without cluster_name is `user db host state`: no colon-space pair

@@ -10,7 +10,6 @@ pub mod phase;
 pub mod sql;
 pub mod v15;
 
-use std::fs;
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -75,16 +74,33 @@ pub fn table_for(major: u32) -> Result<&'static VersionTable> {
 /// The major version a Postgres process runs: every Postgres process has its data directory as
 /// working directory, and `PG_VERSION` there names the major.
 pub fn detect_major(pid: u32) -> Result<u32> {
-    let cwd = PathBuf::from(format!("/proc/{pid}/cwd"));
-    let version_file = cwd.join("PG_VERSION");
-    let text = fs::read_to_string(&version_file)
+    let version_file = PathBuf::from(format!("/proc/{pid}/cwd/PG_VERSION"));
+    let bytes = crate::input_file::read(&version_file, "PG_VERSION", PG_VERSION_MAX_BYTES)
         .with_context(|| format!("cannot read the data directory's PG_VERSION of PID {pid}"))?;
-    text.trim().parse().map_err(|_| {
+    major_of_pg_version(&bytes).ok_or_else(|| {
         anyhow!(
             "PG_VERSION of PID {pid} holds `{}`, not a major version",
-            text.trim()
+            String::from_utf8_lossy(&bytes).trim().escape_debug()
         )
     })
+}
+
+/// The major in a `PG_VERSION` file (`15\n`).
+pub(crate) fn major_of_pg_version(bytes: &[u8]) -> Option<u32> {
+    std::str::from_utf8(bytes).ok()?.trim().parse().ok()
+}
+
+/// Largest `PG_VERSION` and `postmaster.pid` read (real ones hold a few bytes and about 100).
+/// Both are read through the working directory of any process named `postgres`, which may be
+/// anyone's (a container's): a FIFO there would stall the agent and `/dev/zero` fill its memory.
+pub const PG_VERSION_MAX_BYTES: u64 = 64;
+pub const PID_FILE_MAX_BYTES: u64 = 64 << 10;
+
+/// The `postmaster.pid` of process `pid`'s data directory (its working directory), read only
+/// when it is a regular file of at most [`PID_FILE_MAX_BYTES`].
+pub fn read_pid_file(pid: u32) -> Result<String> {
+    let path = PathBuf::from(format!("/proc/{pid}/cwd/postmaster.pid"));
+    crate::input_file::read_to_string(&path, "postmaster.pid", PID_FILE_MAX_BYTES)
 }
 
 /// Runtime addresses of exported globals of a Postgres process's executable.

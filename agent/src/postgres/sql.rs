@@ -13,11 +13,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use tokio_postgres::{Client, Config, NoTls};
 
+use crate::redact::{self, Secret};
+
 /// How to reach the instance.
 #[derive(Clone, Debug)]
 pub enum Connect {
-    /// A libpq-style connection string from `--conninfo`.
-    Conninfo(String),
+    /// A libpq-style connection string from `--conninfo`: it may hold a password, so it is
+    /// only ever shown redacted.
+    Conninfo(Secret),
     /// The instance's Unix socket, as the data directory's owner.
     Socket {
         dir: PathBuf,
@@ -32,7 +35,7 @@ impl Connect {
     /// (every Postgres process has the data directory as working directory).
     pub fn for_process(pid: u32) -> Result<Self> {
         let data_dir = PathBuf::from(format!("/proc/{pid}/cwd"));
-        let pid_file = fs::read_to_string(data_dir.join("postmaster.pid"))
+        let pid_file = super::read_pid_file(pid)
             .with_context(|| format!("reading postmaster.pid in the data directory of PID {pid}"))?;
         let lines: Vec<&str> = pid_file.lines().collect();
         let port = lines
@@ -74,7 +77,7 @@ impl Connect {
 
     pub fn describe(&self) -> String {
         match self {
-            Connect::Conninfo(info) => format!("--conninfo `{info}`"),
+            Connect::Conninfo(info) => format!("--conninfo `{}`", redact::text(info.expose())),
             Connect::Socket { dir, port, user, .. } => {
                 format!("the socket in `{}` (port {port}) as `{user}`", dir.display())
             }
@@ -84,7 +87,11 @@ impl Connect {
 
 /// The name of OS user `uid`, from /etc/passwd.
 fn user_name(uid: u32) -> Option<String> {
-    let passwd = fs::read_to_string("/etc/passwd").ok()?;
+    user_name_in(&fs::read_to_string("/etc/passwd").ok()?, uid)
+}
+
+/// The name of `uid` in the text of a passwd file (`name:x:uid:gid:…`).
+pub(crate) fn user_name_in(passwd: &str, uid: u32) -> Option<String> {
     passwd.lines().find_map(|line| {
         let mut fields = line.split(':');
         let name = fields.next()?;
@@ -129,7 +136,7 @@ pub async fn connect(target: &Connect) -> Result<Client> {
 async fn connect_to(target: &Connect) -> Result<Client> {
     match target {
         Connect::Conninfo(info) => {
-            let config: Config = info.parse().context("parsing --conninfo")?;
+            let config: Config = info.expose().parse().context("parsing --conninfo")?;
             let (client, connection) = config.connect(NoTls).await?;
             tokio::spawn(async move {
                 if let Err(error) = connection.await {

@@ -77,9 +77,13 @@ impl RecordedProbe {
 impl Recording {
     /// Reads a recording, saying plainly when the file is something else.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the recording `{}`", path.display()))?;
-        let value: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        let text = crate::input_file::read(path, "the recording", crate::input_file::RECORDING_MAX_BYTES)?;
+        Self::parse(&text, path)
+    }
+
+    /// A recording from the bytes of the file at `path` (named in errors).
+    fn parse(text: &[u8], path: &Path) -> Result<Self> {
+        let value: serde_json::Value = serde_json::from_slice(text).with_context(|| {
             format!(
                 "`{}` is not JSON: a recording is written by `pgscope trace --record FILE`",
                 path.display()
@@ -98,8 +102,44 @@ impl Recording {
                 path.display()
             ),
         }
-        serde_json::from_value(value)
-            .with_context(|| format!("the recording `{}` is damaged", path.display()))
+        let recording: Self = serde_json::from_value(value)
+            .with_context(|| format!("the recording `{}` is damaged", path.display()))?;
+        recording
+            .check_bounds()
+            .with_context(|| format!("the recording `{}` is damaged", path.display()))?;
+        Ok(recording)
+    }
+
+    /// Refuses numbers no trace writes, which the findings' arithmetic (in u64 nanoseconds)
+    /// cannot hold: a trace samples at 1 to 10 000 Hz, and no sum of its times passes u64
+    /// (584 years).
+    fn check_bounds(&self) -> Result<()> {
+        let period = self.on_cpu.meta.period;
+        if !(1..=1_000_000_000).contains(&period) {
+            bail!("the on-CPU sampling period {period} ns is not that of 1 Hz or more");
+        }
+        let samples = self
+            .on_cpu
+            .samples
+            .iter()
+            .try_fold(0u64, |sum, s| sum.checked_add(s.count));
+        if samples.and_then(|n| n.checked_mul(period)).is_none() {
+            bail!("its on-CPU sample counts add up to more time than a trace can hold");
+        }
+        let mut off_cpu = self.off_cpu.iter().flat_map(|p| &p.samples);
+        if off_cpu
+            .try_fold(0u64, |sum, s| sum.checked_add(s.count))
+            .is_none()
+        {
+            bail!("its off-CPU times add up to more than a trace can hold");
+        }
+        let calls = self.probes.iter().try_fold((0u64, 0u64), |(calls, ns), p| {
+            Some((calls.checked_add(p.calls)?, ns.checked_add(p.total_ns)?))
+        });
+        if calls.is_none() {
+            bail!("its probe counts add up to more than a trace can hold");
+        }
+        Ok(())
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
@@ -132,6 +172,9 @@ impl Recording {
         self.query_texts.get(&query_id.to_string()).map(String::as_str)
     }
 }
+
+#[cfg(test)]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
@@ -201,6 +244,26 @@ mod tests {
     }
 
     #[test]
+    fn counts_no_trace_writes_are_refused_before_the_findings_overflow() {
+        // Found by the recording fuzzer: the findings multiplied these past u64.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("r.json");
+        let mut huge = recording();
+        huge.on_cpu.samples[0].count = u64::MAX / 2;
+        huge.save(&path).expect("save");
+        let error = format!("{:#}", Recording::load(&path).unwrap_err());
+        assert!(
+            error.contains("is damaged") && error.contains("on-CPU sample counts"),
+            "{error}"
+        );
+        let mut zero = recording();
+        zero.on_cpu.meta.period = 0;
+        zero.save(&path).expect("save");
+        let error = format!("{:#}", Recording::load(&path).unwrap_err());
+        assert!(error.contains("sampling period 0 ns"), "{error}");
+    }
+
+    #[test]
     fn other_files_are_refused_with_what_to_do() {
         let dir = tempfile::tempdir().expect("temp dir");
         let summary = dir.path().join("summary.json");
@@ -212,6 +275,6 @@ mod tests {
         let error = format!("{:#}", Recording::load(&text).unwrap_err());
         assert!(error.contains("is not JSON"), "{error}");
         let error = format!("{:#}", Recording::load(&dir.path().join("missing")).unwrap_err());
-        assert!(error.contains("cannot read the recording"), "{error}");
+        assert!(error.contains("cannot open the recording"), "{error}");
     }
 }

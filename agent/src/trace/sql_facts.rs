@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::probes::ProbeResults;
 use super::{Session, TraceOptions};
 use crate::postgres::sql;
+use crate::redact::{self, Secret};
 
 /// Query texts by queryid and database names by OID; empty when they could not be read.
 #[derive(Debug, Default)]
@@ -24,7 +25,7 @@ const PGSS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Connect> {
     Ok(match &options.conninfo {
-        Some(info) => sql::Connect::Conninfo(info.clone()),
+        Some(info) => sql::Connect::Conninfo(Secret::new(info.clone())),
         None => sql::Connect::for_process(pid)?,
     })
 }
@@ -45,7 +46,7 @@ pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<sql::Pgss
             None
         }
         Ok(Err(error)) => {
-            tracing::debug!("no pg_stat_statements counters: {error:#}");
+            tracing::debug!("no pg_stat_statements counters: {}", shown(&error));
             None
         }
         Err(_) => None,
@@ -78,14 +79,17 @@ pub async fn fetch(
     let target = match connect_target(options, pid) {
         Ok(target) => target,
         Err(error) => {
-            eprintln!("pgscope: no {missing}: {error:#}");
+            eprintln!("pgscope: no {missing}: {}", shown(&error));
             return SqlFacts::default();
         }
     };
     let client = match sql::connect(&target).await {
         Ok(client) => client,
         Err(error) => {
-            eprintln!("pgscope: no {missing}: {error:#}; pass --conninfo to name a connection");
+            eprintln!(
+                "pgscope: no {missing}: {}; pass --conninfo to name a connection",
+                shown(&error)
+            );
             return SqlFacts::default();
         }
     };
@@ -94,27 +98,39 @@ pub async fn fetch(
         match sql::query_texts(&client, &query_ids).await {
             Ok(texts) => facts.query_texts = texts,
             Err(error) => {
-                eprintln!("pgscope: no query texts: {error:#}; pass --conninfo to name a connection")
+                eprintln!(
+                    "pgscope: no query texts: {}; pass --conninfo to name a connection",
+                    shown(&error)
+                )
             }
         }
     }
     if databases {
         match sql::database_names(&client).await {
             Ok(names) => facts.database_names = names,
-            Err(error) => eprintln!("pgscope: no database names (database labels stay OIDs): {error:#}"),
+            Err(error) => eprintln!(
+                "pgscope: no database names (database labels stay OIDs): {}",
+                shown(&error)
+            ),
         }
     }
     match sql::instance_facts(&client).await {
         Ok(instance) => facts.instance = Some(instance),
-        Err(error) => tracing::debug!("no settings for the findings: {error:#}"),
+        Err(error) => tracing::debug!("no settings for the findings: {}", shown(&error)),
     }
     if pgss_start.is_some() {
         match sql::pgss_info(&client).await {
             Ok(info) => facts.pgss_end = info,
-            Err(error) => eprintln!("pgscope: no pg_stat_statements eviction count: {error:#}"),
+            Err(error) => eprintln!("pgscope: no pg_stat_statements eviction count: {}", shown(&error)),
         }
     }
     facts
+}
+
+/// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a
+/// password least of all, is redacted.
+fn shown(error: &anyhow::Error) -> String {
+    redact::text(&format!("{error:#}")).into_owned()
 }
 
 /// The non-zero queryids the summary shows: the busiest by samples and by probe calls.

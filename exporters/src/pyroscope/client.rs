@@ -7,6 +7,8 @@ use std::time::Duration;
 use reqwest::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use reqwest::StatusCode;
 
+use super::redact;
+
 /// How to reach Pyroscope. Its `Debug` leaves the password and token out.
 #[derive(Clone, Default)]
 pub struct ClientConfig {
@@ -25,7 +27,7 @@ pub struct ClientConfig {
 impl std::fmt::Debug for ClientConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClientConfig")
-            .field("url", &self.url)
+            .field("url", &redact::url(&self.url))
             .field("basic_auth_user", &self.basic_auth.as_ref().map(|(user, _)| user))
             .field("bearer_token", &self.bearer_token.as_ref().map(|_| "<redacted>"))
             .field("tenant_id", &self.tenant_id)
@@ -71,13 +73,20 @@ pub struct PushClient {
 
 impl PushClient {
     pub fn new(config: &ClientConfig) -> Result<Self, PushError> {
-        let base = config.url.trim_end_matches('/');
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(PushError::Config(format!(
-                "the URL `{}` must start with http:// or https://",
-                config.url
-            )));
-        }
+        // Credentials in the URL become basic auth: reqwest would send them so too, but its
+        // errors quote the URL of the request, and that one must hold no password.
+        let (url, url_auth) = split_credentials(&config.url)?;
+        let basic_auth = match url_auth {
+            Some(_) if config.basic_auth.is_some() || config.bearer_token.is_some() => {
+                return Err(PushError::Config(format!(
+                    "the URL `{}` holds credentials and basic auth or a bearer token is set too: keep one",
+                    redact::url(&config.url)
+                )))
+            }
+            Some(auth) => Some(auth),
+            None => config.basic_auth.clone(),
+        };
+        let base = url.trim_end_matches('/');
         // reqwest's rustls needs a process-wide crypto provider: ring, as the debuginfod client
         // uses (no C toolchain needed). Installing twice is harmless.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -114,7 +123,7 @@ impl PushClient {
         Ok(Self {
             http,
             push_url: format!("{base}/push.v1.PusherService/Push"),
-            basic_auth: config.basic_auth.clone(),
+            basic_auth,
         })
     }
 
@@ -130,24 +139,96 @@ impl PushClient {
             request = request.basic_auth(user, Some(password));
         }
         let response = request.send().await.map_err(|e| PushError::Unreachable {
-            url: self.push_url.clone(),
-            message: error_chain(&e),
+            url: redact::url(&self.push_url).into_owned(),
+            // The URL is said once, above; the causes are redacted in case one quotes it.
+            message: redact::urls(&error_chain(&e.without_url())).into_owned(),
         })?;
         let status = response.status();
         if status.is_success() {
             return Ok(());
         }
-        let text = response.text().await.unwrap_or_default();
+        let text = body_start(response).await;
         Err(PushError::Status {
             status: status.as_u16(),
-            message: connect_message(&text),
+            message: redact::urls(&connect_message(&text)).into_owned(),
             hint: hint(status),
         })
     }
 }
 
-/// Connect errors are JSON `{"code": "...", "message": "..."}`; anything else is shown as is
-/// (shortened).
+/// `url` without its userinfo, and the user and password it held (percent-decoded), for
+/// basic auth. Refuses what is not an absolute http(s) URL without quoting it: where the
+/// credentials of a malformed URL end cannot be told, so none of it is shown.
+pub fn split_credentials(url: &str) -> Result<(String, Option<(String, String)>), PushError> {
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(PushError::Config(
+            "the URL must start with http:// or https:// (it is not shown: it may hold a password)".into(),
+        ));
+    }
+    let mut parsed = reqwest::Url::parse(url).map_err(|error| {
+        PushError::Config(format!(
+            "the URL is not valid: {error} (it is not shown: it may hold a password)"
+        ))
+    })?;
+    if parsed.username().is_empty() && parsed.password().is_none() {
+        return Ok((url.to_string(), None));
+    }
+    let auth = (
+        percent_decode(parsed.username()),
+        percent_decode(parsed.password().unwrap_or_default()),
+    );
+    // Neither can fail on an http(s) URL, which always has a host.
+    let _ = parsed.set_username("");
+    let _ = parsed.set_password(None);
+    Ok((parsed.to_string(), Some(auth)))
+}
+
+/// `%XX` escapes decoded (as the userinfo of a URL holds them); invalid ones kept as they are.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        let hex = bytes
+            .get(index + 1..index + 3)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[index], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                index += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                index += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// How much of an error answer's body is read: what its message needs. A server or proxy
+/// that sends without end must not make the agent read (and hold) all of it.
+const ERROR_BODY_MAX_BYTES: usize = 64 << 10;
+/// The longest message quoted from an error answer.
+const ERROR_MESSAGE_MAX_CHARS: usize = 300;
+
+/// The first [`ERROR_BODY_MAX_BYTES`] of the body (less if the connection fails meanwhile).
+async fn body_start(mut response: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    while body.len() < ERROR_BODY_MAX_BYTES {
+        let Ok(Some(chunk)) = response.chunk().await else {
+            break;
+        };
+        let room = ERROR_BODY_MAX_BYTES - body.len();
+        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    }
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// Connect errors are JSON `{"code": "...", "message": "..."}`; anything else is shown as is.
+/// Either is shortened to [`ERROR_MESSAGE_MAX_CHARS`].
 fn connect_message(body: &str) -> String {
     let parsed: Option<(String, String)> = serde_json::from_str::<serde_json::Value>(body).ok().map(|v| {
         let field = |name: &str| {
@@ -159,8 +240,16 @@ fn connect_message(body: &str) -> String {
         (field("code"), field("message"))
     });
     match parsed {
-        Some((code, message)) if !message.is_empty() => format!("{code}: {message}"),
-        _ => body.chars().take(300).collect::<String>().trim().to_string(),
+        Some((code, message)) if !message.is_empty() => format!("{code}: {message}")
+            .chars()
+            .take(ERROR_MESSAGE_MAX_CHARS)
+            .collect(),
+        _ => body
+            .chars()
+            .take(ERROR_MESSAGE_MAX_CHARS)
+            .collect::<String>()
+            .trim()
+            .to_string(),
     }
 }
 
@@ -219,6 +308,79 @@ mod tests {
             text.contains("agent") && !text.contains("hunter2") && !text.contains("tok-123"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn url_credentials_become_basic_auth_and_leave_the_url() {
+        let (url, auth) =
+            split_credentials("https://agent:p%40ss%2Fw@pyro.example:4040/prefix").expect("valid");
+        assert_eq!(url, "https://pyro.example:4040/prefix");
+        assert_eq!(auth, Some(("agent".to_string(), "p@ss/w".to_string())));
+        let (url, auth) = split_credentials("http://pyro:4040").expect("valid");
+        assert_eq!((url.as_str(), auth), ("http://pyro:4040", None));
+        let config = ClientConfig {
+            url: "https://agent:hunter2@pyro:4040".into(),
+            timeout: Duration::from_secs(1),
+            ..ClientConfig::default()
+        };
+        let client = PushClient::new(&config).expect("client");
+        assert_eq!(client.push_url, "https://pyro:4040/push.v1.PusherService/Push");
+        assert_eq!(client.basic_auth, Some(("agent".into(), "hunter2".into())));
+        assert!(!format!("{config:?}").contains("hunter2"), "{config:?}");
+    }
+
+    #[test]
+    fn errors_about_urls_never_quote_their_password() {
+        for url in [
+            "ftp://agent:hunter2@pyro:4040",
+            "https://agent:hunter2@pyro:99999",
+            "https://agent:hunter2@",
+        ] {
+            let error = split_credentials(url).expect_err("refused").to_string();
+            assert!(
+                !error.contains("hunter2") && error.contains("not shown"),
+                "{error}"
+            );
+        }
+        let config = ClientConfig {
+            url: "https://agent:hunter2@pyro:4040".into(),
+            bearer_token: Some("tok".into()),
+            timeout: Duration::from_secs(1),
+            ..ClientConfig::default()
+        };
+        let Err(error) = PushClient::new(&config) else {
+            panic!("credentials twice are refused");
+        };
+        let error = error.to_string();
+        assert!(
+            error.contains("keep one") && !error.contains("hunter2"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn an_unreachable_server_is_reported_without_the_password() {
+        // A port nothing listens on: bound, then closed.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let config = ClientConfig {
+            url: format!("http://agent:hunter2@127.0.0.1:{port}/?token=tok3n"),
+            timeout: Duration::from_secs(5),
+            ..ClientConfig::default()
+        };
+        let client = PushClient::new(&config).expect("client");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let error = runtime
+            .block_on(client.push(Vec::new()))
+            .expect_err("nothing listens");
+        let text = format!("{error} {error:?}");
+        assert!(matches!(error, PushError::Unreachable { .. }), "{text}");
+        assert!(!text.contains("hunter2") && !text.contains("tok3n"), "{text}");
     }
 
     #[test]

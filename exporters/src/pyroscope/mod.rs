@@ -5,6 +5,7 @@
 //! - [`series`]: a [`crate::Profile`] → series within Pyroscope's limits (label names, label
 //!   count, samples and bytes per profile);
 //! - [`client`]: one push over HTTP(S) with auth, errors told apart as retryable or not;
+//! - [`redact`]: credentials out of the URLs and errors it shows;
 //! - [`sender`]: the bounded upload queue and the background task that empties it, retrying
 //!   with backoff, never blocking whoever enqueues.
 //!
@@ -12,9 +13,10 @@
 //! Pyroscope's own `.proto` files.
 
 pub mod client;
+pub mod redact;
 pub mod sender;
 pub mod series;
 
-pub use client::{ClientConfig, PushClient, PushError};
+pub use client::{split_credentials, ClientConfig, PushClient, PushError};
 pub use sender::{Sender, SenderConfig, SenderStats};
 pub use series::{build_series, encode_push_request, Built, Limits, SeriesProfile};
