@@ -132,6 +132,12 @@ impl PgCluster {
     /// Stops the server (fast shutdown) and starts it again: a new postmaster and new backends,
     /// as after a restart by an operator.
     pub fn restart(&self) -> Result<()> {
+        self.restart_with("fast")
+    }
+
+    /// `pg_ctl restart -m <mode>`: `fast`, `smart` or `immediate` (SIGQUIT to the postmaster,
+    /// no shutdown checkpoint: the new server runs crash recovery).
+    pub fn restart_with(&self, mode: &str) -> Result<()> {
         run_checked(
             self.as_postgres_user("pg_ctl")
                 .arg("restart")
@@ -139,10 +145,10 @@ impl PgCluster {
                 .arg(&self.data)
                 .arg("-l")
                 .arg(&self.log)
-                .args(["-m", "fast", "-w", "-t", "60"]),
+                .args(["-m", mode, "-w", "-t", "60"]),
             START_TIMEOUT,
         )
-        .with_context(|| format!("cannot restart the cluster:\n{}", self.server_log()))?;
+        .with_context(|| format!("cannot restart the cluster (-m {mode}):\n{}", self.server_log()))?;
         self.wait_ready()
     }
 

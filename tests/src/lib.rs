@@ -6,11 +6,13 @@
 
 pub mod activity;
 pub mod agent;
+pub mod bpf_objects;
 pub mod cluster;
 pub mod compare;
 pub mod connection;
 pub mod container_pg;
 pub mod debuginfod;
+pub mod fault_pyroscope;
 pub mod install;
 pub mod perf;
 pub mod pgbench;
@@ -20,6 +22,7 @@ pub mod pprof;
 pub mod process;
 pub mod profile;
 pub mod pyroscope_capture;
+pub mod rss_watch;
 pub mod running_trace;
 pub mod session;
 pub mod summary;

@@ -187,63 +187,78 @@ fn handle(stream: TcpStream, requests: &Mutex<Vec<Request>>, status: u16) -> Res
     let mut writer = stream;
     // One request per connection (answered with `Connection: close`): a stopped server must
     // not keep serving a client's pooled connection.
-    {
-        let mut line = String::new();
-        if reader.read_line(&mut line)? == 0 {
-            return Ok(());
+    let Some(mut request) = read_request(&mut reader)? else {
+        return Ok(());
+    };
+    write_answer(&mut writer, status)?;
+    request.status = status;
+    if let Ok(mut all) = requests.lock() {
+        all.push(request);
+    }
+    Ok(())
+}
+
+/// Reads one HTTP/1.1 request (request line, headers, a `Content-Length` body); `None` when
+/// the client closed the connection without sending one. Its `status` is 0 until answered.
+pub(crate) fn read_request(reader: &mut impl BufRead) -> Result<Option<Request>> {
+    let mut line = String::new();
+    if reader.read_line(&mut line)? == 0 {
+        return Ok(None);
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or_default().to_string();
+    let path = parts.next().unwrap_or_default().to_string();
+    let mut headers = BTreeMap::new();
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header)?;
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
         }
-        let mut parts = line.split_whitespace();
-        let method = parts.next().unwrap_or_default().to_string();
-        let path = parts.next().unwrap_or_default().to_string();
-        let mut headers = BTreeMap::new();
-        loop {
-            let mut header = String::new();
-            reader.read_line(&mut header)?;
-            let header = header.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':') {
-                headers.insert(name.trim().to_ascii_lowercase(), value.trim().to_string());
-            }
-        }
-        let length: usize = headers
-            .get("content-length")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let mut body = vec![0; length];
-        reader.read_exact(&mut body)?;
-        let (reason, answer) = match status {
-            200 => ("OK", String::new()),
-            401 => (
-                "Unauthorized",
-                r#"{"code":"unauthenticated","message":"invalid credentials"}"#.to_string(),
-            ),
-            _ => (
-                "Error",
-                r#"{"code":"unavailable","message":"test outage"}"#.to_string(),
-            ),
-        };
-        let content_type = if status == 200 {
-            "application/proto"
-        } else {
-            "application/json"
-        };
-        write!(
-            writer,
-            "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
-            answer.len()
-        )?;
-        writer.flush()?;
-        if let Ok(mut all) = requests.lock() {
-            all.push(Request {
-                method,
-                path,
-                headers,
-                body,
-                status,
-            });
+        if let Some((name, value)) = header.split_once(':') {
+            headers.insert(name.trim().to_ascii_lowercase(), value.trim().to_string());
         }
     }
+    let length: usize = headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    Ok(Some(Request {
+        method,
+        path,
+        headers,
+        body,
+        status: 0,
+    }))
+}
+
+/// Answers with `status` as Pyroscope's Connect API does: an empty protobuf body for 200, a
+/// Connect JSON error otherwise; then the connection is closed.
+pub(crate) fn write_answer(writer: &mut impl Write, status: u16) -> Result<()> {
+    let (reason, answer) = match status {
+        200 => ("OK", String::new()),
+        401 => (
+            "Unauthorized",
+            r#"{"code":"unauthenticated","message":"invalid credentials"}"#.to_string(),
+        ),
+        _ => (
+            "Error",
+            r#"{"code":"unavailable","message":"test outage"}"#.to_string(),
+        ),
+    };
+    let content_type = if status == 200 {
+        "application/proto"
+    } else {
+        "application/json"
+    };
+    write!(
+        writer,
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+        answer.len()
+    )?;
+    writer.flush()?;
     Ok(())
 }
