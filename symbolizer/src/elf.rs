@@ -297,6 +297,16 @@ impl ElfData {
         Some(svma - segment.vaddr + segment.offset)
     }
 
+    /// The stated address of the code at file offset `offset`, when an executable load
+    /// segment holds it.
+    pub fn code_svma(&self, offset: u64) -> Option<u64> {
+        let segment = self
+            .segments
+            .iter()
+            .find(|s| s.exec && offset >= s.offset && offset - s.offset < s.filesz)?;
+        Some(segment.vaddr + (offset - segment.offset))
+    }
+
     /// The file bytes of the code at `svma`, when all of it lies in one executable segment.
     pub fn code_bytes(&self, svma: &Range<u64>) -> Option<&[u8]> {
         let segment = self.exec_segment(svma.start)?;

@@ -61,6 +61,7 @@ mod globals;
 mod kernel;
 mod maps;
 mod module;
+mod probe_point;
 mod process;
 mod segments;
 mod symbols;
@@ -79,6 +80,7 @@ pub use error::Error;
 pub use globals::executable_globals;
 pub use kernel::KernelSymbols;
 pub use maps::{parse_maps, read_maps, MapEntry, MapPath, Perms};
+pub use probe_point::{check_probe_point, ProbePoint, ProbePointError};
 pub use module::{ModuleId, ModuleSummary};
 pub use unwind::MAX_DEPTH;
 
