@@ -80,8 +80,8 @@ pub use error::Error;
 pub use globals::executable_globals;
 pub use kernel::KernelSymbols;
 pub use maps::{parse_maps, read_maps, MapEntry, MapPath, Perms};
-pub use probe_point::{check_probe_point, ProbePoint, ProbePointError};
 pub use module::{ModuleId, ModuleSummary};
+pub use probe_point::{check_probe_point, ProbePoint, ProbePointError};
 pub use unwind::MAX_DEPTH;
 
 use cache::{FileSource, ModuleCache};
