@@ -34,6 +34,11 @@ impl Server {
     }
 
     fn serve(listener: TcpListener, script: &[u16]) -> Server {
+        Self::serve_with_delay(listener, script, Duration::ZERO)
+    }
+
+    /// Each answer comes `delay` after its connection: a request stays in flight that long.
+    fn serve_with_delay(listener: TcpListener, script: &[u16], delay: Duration) -> Server {
         let port = listener.local_addr().expect("address").port();
         let received = Arc::new(Mutex::new(Vec::new()));
         let script = Arc::new(Mutex::new(script.iter().copied().collect::<VecDeque<u16>>()));
@@ -41,6 +46,7 @@ impl Server {
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let status = s.lock().expect("script").pop_front().unwrap_or(200);
+                std::thread::sleep(delay);
                 let _ = answer(stream, status, &r);
             }
         });
@@ -298,4 +304,63 @@ async fn flush_gives_up_at_its_deadline_when_the_server_is_down() {
     assert_eq!(unsent, 1);
     // Loose: the deadline bounds the wait, not a benchmark.
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn batches_queued_while_backing_off_do_not_cut_the_backoff_short() {
+    // Every push fails; the backoff is half a second (full jitter: 0-500 ms per wait).
+    let server = Server::start(&[503; 1000]);
+    let config = SenderConfig {
+        initial_backoff: Duration::from_millis(500),
+        max_backoff: Duration::from_millis(500),
+        ..SenderConfig::default()
+    };
+    let sender = Sender::start(client(server.url()), config).expect("sender");
+    let series = build_series(&cpu_profile(2), "process_cpu", &base(), &Limits::default())
+        .expect("series")
+        .series;
+    // 100 batches over about a second, as agents queue an interval of every instance.
+    for _ in 0..100 {
+        sender.enqueue(series.clone());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let attempts = server.requests();
+    // Backing off, the sender tries a few times a second; woken by every batch, it tried about
+    // once per batch.
+    assert!(
+        (1..=20).contains(&attempts),
+        "{attempts} pushes while 100 batches were queued over ~1 s with a 500 ms backoff"
+    );
+    assert_eq!(sender.stats().queue_depth_batches, 100);
+}
+
+#[tokio::test]
+async fn the_batch_in_flight_is_not_dropped_for_room() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let server = Server::serve_with_delay(listener, &[], Duration::from_millis(700));
+    let one = build_series(&cpu_profile(3000), "process_cpu", &base(), &Limits::default())
+        .expect("series")
+        .series;
+    let size = exporters::pyroscope::encode_push_request(&one).len() as u64;
+    let config = SenderConfig {
+        queue_max_bytes: size * 3 + size / 2,
+        ..fast()
+    };
+    let sender = Sender::start(client(server.url()), config).expect("sender");
+    sender.enqueue(one.clone());
+    // The first batch is on its way (the server holds its answer), then four more come: two
+    // must go for room, and neither may be the one being sent.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..4 {
+        sender.enqueue(one.clone());
+    }
+    wait_until("the queue to empty", || sender.stats().queue_depth_batches == 0).await;
+    let stats = sender.stats();
+    let delivered = server.accepted().len() as u64;
+    assert_eq!(stats.dropped_queue_full_batches, 2);
+    assert_eq!(
+        delivered + stats.dropped_queue_full_batches,
+        5,
+        "a batch was both delivered and counted as dropped: {delivered} delivered, {stats:?}"
+    );
 }

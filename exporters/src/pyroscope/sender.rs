@@ -74,7 +74,11 @@ struct Counters {
 
 struct Shared {
     queue: Mutex<Queue>,
+    /// A batch was queued: wakes an idle sender, never one backing off (an agent queues every
+    /// interval, and each of those would otherwise be an immediate retry at a failing server).
     wake: Notify,
+    /// Try again now, even while backing off: new settings, or the shutdown flush.
+    retry_now: Notify,
     client: RwLock<Arc<PushClient>>,
     config: RwLock<SenderConfig>,
     counters: Counters,
@@ -101,6 +105,7 @@ impl Sender {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
+            retry_now: Notify::new(),
             client: RwLock::new(Arc::new(PushClient::new(&client)?)),
             config: RwLock::new(config),
             counters: Counters::default(),
@@ -118,7 +123,7 @@ impl Sender {
         if let Ok(mut slot) = self.shared.config.write() {
             *slot = config;
         }
-        self.shared.wake.notify_one();
+        self.shared.retry_now.notify_one();
         Ok(())
     }
 
@@ -153,7 +158,10 @@ impl Sender {
             return;
         }
         while queue.bytes + size > cap {
-            let Some(oldest) = queue.batches.pop_front() else {
+            // The batch being sent is not the one dropped: it is delivered or counted, never
+            // both.
+            let sending = queue.in_flight.is_some() && queue.batches.front().map(|b| b.id) == queue.in_flight;
+            let Some(oldest) = queue.batches.remove(usize::from(sending)) else {
                 break;
             };
             queue.bytes -= oldest.body.len() as u64;
@@ -205,7 +213,7 @@ impl Sender {
     /// Waits until the queue is empty or `deadline` passes, then stops the task. Returns the
     /// batches left unsent.
     pub async fn flush(self, deadline: Duration) -> u64 {
-        self.shared.wake.notify_one();
+        self.shared.retry_now.notify_one();
         let shared = self.shared.clone();
         let drained = async move {
             loop {
@@ -239,7 +247,10 @@ async fn send_loop(shared: Arc<Shared>) {
             head
         });
         let Some((id, body)) = head else {
-            shared.wake.notified().await;
+            tokio::select! {
+                _ = shared.wake.notified() => {}
+                _ = shared.retry_now.notified() => {}
+            }
             continue;
         };
         let client = match shared.client.read() {
@@ -277,8 +288,8 @@ async fn send_loop(shared: Arc<Shared>) {
                 let wait = next.mul_f64(fastrand::f64());
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    // A reload (new URL or credentials) retries at once.
-                    _ = shared.wake.notified() => {}
+                    // A reload (new URL or credentials) or the shutdown flush retries at once.
+                    _ = shared.retry_now.notified() => {}
                 }
             }
             Err(error) => {
