@@ -136,12 +136,15 @@ fn postmaster_pid_of(data_dir: &Path) -> Result<u32> {
             data_dir.display()
         );
     }
-    let text = fs::read_to_string(&pid_file).with_context(|| {
-        format!(
-            "`{}` has no readable postmaster.pid: is the instance running?",
-            data_dir.display()
-        )
-    })?;
+    // A regular file of bounded size: a FIFO or device planted as the pid file cannot hang us.
+    let text =
+        crate::input_file::read_to_string(&pid_file, "postmaster.pid", crate::postgres::PID_FILE_MAX_BYTES)
+            .with_context(|| {
+            format!(
+                "`{}` has no readable postmaster.pid: is the instance running?",
+                data_dir.display()
+            )
+        })?;
     let pid_line = PidFile::parse(&text)
         .with_context(|| format!("`{}` does not start with a PID", pid_file.display()))?;
     let stale = |why: String| {

@@ -196,3 +196,25 @@ fn a_config_that_is_not_a_regular_file_is_refused_at_once() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_pid_file_that_is_not_a_regular_file_is_refused_at_once() -> Result<()> {
+    // A data directory whose postmaster.pid is a FIFO nobody writes: reading it used to wait
+    // forever.
+    let dir = tempfile::tempdir()?;
+    let fifo = dir.path().join("postmaster.pid");
+    let c_path = std::ffi::CString::new(fifo.to_string_lossy().as_bytes())?;
+    // SAFETY: c_path is a valid NUL-terminated path for the duration of the call.
+    ensure!(
+        unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) } == 0,
+        "mkfifo failed"
+    );
+    let dir_arg = dir.path().to_string_lossy();
+    let out = run_bounded(&["trace", "--instance", &dir_arg, "--duration", "1s"])?;
+    let stderr = expect_one_sentence_failure(&out)?;
+    ensure!(
+        stderr.contains("is a FIFO, not a regular file"),
+        "the error does not say what the pid file is: {stderr}"
+    );
+    Ok(())
+}
