@@ -34,8 +34,9 @@ const SLOW_ANSWER: Duration = Duration::from_secs(3);
 /// How long profiles may take to arrive again after a fault ends: the sender's backoff after a
 /// long outage reaches 30 s.
 const RESUME: Duration = Duration::from_secs(45);
-/// SIGTERM must end the agent within this; a hang bound, not a speed target.
-const STOP_BOUND: Duration = Duration::from_secs(15);
+/// SIGTERM must end the agent within this even while Pyroscope takes seconds to answer: the
+/// agent gives its last push until 1.2 s after the signal and exits, probes already detached.
+const STOP_BOUND: Duration = Duration::from_secs(2);
 /// The agent's own memory (`RssAnon`: heap, stacks, copies of BPF data) must stay under this.
 /// The README measured 47-63 MiB of peak RSS over a minute of `pgbench -S -C` (connection
 /// churn) across builds and VMs, with the release binary, and that figure includes the pages
@@ -455,7 +456,8 @@ fn the_agent_survives_the_fault_drill() -> Result<()> {
         "no uprobe breakpoint on `{PROBED}` in the current postmaster before SIGTERM"
     );
 
-    // 6. SIGTERM under load.
+    // 6. SIGTERM under load, with Pyroscope slow again: the last push cannot hold the exit up.
+    fake.set_mode(Mode::SlowTooMany(SLOW_ANSWER));
     let stopping = Instant::now();
     let (status, log) = agent.terminate()?;
     let took = stopping.elapsed();
@@ -469,6 +471,11 @@ fn the_agent_survives_the_fault_drill() -> Result<()> {
         "the agent took {took:?} to exit after SIGTERM (bound {STOP_BOUND:?})"
     );
 
+    // What the slow Pyroscope did not take in time is said, not silently lost.
+    ensure!(
+        log.contains("Pyroscope did not take everything before the shutdown deadline"),
+        "the agent did not report the last push it gave up on:\n{log}"
+    );
     mark(&format!("agent stopped (SIGTERM took {took:.1?})"), None);
 
     // Nothing left behind: its BPF objects are unloaded, no probe event carries its PID, and

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
@@ -38,8 +38,12 @@ use symbolizer::{Symbolizer, SymbolizerOptions};
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
 /// How often the function probes' duty cycles advance.
 const DUTY_TICK: Duration = Duration::from_millis(50);
-/// How long SIGTERM waits for the queue to drain to Pyroscope.
-const SHUTDOWN_FLUSH: Duration = Duration::from_secs(10);
+/// How long stopping may take from SIGTERM to exit, the last push included: well inside a
+/// pod's grace period, and short enough that a restart or rollout is not held up by an
+/// unreachable Pyroscope (what it did not take by then is counted as dropped, and logged).
+const STOP_BUDGET: Duration = Duration::from_millis(1200);
+/// The last push gets at least this long, however long the final interval took to encode.
+const LAST_PUSH_MIN: Duration = Duration::from_millis(200);
 
 /// Where the configuration comes from, to load it again on SIGHUP.
 pub struct ConfigSource {
@@ -189,12 +193,17 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
             _ = interrupt.recv() => break,
         }
     }
+    let stopping = Instant::now();
     info!("stopping: sending what was collected");
     shared.ready.store(false, Ordering::Relaxed);
     collect::drain(ring.get_mut(), &mut session);
     totals.add_new_waits(&mut probes, &mut session);
     let rows = function_probes.take_interval(&mut probes, &session);
     function_probes.detach_all(&mut probes, &session);
+    // Everything is read: detach before encoding and the network, the databases are left
+    // alone at once.
+    drop(ring);
+    drop(probes);
     exporter
         .upload(
             &mut session,
@@ -205,10 +214,8 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
             &mut agent_findings,
         )
         .await;
-    // Detach before waiting on the network: the databases are left alone at once.
-    drop(ring);
-    drop(probes);
-    let unsent = exporter.shutdown(SHUTDOWN_FLUSH).await;
+    let flush = STOP_BUDGET.saturating_sub(stopping.elapsed()).max(LAST_PUSH_MIN);
+    let unsent = exporter.shutdown(flush).await;
     if unsent > 0 {
         warn!(
             batches = unsent,
