@@ -34,11 +34,26 @@ impl Server {
     }
 
     fn serve(listener: TcpListener, script: &[u16]) -> Server {
-        Self::serve_with_delay(listener, script, Duration::ZERO)
+        Self::serve_with(listener, script, Duration::ZERO, String::new())
     }
 
     /// Each answer comes `delay` after its connection: a request stays in flight that long.
     fn serve_with_delay(listener: TcpListener, script: &[u16], delay: Duration) -> Server {
+        Self::serve_with(listener, script, delay, String::new())
+    }
+
+    /// Answers every request with 307 to `location`.
+    fn redirecting_to(location: &str) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        Self::serve_with(
+            listener,
+            &[307; 100],
+            Duration::ZERO,
+            format!("Location: {location}\r\n"),
+        )
+    }
+
+    fn serve_with(listener: TcpListener, script: &[u16], delay: Duration, headers: String) -> Server {
         let port = listener.local_addr().expect("address").port();
         let received = Arc::new(Mutex::new(Vec::new()));
         let script = Arc::new(Mutex::new(script.iter().copied().collect::<VecDeque<u16>>()));
@@ -47,7 +62,7 @@ impl Server {
             for stream in listener.incoming().flatten() {
                 let status = s.lock().expect("script").pop_front().unwrap_or(200);
                 std::thread::sleep(delay);
-                let _ = answer(stream, status, &r);
+                let _ = answer(stream, status, &headers, &r);
             }
         });
         Server { port, received }
@@ -72,7 +87,12 @@ impl Server {
     }
 }
 
-fn answer(stream: TcpStream, status: u16, received: &Mutex<Vec<Received>>) -> std::io::Result<()> {
+fn answer(
+    stream: TcpStream,
+    status: u16,
+    extra_headers: &str,
+    received: &Mutex<Vec<Received>>,
+) -> std::io::Result<()> {
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
     reader.read_line(&mut line)?;
@@ -102,7 +122,7 @@ fn answer(stream: TcpStream, status: u16, received: &Mutex<Vec<Received>>) -> st
     let mut stream = stream;
     write!(
         stream,
-        "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+        "HTTP/1.1 {status} X\r\n{extra_headers}Content-Length: {}\r\nConnection: close\r\n\r\n{text}",
         text.len()
     )?;
     received.lock().expect("requests").push(Received {
@@ -363,4 +383,27 @@ async fn the_batch_in_flight_is_not_dropped_for_room() {
         5,
         "a batch was both delivered and counted as dropped: {delivered} delivered, {stats:?}"
     );
+}
+
+#[tokio::test]
+async fn a_redirect_is_not_followed_with_the_credentials() {
+    let elsewhere = Server::start(&[]);
+    let redirecting = Server::redirecting_to(&format!("{}/push.v1.PusherService/Push", elsewhere.url()));
+    let sender = Sender::start(client(redirecting.url()), fast()).expect("sender");
+    sender.enqueue(
+        build_series(&cpu_profile(2), "process_cpu", &base(), &Limits::default())
+            .expect("series")
+            .series,
+    );
+    wait_until("the redirect answered", || {
+        sender.stats().pushes_failed_permanent == 1
+    })
+    .await;
+    assert_eq!(redirecting.requests(), 1);
+    assert_eq!(
+        elsewhere.requests(),
+        0,
+        "the push (and its basic auth) followed the redirect"
+    );
+    assert_eq!(sender.stats().dropped_permanent_batches, 1);
 }

@@ -86,7 +86,6 @@ impl PushClient {
             Some(auth) => Some(auth),
             None => config.basic_auth.clone(),
         };
-        let base = url.trim_end_matches('/');
         // reqwest's rustls needs a process-wide crypto provider: ring, as the debuginfod client
         // uses (no C toolchain needed). Installing twice is harmless.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -107,6 +106,9 @@ impl PushClient {
             .timeout(config.timeout)
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .user_agent(config.user_agent.clone())
+            // A redirect is an error to fix in the URL, not to follow: following one would
+            // carry the credentials to wherever it points, and turn the POST into a GET.
+            .redirect(reqwest::redirect::Policy::none())
             .default_headers(headers);
         if let Some(pem) = &config.ca_cert_pem {
             let certs = reqwest::Certificate::from_pem_bundle(pem).map_err(|e| {
@@ -122,7 +124,7 @@ impl PushClient {
             .map_err(|e| PushError::Config(format!("cannot build the HTTP client: {e}")))?;
         Ok(Self {
             http,
-            push_url: format!("{base}/push.v1.PusherService/Push"),
+            push_url: push_url(&url)?,
             basic_auth,
         })
     }
@@ -181,6 +183,20 @@ pub fn split_credentials(url: &str) -> Result<(String, Option<(String, String)>)
     let _ = parsed.set_username("");
     let _ = parsed.set_password(None);
     Ok((parsed.to_string(), Some(auth)))
+}
+
+/// The push endpoint under `base` (a URL without credentials): the path gets the endpoint
+/// appended, a query string (a proxy's token) is kept after it.
+fn push_url(base: &str) -> Result<String, PushError> {
+    let mut url = reqwest::Url::parse(base).map_err(|error| {
+        PushError::Config(format!(
+            "the URL is not valid: {error} (it is not shown: it may hold a password)"
+        ))
+    })?;
+    url.set_fragment(None);
+    let path = format!("{}/push.v1.PusherService/Push", url.path().trim_end_matches('/'));
+    url.set_path(&path);
+    Ok(url.to_string())
 }
 
 /// `%XX` escapes decoded (as the userinfo of a URL holds them); invalid ones kept as they are.
@@ -257,6 +273,7 @@ fn hint(status: StatusCode) -> &'static str {
     match status.as_u16() {
         401 | 403 => " (check pyroscope.basic_auth_user/basic_auth_password or bearer_token, and tenant_id)",
         404 => " (check pyroscope.url: it should be Pyroscope's base URL, without a path to an API)",
+        300..=399 => " (the server redirects: set pyroscope.url to the URL it redirects to)",
         413 => " (the profile is over the server's size limit)",
         _ => "",
     }
@@ -407,5 +424,34 @@ mod tests {
             ..ClientConfig::default()
         };
         assert!(matches!(PushClient::new(&config), Err(PushError::Config(_))));
+    }
+
+    #[test]
+    fn the_push_endpoint_goes_on_the_path_and_keeps_the_query() {
+        let cases = [
+            (
+                "http://127.0.0.1:4040",
+                "http://127.0.0.1:4040/push.v1.PusherService/Push",
+            ),
+            (
+                "http://127.0.0.1:4040/",
+                "http://127.0.0.1:4040/push.v1.PusherService/Push",
+            ),
+            (
+                "https://example.net/pyroscope/",
+                "https://example.net/pyroscope/push.v1.PusherService/Push",
+            ),
+            (
+                "https://example.net/p?token=abc",
+                "https://example.net/p/push.v1.PusherService/Push?token=abc",
+            ),
+            (
+                "https://example.net/?a=1#x",
+                "https://example.net/push.v1.PusherService/Push?a=1",
+            ),
+        ];
+        for (base, expected) in cases {
+            assert_eq!(push_url(base).expect("valid"), expected, "{base}");
+        }
     }
 }
