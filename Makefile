@@ -38,12 +38,17 @@ lint: deps
 unit-test: deps
 	$(CARGO) test --locked --workspace --exclude pgscope-tests
 
-# The symbolizer's fuzz harnesses (symbolizer/tests/fuzz_*.rs) at length; `make unit-test` runs
-# a few hundred cases of each. PGSCOPE_FUZZ_CASES=N sets the cases per property. A debug build:
-# integer overflow panics there, and is found.
+# Every fuzz harness at length: the symbolizer's (symbolizer/tests/fuzz_*.rs: ELF, .eh_frame,
+# maps, kallsyms, debuginfod), the agent's (agent/src/fuzz_tests: BPF records, /proc text, pod
+# JSON; config and recording parsers; redaction) and the exporters' (Pyroscope responses,
+# URL redaction). `make unit-test` runs a few hundred cases of each; PGSCOPE_FUZZ_CASES=N sets
+# the cases per property. A debug build: integer overflow panics there, and is found.
 PGSCOPE_FUZZ_CASES ?= 100000
 fuzz: deps
 	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p symbolizer --test 'fuzz_*'
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p pgscope-agent -- fuzz redact
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p exporters --test pyroscope_responses
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p exporters --lib -- redact
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test).
