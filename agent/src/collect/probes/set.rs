@@ -56,14 +56,6 @@ fn explicit_location(explicit: &ExplicitProbe, pid: u32) -> Result<FunctionLocat
             path.display()
         ));
     }
-    // A uprobe inside an instruction corrupts it in every process mapping the file.
-    symbolizer::check_probe_point(path, explicit.file_offset).map_err(|error| {
-        format!(
-            "--probe {}: {error}; pass the file offset of the function's first instruction \
-             (its symbol's address converted to a file offset)",
-            explicit.function.name()
-        )
-    })?;
     let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
     let maps =
         symbolizer::read_maps(pid).map_err(|error| format!("reading the maps of PID {pid}: {error}"))?;
@@ -82,6 +74,15 @@ fn explicit_location(explicit: &ExplicitProbe, pid: u32) -> Result<FunctionLocat
             path.display()
         ));
     }
+    // Only then the code itself: a uprobe inside an instruction corrupts it in every process
+    // mapping the file.
+    symbolizer::check_probe_point(path, explicit.file_offset).map_err(|error| {
+        format!(
+            "--probe {}: {error}; pass the file offset of the function's first instruction \
+             (its symbol's address converted to a file offset)",
+            explicit.function.name()
+        )
+    })?;
     Ok(FunctionLocation {
         path: path.clone(),
         file_offset: explicit.file_offset,
