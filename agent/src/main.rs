@@ -1,5 +1,8 @@
 //! pgscope: an eBPF profiler for PostgreSQL.
 
+// First: its `out!` and `note!` macros print for every module below.
+#[macro_use]
+mod console;
 mod agent;
 mod aggregate;
 mod bpf;
@@ -11,6 +14,7 @@ mod fuzz_tests;
 #[cfg(test)]
 mod fuzzing;
 mod input_file;
+mod output_file;
 mod postgres;
 mod preflight;
 mod redact;
@@ -63,6 +67,9 @@ struct ReportArgs {
     /// Where to write the page.
     #[arg(long, value_name = "FILE", default_value = "report.html")]
     out: PathBuf,
+    /// Permission bits of the page, octal (it can hold query texts with literals).
+    #[arg(long, value_name = "MODE", default_value = "0600")]
+    output_mode: output_file::OutputMode,
 }
 
 #[derive(Args)]
@@ -101,6 +108,10 @@ struct TraceArgs {
     /// database, state, queryid, wait_event and phase.
     #[arg(long, value_name = "FILE")]
     pprof: Option<PathBuf>,
+    /// Permission bits of every file written, octal. The default keeps them to their owner:
+    /// query texts in them can hold literals.
+    #[arg(long, value_name = "MODE", default_value = "0600")]
+    output_mode: output_file::OutputMode,
     /// Extra directory holding separate debug files in a `.build-id/xx/rest.debug` tree
     /// (/usr/lib/debug is always searched). Repeatable.
     #[arg(long = "debug-dir", value_name = "DIR")]
@@ -250,13 +261,13 @@ fn main() -> ExitCode {
             let config = match source.load() {
                 Ok(config) => config,
                 Err(error) => {
-                    eprintln!("pgscope agent: invalid configuration: {error:#}");
+                    note!("pgscope agent: invalid configuration: {error:#}");
                     return ExitCode::from(EXIT_BAD_CONFIG);
                 }
             };
             if args.check_config {
                 // A summary, not the whole struct: passwords and tokens stay out of terminals.
-                println!("configuration is valid:\n{}", config.summary());
+                out!("configuration is valid:\n{}", config.summary());
                 return ExitCode::SUCCESS;
             }
             init_logs("info", config.server.log_format == agent::config::LogFormat::Json);
@@ -270,14 +281,14 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("pgscope: cannot start the async runtime: {error}");
+            note!("pgscope: cannot start the async runtime: {error}");
             return ExitCode::FAILURE;
         }
     };
     let result = runtime.block_on(async {
         match cli.command {
             Command::Calibrate => trace::calibrate(),
-            Command::Report(args) => report::run(&args.from, &args.out),
+            Command::Report(args) => report::run(&args.from, &args.out, args.output_mode),
             Command::Agent(_) => match (agent, config) {
                 (Some(source), Some(config)) => agent::run(source, config).await,
                 _ => Err(anyhow::anyhow!("the agent's configuration was not loaded")),
@@ -291,6 +302,7 @@ fn main() -> ExitCode {
                     svg: args.svg,
                     folded: args.folded,
                     pprof: args.pprof,
+                    output_mode: args.output_mode,
                     debug_dirs: args.debug_dirs,
                     top: args.top,
                     query_id: args.query_id,
@@ -313,7 +325,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("pgscope: {error:#}");
+            note!("pgscope: {error:#}");
             ExitCode::FAILURE
         }
     }

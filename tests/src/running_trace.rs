@@ -65,28 +65,36 @@ impl Trace {
 
 impl RunningTrace {
     /// Sends SIGINT and waits for pgscope to write its outputs and exit; fails on a non-zero exit.
-    pub fn interrupt(mut self) -> Result<TraceOutput> {
+    pub fn interrupt(self) -> Result<TraceOutput> {
+        let line = self.line.clone();
+        TraceOutput::checked(&line, self.stop_with(libc::SIGINT)?)
+    }
+
+    /// Sends `signal` and waits for pgscope to exit, whatever its exit status.
+    pub fn stop_with(mut self, signal: libc::c_int) -> Result<Output> {
         // SAFETY: plain kill(2) on our own child, which has not been reaped (we hold it).
-        if unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGINT) } != 0 {
+        if unsafe { libc::kill(self.child.id() as libc::pid_t, signal) } != 0 {
             bail!(
-                "cannot send SIGINT to `{}`: {}",
+                "cannot send signal {signal} to `{}`: {}",
                 self.line,
                 std::io::Error::last_os_error()
             );
         }
         let Some(status) = wait_timeout(&mut self.child, RUN_TIMEOUT)? else {
-            bail!("`{}` did not exit within {RUN_TIMEOUT:?} of SIGINT", self.line);
+            bail!(
+                "`{}` did not exit within {RUN_TIMEOUT:?} of signal {signal}",
+                self.line
+            );
         };
         let stdout = join(self.stdout.take());
         if let Some(t) = self.stderr_thread.take() {
             let _ = t.join();
         }
-        let output = Output {
+        Ok(Output {
             status,
             stdout,
             stderr: self.stderr_text().into_bytes(),
-        };
-        TraceOutput::checked(&self.line, output)
+        })
     }
 
     fn stderr_text(&self) -> String {

@@ -13,26 +13,29 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::findings::Finding;
+use crate::output_file::{self, OutputMode, Planned};
 pub use recording::{RecordedProbe, Recording};
 
 /// Writes the report of `recording` with its `findings` to `out`.
-pub fn write(recording: &Recording, findings: &[Finding], out: &Path) -> Result<()> {
+pub fn write(recording: &Recording, findings: &[Finding], out: &Path, mode: OutputMode) -> Result<()> {
     let page = html::render(recording, findings)?;
-    std::fs::write(out, page).with_context(|| format!("cannot write the report to `{}`", out.display()))
+    output_file::write(out, mode, page.as_bytes())
+        .with_context(|| format!("cannot write the report to `{}`", out.display()))
 }
 
 /// `pgscope report --from RECORDING --out FILE`: the findings printed, the page written.
-pub fn run(from: &Path, out: &Path) -> Result<()> {
+pub fn run(from: &Path, out: &Path, mode: OutputMode) -> Result<()> {
+    output_file::check_all(&[Planned::new("--out", out)])?;
     let recording = Recording::load(from)?;
     let findings = recording.findings();
-    println!("{} · {:.1} s", recording.target, recording.duration_seconds);
+    out!("{} · {:.1} s", recording.target, recording.duration_seconds);
     if findings.is_empty() {
-        println!("findings: none");
+        out!("findings: none");
     } else {
-        println!("findings:");
-        print!("{}", crate::findings::render(&findings));
+        out!("findings:");
+        out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
     }
-    write(&recording, &findings, out)?;
-    println!("wrote the report to {}", out.display());
+    write(&recording, &findings, out, mode)?;
+    out!("wrote the report to {}", out.display());
     Ok(())
 }

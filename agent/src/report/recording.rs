@@ -142,10 +142,8 @@ impl Recording {
         Ok(())
     }
 
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let file =
-            std::fs::File::create(path).with_context(|| format!("cannot create `{}`", path.display()))?;
-        serde_json::to_writer(std::io::BufWriter::new(file), self)
+    pub fn save(&self, path: &Path, mode: crate::output_file::OutputMode) -> Result<()> {
+        crate::output_file::write_with(path, mode, |writer| serde_json::to_writer(writer, self))
             .with_context(|| format!("cannot write the recording to `{}`", path.display()))
     }
 
@@ -226,7 +224,9 @@ mod tests {
     fn a_saved_recording_loads_back_the_same() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("r.json");
-        recording().save(&path).expect("save");
+        recording()
+            .save(&path, crate::output_file::OutputMode::PRIVATE)
+            .expect("save");
         let loaded = Recording::load(&path).expect("load");
         assert_eq!(loaded.on_cpu.samples, recording().on_cpu.samples);
         assert_eq!(loaded.probes, recording().probes);
@@ -250,7 +250,8 @@ mod tests {
         let path = dir.path().join("r.json");
         let mut huge = recording();
         huge.on_cpu.samples[0].count = u64::MAX / 2;
-        huge.save(&path).expect("save");
+        huge.save(&path, crate::output_file::OutputMode::PRIVATE)
+            .expect("save");
         let error = format!("{:#}", Recording::load(&path).unwrap_err());
         assert!(
             error.contains("is damaged") && error.contains("on-CPU sample counts"),
@@ -258,7 +259,8 @@ mod tests {
         );
         let mut zero = recording();
         zero.on_cpu.meta.period = 0;
-        zero.save(&path).expect("save");
+        zero.save(&path, crate::output_file::OutputMode::PRIVATE)
+            .expect("save");
         let error = format!("{:#}", Recording::load(&path).unwrap_err());
         assert!(error.contains("sampling period 0 ns"), "{error}");
     }

@@ -26,6 +26,7 @@ use crate::collect::instance::{self, Scope};
 use crate::collect::off_cpu::WaitWithoutStack;
 use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
 use crate::collect::{self, Session};
+use crate::output_file::{self, OutputMode, Planned};
 use crate::postgres;
 use crate::preflight;
 use crate::target::{self, Target};
@@ -42,6 +43,8 @@ pub struct TraceOptions {
     pub svg: Option<PathBuf>,
     pub folded: Option<PathBuf>,
     pub pprof: Option<PathBuf>,
+    /// Permission bits of the files written.
+    pub output_mode: OutputMode,
     pub debug_dirs: Vec<PathBuf>,
     pub top: usize,
     pub query_id: Option<i64>,
@@ -68,7 +71,43 @@ pub struct TraceOptions {
     pub off_cpu_idle: bool,
 }
 
+impl TraceOptions {
+    /// Every file this trace is asked to write, with the option that named it.
+    fn planned_outputs(&self) -> Vec<Planned> {
+        let mut planned = Vec::new();
+        let with_off_cpu = [
+            ("--svg", &self.svg),
+            ("--folded", &self.folded),
+            ("--pprof", &self.pprof),
+        ];
+        for (option, path) in with_off_cpu {
+            if let Some(path) = path {
+                planned.push(Planned::new(option, path));
+                if self.off_cpu {
+                    planned.push(Planned::new(
+                        format!("{option} (off-CPU)"),
+                        &off_cpu::beside(path),
+                    ));
+                }
+            }
+        }
+        let single = [
+            ("--json", &self.json),
+            ("--record", &self.record),
+            ("--report", &self.report),
+        ];
+        for (option, path) in single {
+            if let Some(path) = path {
+                planned.push(Planned::new(option, path));
+            }
+        }
+        planned
+    }
+}
+
 pub async fn run(options: TraceOptions) -> Result<()> {
+    // Before anything is attached: a bad path must not cost the trace.
+    output_file::check_all(&options.planned_outputs()).context("nothing was profiled")?;
     preflight::check_all()?;
     let target = match (&options.pid, &options.instance) {
         (Some(pid), _) => target::backend(*pid)?,
@@ -88,16 +127,16 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     };
     let attached = instance::attach(&mut probes, root, scope, off_cpu_flag)?;
     if let Some(error) = &attached.no_attribution {
-        eprintln!("pgscope: no query or wait-event labels: {error:#}");
+        note!("pgscope: no query or wait-event labels: {error:#}");
     }
     if let Some(error) = &attached.no_instance_names {
-        eprintln!(
+        note!(
             "pgscope: extension LWLock waits show as `LWLock:extension` and background workers \
              as `background worker`: {error:#}"
         );
     }
     if scope == Scope::Instance {
-        eprintln!(
+        note!(
             "pgscope: instance has {} processes besides the postmaster",
             attached.children
         );
@@ -116,7 +155,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         match postgres::detect_major(layout_source).and_then(postgres::table_for) {
             Ok(_) => {}
             Err(error) => {
-                eprintln!(
+                note!(
                     "pgscope: function probes not attached: {error:#}; probes are tested on PostgreSQL {:?}",
                     postgres::SUPPORTED_MAJORS
                 );
@@ -137,7 +176,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
                 calibrate::FALLBACK_NS_PER_HIT
             }
         };
-        eprintln!(
+        note!(
             "pgscope: one probe hit costs {:.0} ns here; probe budget {}",
             ns_per_hit,
             match options.probe_budget {
@@ -170,7 +209,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         ) {
             Ok(()) => true,
             Err(error) => {
-                eprintln!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
+                note!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
                 false
             }
         };
@@ -195,7 +234,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     session.add_instance(attached.context);
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
-    eprintln!(
+    note!(
         "pgscope: profiling {} at {} Hz for {:?} (Ctrl-C to stop early)",
         target.describe(),
         options.frequency_hz,
@@ -243,7 +282,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     // Detach before the slow part (symbolization, output): the database is left alone at once.
     drop(probes);
     if ended_early {
-        eprintln!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
+        note!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
     let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results, pgss_start).await;
     session.add_waits_without_stack(
@@ -270,10 +309,12 @@ fn traced_pids(probes: &OnCpuProbes, root: u32) -> PidsByRoot {
     PidsByRoot::from([(root, pids)])
 }
 
-/// SIGINT and SIGTERM end a trace early, with its output written.
+/// SIGINT, SIGTERM and SIGHUP end a trace early, with its output written: a trace started
+/// from a terminal that then closes (SIGHUP) keeps what it measured.
 struct Signals {
     interrupt: tokio::signal::unix::Signal,
     terminate: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -281,6 +322,7 @@ impl Signals {
         Ok(Self {
             interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
             terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            hangup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
         })
     }
 }
@@ -293,8 +335,8 @@ pub fn calibrate() -> Result<()> {
     let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
     let floor = calibrate::measure_floor_ns_per_hit(&mut probes, &mut symbolizer)?;
     let full = calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer)?;
-    println!("uprobe + uretprobe with empty programs: {floor:.0} ns per call");
-    println!("pgscope function probe (entry + return programs): {full:.0} ns per call");
+    out!("uprobe + uretprobe with empty programs: {floor:.0} ns per call");
+    out!("pgscope function probe (entry + return programs): {full:.0} ns per call");
     Ok(())
 }
 
@@ -360,6 +402,7 @@ async fn collect(
             _ = &mut deadline => break false,
             _ = signals.interrupt.recv() => break true,
             _ = signals.terminate.recv() => break true,
+            _ = signals.hangup.recv() => break true,
         }
     };
     // Samples already in the ring buffer belong to the session.

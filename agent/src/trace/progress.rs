@@ -42,10 +42,12 @@ impl Progress {
             lost,
             stats.complete_pct()
         );
-        let mut stderr = std::io::stderr().lock();
         // Progress is best effort: a closed stderr must not end the session.
         if !self.terminal {
-            let _ = writeln!(stderr, "{line}");
+            note!("{line}");
+            return;
+        }
+        if !crate::console::stderr_open() {
             return;
         }
         let mut out = String::new();
@@ -53,26 +55,30 @@ impl Progress {
             out.push_str(&format!("\x1b[{}A", self.drawn - 1));
         }
         out.push('\r');
-        let lines: Vec<&str> = std::iter::once(line.as_str())
+        // The table shows query and wait names: escaped, the view's own sequences added after.
+        let lines: Vec<std::borrow::Cow<str>> = std::iter::once(line.as_str())
             .chain(table.iter().map(String::as_str))
+            .map(crate::console::escape)
             .collect();
         // Lines left over from a taller table are cleared.
         let height = lines.len().max(self.drawn);
         for i in 0..height {
-            out.push_str(lines.get(i).copied().unwrap_or(""));
+            out.push_str(lines.get(i).map_or("", |line| line.as_ref()));
             out.push_str("\x1b[K");
             if i + 1 < height {
                 out.push('\n');
             }
         }
         self.drawn = height;
-        let _ = write!(stderr, "{out}");
-        let _ = stderr.flush();
+        let mut stderr = std::io::stderr().lock();
+        if write!(stderr, "{out}").and_then(|()| stderr.flush()).is_err() {
+            crate::console::stderr_failed();
+        }
     }
 
     pub fn finish(&self) {
         if self.terminal && self.updates > 0 {
-            eprintln!();
+            note!();
         }
     }
 }

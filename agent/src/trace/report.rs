@@ -1,8 +1,6 @@
 //! The end of a trace: the summary, the top functions, and the requested output files.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,6 +11,7 @@ use symbolizer::KernelSymbols;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
+use crate::output_file::{self, OutputMode};
 use crate::report::{RecordedProbe, Recording};
 use crate::target::Target;
 
@@ -58,7 +57,7 @@ pub(super) fn finish(
         Target::Instance { .. } => vec!["pid".to_string()],
     };
 
-    println!(
+    out!(
         "{} · {:.1} s · {} samples · user stacks complete {:.1}%",
         target.describe(),
         elapsed.as_secs_f64(),
@@ -71,15 +70,15 @@ pub(super) fn finish(
     let shares = exporters::top_functions(&profile, options.top);
     let queries = super::queries::summarize(&profile);
     if total == 0 {
-        println!("no samples: the target was idle (off CPU) for the whole trace");
+        out!("no samples: the target was idle (off CPU) for the whole trace");
     } else {
-        println!("{}", exporters::render_top_table(&shares, total));
+        out!("{}", exporters::render_top_table(&shares, total));
         if !queries.is_empty() {
-            println!("by query (phases in % of the query's samples):");
-            println!("{}", super::queries::render(&queries, total, options.top));
+            out!("by query (phases in % of the query's samples):");
+            out!("{}", super::queries::render(&queries, total, options.top));
             print_query_texts(&queries, &query_texts, options.top);
             if queries.iter().all(|q| q.query_id == 0) {
-                println!(
+                out!(
                     "note: every queryid is 0: queryids are not computed; set compute_query_id = on \
                      (or load pg_stat_statements, which turns `auto` on)"
                 );
@@ -87,8 +86,8 @@ pub(super) fn finish(
         }
     }
     if !probe_results.attached.is_empty() {
-        println!("function probes (\"attached\": share of the trace; \"est.\": counts scaled up from it):");
-        println!(
+        out!("function probes (\"attached\": share of the trace; \"est.\": counts scaled up from it):");
+        out!(
             "{}",
             super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)
         );
@@ -98,7 +97,7 @@ pub(super) fn finish(
         session.profile(true, kernel.as_ref(), meta, &database_names)
     });
     if let Some(off_cpu) = &off_cpu_profile {
-        println!(
+        out!(
             "{}",
             super::off_cpu::render(off_cpu, options.off_cpu_min_stack, options.top)
         );
@@ -149,9 +148,12 @@ pub(super) fn finish(
         spin_sites: &spin_sites,
     });
     if !findings.is_empty() {
-        println!("findings:");
-        print!("{}", crate::findings::render(&findings));
+        out!("findings:");
+        out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
     }
+    // Each file is attempted even when one before it failed: nothing else is lost with it.
+    let mut writes = Writes::default();
+    let mode = options.output_mode;
     if options.record.is_some() || options.report.is_some() {
         let recording = Recording {
             schema: crate::report::recording::SCHEMA.to_string(),
@@ -171,26 +173,27 @@ pub(super) fn finish(
                 .collect(),
         };
         if let Some(path) = &options.record {
-            recording.save(path)?;
-            println!(
-                "wrote the recording to {} (pgscope report --from it)",
-                path.display()
-            );
+            writes.attempt(path, recording.save(path, mode), || {
+                out!(
+                    "wrote the recording to {} (pgscope report --from it)",
+                    path.display()
+                )
+            });
         }
         if let Some(path) = &options.report {
-            crate::report::write(&recording, &findings, path)?;
-            println!("wrote the report to {}", path.display());
+            let written = crate::report::write(&recording, &findings, path, mode);
+            writes.attempt(path, written, || out!("wrote the report to {}", path.display()));
         }
     }
     if session.filtered_out > 0 {
-        println!(
+        out!(
             "{} samples of other queries left out (--queryid)",
             session.filtered_out
         );
     }
 
     if let Some(path) = &options.folded {
-        write_file(path, |w| {
+        let written = output_file::write_with(path, mode, |w| {
             exporters::write_folded(
                 &profile,
                 &FoldedOptions {
@@ -198,11 +201,13 @@ pub(super) fn finish(
                 },
                 w,
             )
-        })?;
-        println!("wrote folded stacks to {}", path.display());
+        });
+        writes.attempt(path, written, || {
+            out!("wrote folded stacks to {}", path.display())
+        });
         if let Some(off_cpu) = &off_cpu_output {
             let path = super::off_cpu::beside(path);
-            write_file(&path, |w| {
+            let written = output_file::write_with(&path, mode, |w| {
                 exporters::write_folded(
                     off_cpu,
                     &FoldedOptions {
@@ -210,8 +215,10 @@ pub(super) fn finish(
                     },
                     w,
                 )
-            })?;
-            println!("wrote off-CPU folded stacks (nanoseconds) to {}", path.display());
+            });
+            writes.attempt(&path, written, || {
+                out!("wrote off-CPU folded stacks (nanoseconds) to {}", path.display())
+            });
         }
     }
     if let Some(path) = &options.svg {
@@ -225,8 +232,9 @@ pub(super) fn finish(
             )),
             root_labels: root_labels.clone(),
         };
-        write_file(path, |w| exporters::write_svg(&profile, &svg_options, w))?;
-        println!("wrote flamegraph to {}", path.display());
+        let written =
+            output_file::write_with(path, mode, |w| exporters::write_svg(&profile, &svg_options, w));
+        writes.attempt(path, written, || out!("wrote flamegraph to {}", path.display()));
         if let Some(off_cpu) = &off_cpu_output {
             let path = super::off_cpu::beside(path);
             let total_ns: u64 = off_cpu.samples.iter().map(|s| s.count).sum();
@@ -244,8 +252,11 @@ pub(super) fn finish(
                 )),
                 root_labels: root_labels.clone(),
             };
-            write_file(&path, |w| exporters::write_svg(off_cpu, &svg_options, w))?;
-            println!("wrote off-CPU flamegraph to {}", path.display());
+            let written =
+                output_file::write_with(&path, mode, |w| exporters::write_svg(off_cpu, &svg_options, w));
+            writes.attempt(&path, written, || {
+                out!("wrote off-CPU flamegraph to {}", path.display())
+            });
         }
     }
     if let Some(path) = &options.json {
@@ -266,19 +277,52 @@ pub(super) fn finish(
                 .as_ref()
                 .map(|p| (p, options.off_cpu_min_stack.as_nanos() as u64)),
         });
-        write_file(path, |w| serde_json::to_writer_pretty(w, &summary))?;
-        println!("wrote the JSON summary to {}", path.display());
+        let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));
+        writes.attempt(path, written, || {
+            out!("wrote the JSON summary to {}", path.display())
+        });
     }
     if let Some(path) = &options.pprof {
-        write_pprof(path, &profile)?;
-        println!("wrote pprof profile to {}", path.display());
+        writes.attempt(path, write_pprof(path, mode, &profile), || {
+            out!("wrote pprof profile to {}", path.display())
+        });
         if let Some(off_cpu) = &off_cpu_output {
             let path = super::off_cpu::beside(path);
-            write_pprof(&path, off_cpu)?;
-            println!("wrote off-CPU pprof profile (nanoseconds) to {}", path.display());
+            writes.attempt(&path, write_pprof(&path, mode, off_cpu), || {
+                out!("wrote off-CPU pprof profile (nanoseconds) to {}", path.display())
+            });
         }
     }
-    Ok(())
+    writes.finish()
+}
+
+/// The output files of a trace: each one is attempted, a failure is said at once, and the
+/// trace fails at the end if any was not written.
+#[derive(Default)]
+struct Writes {
+    failed: Vec<String>,
+}
+
+impl Writes {
+    fn attempt(&mut self, path: &Path, result: Result<()>, wrote: impl FnOnce()) {
+        match result {
+            Ok(()) => wrote(),
+            Err(error) => {
+                note!("pgscope: {error:#}");
+                self.failed.push(path.display().to_string());
+            }
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        if self.failed.is_empty() {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "not written: {} (the errors are above; every other output was written)",
+            self.failed.join(", ")
+        )
+    }
 }
 
 /// The normalized text of each query in the table, one line each, cut to fit a terminal.
@@ -291,14 +335,14 @@ fn print_query_texts(queries: &[super::queries::QuerySummary], texts: &HashMap<i
     if named.is_empty() {
         return;
     }
-    println!("query texts (pg_stat_statements, normalized):");
+    out!("query texts (pg_stat_statements, normalized):");
     for (query_id, text) in named {
         let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
         let shown: String = flat.chars().take(100).collect();
         let ellipsis = if flat.chars().count() > 100 { "…" } else { "" };
-        println!("{query_id:>21}  {shown}{ellipsis}");
+        out!("{query_id:>21}  {shown}{ellipsis}");
     }
-    println!();
+    out!();
 }
 
 fn print_losses(counters: &Counters, malformed: u64) {
@@ -312,7 +356,7 @@ fn print_losses(counters: &Counters, malformed: u64) {
         parts.push(format!("malformed {malformed}"));
     }
     if !parts.is_empty() {
-        println!(
+        out!(
             "sample losses: {} (of {} samples taken in the kernel)",
             parts.join(", "),
             counters.get(Counter::Samples)
@@ -339,7 +383,7 @@ fn print_missing_symbols(session: &Session) {
     }
     stripped.sort();
     stripped.dedup();
-    println!(
+    out!(
         "note: no symbol table or debug file for {}: their static functions are shown as \
          `file+0x<start>`; install the debug packages (e.g. postgresql-15-dbgsym) or pass \
          --debug-dir with a .build-id tree to name them",
@@ -347,19 +391,7 @@ fn print_missing_symbols(session: &Session) {
     );
 }
 
-fn write_file<E>(path: &Path, write: impl FnOnce(&mut BufWriter<File>) -> Result<(), E>) -> Result<()>
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    let file = File::create(path).with_context(|| format!("cannot create `{}`", path.display()))?;
-    let mut writer = BufWriter::new(file);
-    write(&mut writer).with_context(|| format!("writing `{}`", path.display()))?;
-    writer
-        .flush()
-        .with_context(|| format!("writing `{}`", path.display()))
-}
-
-fn write_pprof(path: &Path, profile: &Profile) -> Result<()> {
+fn write_pprof(path: &Path, mode: OutputMode, profile: &Profile) -> Result<()> {
     let bytes = exporters::encode_pprof_gzip(profile).context("encoding the pprof profile")?;
-    std::fs::write(path, bytes).with_context(|| format!("cannot write `{}`", path.display()))
+    output_file::write(path, mode, &bytes)
 }

@@ -79,14 +79,14 @@ pub async fn fetch(
     let target = match connect_target(options, pid) {
         Ok(target) => target,
         Err(error) => {
-            eprintln!("pgscope: no {missing}: {}", shown(&error));
+            note!("pgscope: no {missing}: {}", shown(&error));
             return SqlFacts::default();
         }
     };
     let client = match sql::connect(&target).await {
         Ok(client) => client,
         Err(error) => {
-            eprintln!(
+            note!(
                 "pgscope: no {missing}: {}; pass --conninfo to name a connection",
                 shown(&error)
             );
@@ -98,7 +98,7 @@ pub async fn fetch(
         match sql::query_texts(&client, &query_ids).await {
             Ok(texts) => facts.query_texts = texts,
             Err(error) => {
-                eprintln!(
+                note!(
                     "pgscope: no query texts: {}; pass --conninfo to name a connection",
                     shown(&error)
                 )
@@ -108,7 +108,7 @@ pub async fn fetch(
     if databases {
         match sql::database_names(&client).await {
             Ok(names) => facts.database_names = names,
-            Err(error) => eprintln!(
+            Err(error) => note!(
                 "pgscope: no database names (database labels stay OIDs): {}",
                 shown(&error)
             ),
@@ -121,7 +121,7 @@ pub async fn fetch(
     if pgss_start.is_some() {
         match sql::pgss_info(&client).await {
             Ok(info) => facts.pgss_end = info,
-            Err(error) => eprintln!("pgscope: no pg_stat_statements eviction count: {}", shown(&error)),
+            Err(error) => note!("pgscope: no pg_stat_statements eviction count: {}", shown(&error)),
         }
     }
     facts

@@ -115,7 +115,7 @@ fn locate(
     }
     match pgss_hooks::find_pgss_store(symbolizer, pid) {
         Ok(location) => {
-            eprintln!(
+            note!(
                 "pgscope: pgss_store found through pg_stat_statements' hook functions at file offset {:#x} \
                  of pg_stat_statements.so (no debug file needed)",
                 location.file_offset
@@ -298,7 +298,7 @@ impl ProbeSet {
             let location = match locate(symbolizer, function, pid, &executable, explicit) {
                 Ok(location) => location,
                 Err(reason) => {
-                    eprintln!("pgscope: probe {} not attached: {reason}", function.name());
+                    note!("pgscope: probe {} not attached: {reason}", function.name());
                     continue;
                 }
             };
@@ -317,7 +317,7 @@ impl ProbeSet {
                     interval_attached: BTreeMap::new(),
                     mark: Duration::ZERO,
                 }),
-                Err(error) => eprintln!("pgscope: probe {} not attached: {error:#}", function.name()),
+                Err(error) => note!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
         }
         Ok(set)
