@@ -10,7 +10,7 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::pgscope::pgscope_command;
 use pgscope_tests::process::output_with_timeout;
 use pgscope_tests::workload::CPU_BOUND;
-use pgscope_tests::{require_root_and_bpf, run_pgscope, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, run_pgscope, PgCluster, PgInstall, Trace, TraceSummary};
 
 /// A refused path must end pgscope at once; a regression profiles for its whole duration.
 const REFUSE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -229,11 +229,7 @@ fn an_output_that_cannot_be_written_at_the_end_costs_only_itself() -> Result<()>
             .len();
         ensure!(size > 0, "{name} is empty");
     }
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(in_kept("out.json"))?)
-        .context("the JSON summary does not parse")?;
-    ensure!(
-        summary["samples"]["profiled"].as_u64().unwrap_or(0) > 0,
-        "the JSON summary has no samples: {summary}"
-    );
+    let summary = TraceSummary::read(&in_kept("out.json")).context("the JSON summary does not parse")?;
+    ensure!(summary.samples_profiled()? > 0, "the JSON summary has no samples");
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::process::wait_timeout;
 use pgscope_tests::workload::CPU_BOUND;
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
 
 /// A statement whose text (outside its constants, which pg_stat_statements normalizes away)
 /// holds ESC sequences (clear screen, colour), BEL, a C1 CSI (U+009B) and a right-to-left
@@ -75,12 +75,8 @@ fn a_closed_stdout_ends_printing_not_the_trace() -> Result<()> {
     let stderr = stderr_reader.join().unwrap_or_default();
     ensure!(!stderr.contains("panicked"), "pgscope panicked:\n{stderr}");
     ensure!(status.success(), "pgscope exited with {status}:\n{stderr}");
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json)?)
-        .context("the JSON summary was not written whole")?;
-    ensure!(
-        summary["samples"]["profiled"].as_u64().unwrap_or(0) > 0,
-        "the JSON summary has no samples"
-    );
+    let summary = TraceSummary::read(&json).context("the JSON summary was not written whole")?;
+    ensure!(summary.samples_profiled()? > 0, "the JSON summary has no samples");
     Ok(())
 }
 
@@ -101,11 +97,7 @@ fn sighup_finishes_the_trace_like_ctrl_c() -> Result<()> {
         output.status
     );
     ensure!(stderr.contains("stopped early"), "no `stopped early`:\n{stderr}");
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json)?).context("the JSON summary was not written")?;
-    ensure!(
-        summary["samples"]["profiled"].as_u64().unwrap_or(0) > 0,
-        "the JSON summary has no samples"
-    );
+    let summary = TraceSummary::read(&json).context("the JSON summary was not written")?;
+    ensure!(summary.samples_profiled()? > 0, "the JSON summary has no samples");
     Ok(())
 }

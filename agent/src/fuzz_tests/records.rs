@@ -310,16 +310,7 @@ fn random_bytes_are_a_record_or_a_counted_rejection() {
         1usize..3,
         any::<bool>(),
     );
-    TestRunner::new(fuzzing::config(256))
-        .run(&strategy, |(records, repeat, ours)| {
-            let records: Vec<Vec<u8>> = records.into_iter().map(|r| own_process(r, ours)).collect();
-            for record in &records {
-                check_parsers(record);
-            }
-            Shared::collect(&session, &records, repeat);
-            Ok(())
-        })
-        .expect("random records");
+    run_records(&session, strategy, "random records");
 }
 
 #[test]
@@ -332,16 +323,26 @@ fn mutated_seed_records_are_a_record_or_a_counted_rejection() {
         1usize..3,
         any::<bool>(),
     );
+    run_records(&session, strategy, "mutated records");
+}
+
+/// Runs batches of records (each given to our process or another, repeated) through every
+/// parser and then one collecting session.
+fn run_records(
+    session: &std::cell::RefCell<Shared>,
+    strategy: impl Strategy<Value = (Vec<Vec<u8>>, usize, bool)>,
+    what: &str,
+) {
     TestRunner::new(fuzzing::config(256))
         .run(&strategy, |(records, repeat, ours)| {
             let records: Vec<Vec<u8>> = records.into_iter().map(|r| own_process(r, ours)).collect();
             for record in &records {
                 check_parsers(record);
             }
-            Shared::collect(&session, &records, repeat);
+            Shared::collect(session, &records, repeat);
             Ok(())
         })
-        .expect("mutated records");
+        .expect(what);
 }
 
 /// The fields of `struct pgscope_sample`, to be written in its C layout.
