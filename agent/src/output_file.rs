@@ -9,7 +9,7 @@ use std::ffi::CString;
 use std::fs::{File, OpenOptions, Permissions};
 use std::io::{BufWriter, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -57,33 +57,18 @@ impl FromStr for OutputMode {
     }
 }
 
-/// Creates (or truncates) `path` for writing with `mode`. An existing regular file gets the
-/// mode as well; anything else the user named (`/dev/stdout`, a FIFO) is written as it is.
-pub fn create(path: &Path, mode: OutputMode) -> Result<File> {
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode.bits())
-        .open(path)
-        .with_context(|| format!("cannot create `{}`", path.display()))?;
-    let metadata = file
-        .metadata()
-        .with_context(|| format!("cannot stat `{}`", path.display()))?;
-    // The umask may have taken bits away from a new file, and an old one kept its own mode.
-    if metadata.is_file() && metadata.permissions().mode() & 0o7777 != mode.bits() {
-        file.set_permissions(Permissions::from_mode(mode.bits()))
-            .with_context(|| format!("cannot set the mode of `{}`", path.display()))?;
-    }
-    Ok(file)
-}
-
 /// Writes `bytes` to `path` with `mode`.
 pub fn write(path: &Path, mode: OutputMode, bytes: &[u8]) -> Result<()> {
     write_with(path, mode, |writer| writer.write_all(bytes))
 }
 
-/// Creates `path` with `mode` and lets `fill` write it through a buffer.
+/// Writes `path` with `mode`, `fill` writing through a buffer.
+///
+/// A file is written beside its final name and renamed over it when complete: pgscope runs as
+/// root, and writing through the path could follow a symlink planted in a shared directory
+/// (the rename replaces the link, not its target); a reader that had the old file open never
+/// sees the new contents; and a failure leaves the old file whole, not half written. What is
+/// not a file — `/dev/stdout`, a FIFO — is written in place, its mode left alone.
 pub fn write_with<E>(
     path: &Path,
     mode: OutputMode,
@@ -92,11 +77,68 @@ pub fn write_with<E>(
 where
     E: std::error::Error + Send + Sync + 'static,
 {
-    let mut writer = BufWriter::new(create(path, mode)?);
+    // What the path names in the end: a stream (`/dev/stdout` is a symlink to one) is written
+    // in place; a disk never.
+    let target = std::fs::metadata(path).ok().map(|m| m.file_type());
+    if target.is_some_and(|t| t.is_block_device()) {
+        anyhow::bail!("`{}` is a block device: give the path of a file", path.display());
+    }
+    let writes_in_place = target.is_some_and(|t| t.is_fifo() || t.is_char_device() || t.is_socket());
+    if writes_in_place {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .with_context(|| format!("cannot open `{}` for writing", path.display()))?;
+        return fill_and_flush(BufWriter::new(file), path, fill);
+    }
+    let staging = staging_path(path);
+    let written = create_new(&staging, mode)
+        .and_then(|file| fill_and_flush(BufWriter::new(file), path, fill))
+        .and_then(|()| {
+            std::fs::rename(&staging, path)
+                .with_context(|| format!("cannot move the new `{}` into place", path.display()))
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&staging);
+    }
+    written
+}
+
+fn fill_and_flush<E>(
+    mut writer: BufWriter<File>,
+    path: &Path,
+    fill: impl FnOnce(&mut BufWriter<File>) -> Result<(), E>,
+) -> Result<()>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
     fill(&mut writer).with_context(|| format!("writing `{}`", path.display()))?;
     writer
         .flush()
         .with_context(|| format!("writing `{}`", path.display()))
+}
+
+/// A name beside `path` that no one else uses: hidden, with pgscope's PID.
+fn staging_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.pgscope-{}.tmp", std::process::id()))
+}
+
+/// A new file (never an existing one, nor through a symlink) with exactly `mode`.
+fn create_new(path: &Path, mode: OutputMode) -> Result<File> {
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode.bits())
+        .open(path)
+        .with_context(|| format!("cannot create `{}`", path.display()))?;
+    // The umask may have taken bits away.
+    file.set_permissions(Permissions::from_mode(mode.bits()))
+        .with_context(|| format!("cannot set the mode of `{}`", path.display()))?;
+    Ok(file)
 }
 
 /// One file a run is asked to write: the option that named it and its path.
@@ -221,6 +263,41 @@ mod tests {
         let shared = dir.path().join("shared.folded");
         write(&shared, OutputMode(0o640), b"x").expect("write");
         assert_eq!(mode_of(&shared), 0o640);
+    }
+
+    #[test]
+    fn a_planted_symlink_is_replaced_not_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").expect("write");
+        let link = dir.path().join("out.svg");
+        std::os::unix::fs::symlink(&victim, &link).expect("symlink");
+        write(&link, OutputMode::PRIVATE, b"<svg/>").expect("write");
+        assert_eq!(std::fs::read(&victim).expect("read"), b"precious");
+        assert!(!std::fs::symlink_metadata(&link).expect("stat").is_symlink());
+        assert_eq!(std::fs::read(&link).expect("read"), b"<svg/>");
+        assert_eq!(mode_of(&link), 0o600);
+    }
+
+    #[test]
+    fn a_reader_of_the_old_file_does_not_see_the_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("out.json");
+        std::fs::write(&path, b"old").expect("write");
+        let mut reader = File::open(&path).expect("open");
+        write(&path, OutputMode::PRIVATE, b"new secret").expect("write");
+        let mut seen = String::new();
+        std::io::Read::read_to_string(&mut reader, &mut seen).expect("read");
+        assert_eq!(seen, "old");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("list").collect();
+        assert_eq!(left.len(), 1, "a staging file was left behind");
+    }
+
+    #[test]
+    fn what_is_not_a_file_is_written_in_place() {
+        write(Path::new("/dev/null"), OutputMode::PRIVATE, b"x").expect("write /dev/null");
+        let mode = std::fs::metadata("/dev/null").expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666, "the mode of /dev/null was changed");
     }
 
     #[test]
