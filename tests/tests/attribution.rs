@@ -134,7 +134,10 @@ fn check_queryids(
     profile: &LabeledProfile,
     statements: &BTreeMap<String, String>,
 ) -> Result<Vec<String>> {
-    let client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND);
+    // A backend leaving (pgscope's own connection for pg_stat_statements, closed as sampling
+    // starts, runs OpenSSL's exit handlers) runs no statement: it has no queryid to carry.
+    let exiting = |s: &LabeledSample| s.any_frame(|f| f == "proc_exit" || f == "exit");
+    let client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND) && !exiting(s);
     let by_queryid = profile.label_values("queryid", client);
     let mut rows: Vec<(&Option<String>, &u64)> = by_queryid.iter().collect();
     rows.sort_by_key(|(_, n)| std::cmp::Reverse(**n));
