@@ -1,13 +1,31 @@
-//! Compiles the BPF programs in `bpf/` with clang into OUT_DIR, against a `vmlinux.h` that
-//! bpftool generates from the build machine's BTF. Relocations are CO-RE, so the objects run on
-//! any kernel with BTF; the header only provides type definitions.
+//! Compiles the BPF programs in `bpf/` with clang into one object in OUT_DIR, against a
+//! `vmlinux.h` that bpftool generates from the build machine's BTF. Relocations are CO-RE, so
+//! the object runs on any kernel with BTF; the header only provides type definitions.
+//!
+//! The programs are split by family in `bpf/`, and [`BPF_PARTS`] lists them: one object, so
+//! that every program shares the maps, built from a unit this script writes that includes
+//! each part in order.
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Every BPF program the agent embeds, relative to `bpf/`.
-const BPF_SOURCES: &[&str] = &["pgscope.bpf.c"];
+/// The parts of the BPF object, relative to `bpf/`, in the order they are included: each may
+/// use what the parts before it define.
+const BPF_PARTS: &[&str] = &[
+    // Shared: maps, attribution readers, stack capture.
+    "maps.bpf.h",
+    "attribution.bpf.h",
+    "stacks.bpf.h",
+    // Program families.
+    "on_cpu.bpf.c",
+    "function_probes.bpf.c",
+    "processes.bpf.c",
+    "off_cpu.bpf.c",
+];
+
+/// The object the agent embeds (`agent/src/bpf/mod.rs`).
+const BPF_OBJECT: &str = "pgscope.bpf.o";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
@@ -19,12 +37,53 @@ fn main() {
     let vmlinux_h = out_dir.join("vmlinux.h");
     generate_vmlinux_h(&vmlinux_h);
 
-    for source in BPF_SOURCES {
-        let src = bpf_dir.join(source);
-        println!("cargo:rerun-if-changed={}", src.display());
-        let object = out_dir.join(source.replace(".bpf.c", ".bpf.o"));
-        compile_bpf(&src, &object, &out_dir, &bpf_dir.join("include"));
+    // A part added to bpf/ but not to the list would be silently left out of the object.
+    println!("cargo:rerun-if-changed={}", bpf_dir.display());
+    check_every_part_is_listed(&bpf_dir);
+    let unit = out_dir.join("pgscope.bpf.c");
+    std::fs::write(&unit, unit_source(&bpf_dir)).expect("write the BPF unit into OUT_DIR");
+    compile_bpf(
+        &unit,
+        &out_dir.join(BPF_OBJECT),
+        &out_dir,
+        &bpf_dir.join("include"),
+    );
+}
+
+fn check_every_part_is_listed(bpf_dir: &Path) {
+    let entries =
+        std::fs::read_dir(bpf_dir).unwrap_or_else(|e| panic!("cannot list `{}`: {e}", bpf_dir.display()));
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_part = name.ends_with(".bpf.c") || name.ends_with(".bpf.h");
+        assert!(
+            !is_part || BPF_PARTS.contains(&name.as_str()),
+            "bpf/{name} is not in BPF_PARTS (agent/build.rs): add it where it belongs in the order"
+        );
     }
+}
+
+/// The C unit: the headers every part needs, the license, then each part by absolute path.
+fn unit_source(bpf_dir: &Path) -> String {
+    let mut unit = String::from(
+        "// SPDX-License-Identifier: GPL-2.0\n\
+         /* Written by agent/build.rs from BPF_PARTS: every pgscope BPF program in one object. */\n\
+         #include \"vmlinux.h\"\n\
+         #include <bpf/bpf_helpers.h>\n\
+         #include <bpf/bpf_tracing.h>\n\
+         #include <bpf/bpf_core_read.h>\n\
+         #include \"pgscope.h\"\n\n\
+         char LICENSE[] SEC(\"license\") = \"GPL\";\n\n",
+    );
+    for part in BPF_PARTS {
+        let path = bpf_dir
+            .join(part)
+            .canonicalize()
+            .unwrap_or_else(|e| panic!("BPF part `bpf/{part}` listed in build.rs: {e}"));
+        println!("cargo:rerun-if-changed={}", path.display());
+        unit.push_str(&format!("#include \"{}\"\n", path.display()));
+    }
+    unit
 }
 
 fn generate_vmlinux_h(out: &Path) {

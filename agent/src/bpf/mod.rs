@@ -44,7 +44,7 @@ pub struct FunctionLinks {
     gate: u32,
 }
 
-/// Slots of `function_gates` (bpf/pgscope.bpf.c); slot 0 means ungated.
+/// Slots of `function_gates` (bpf/function_probes.bpf.c); slot 0 means ungated.
 const GATE_SLOTS: u32 = 1024;
 
 /// The loaded on-CPU profiler programs and their maps.

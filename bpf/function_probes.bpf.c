@@ -1,0 +1,269 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Function probes (uprobe + uretprobe on chosen Postgres functions) and the empty pair
+ * `pgscope calibrate` measures the floor cost with.
+ *
+ * A part of the one BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+/*
+ * Function probes: uprobe + uretprobe on a handful of Postgres functions, the attach cookie
+ * naming the function. Calls, time and a log2 latency histogram are aggregated per CPU per
+ * (backend, queryid, function) in the kernel: no event per call crosses to user space.
+ */
+
+struct call_entry {
+	__u64 start_ns;
+	__u64 query_id;
+	__u32 detail; /* see PGSCOPE_CALL_DETAIL_SHIFT; s_lock: the call site's line */
+	__u32 _pad;
+	__u64 file; /* s_lock only: the call site's __FILE__ and __func__ */
+	__u64 func;
+};
+
+/* In-flight calls by (thread, function). A nested call of the same function in the same thread
+ * (rare: planning a query from inside GetCachedPlan) overwrites the outer entry. A return missed
+ * (probe detached mid-call) leaves one stale slot per thread and function, which the thread's
+ * next call overwrites; slots of exiting threads are removed in on_process_exit. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64); /* tid << 32 | function */
+	__type(value, struct call_entry);
+} calls_in_flight SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_call_key);
+	__type(value, struct pgscope_call_stats);
+} call_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_relation_lock_key);
+	__type(value, __u64);
+} relation_locks SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct pgscope_spin_site_key);
+	__type(value, struct pgscope_spin_site_stats);
+} spin_sites SEC(".maps");
+
+/* Per attachment of a function probe (the upper half of its cookie; 0: ungated): 1 while user
+ * space counts the probe as attached. Returns are not counted while it is 0. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} function_gates SEC(".maps");
+
+/* Entries per function, for the duty cycle's hit-rate measurement (user space reads deltas). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PGSCOPE_FN_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} function_hits SEC(".maps");
+
+/* Entries per function by processes that are not targets. A uprobe is set on the file, so every
+ * process mapping it (other instances of the same binary, tools linking the library) traps too:
+ * the overhead budget counts these traps alongside the targets'. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PGSCOPE_FN_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} foreign_function_hits SEC(".maps");
+
+static __always_inline __u64 current_query_id(__u32 tgid)
+{
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	__u64 query_id = 0;
+
+	if (!layout || !layout->my_be_entry)
+		return 0;
+	__u64 entry = status_entry(layout);
+	if (entry && entry != STATUS_UNREADABLE)
+		read_query_id(layout, entry, &query_id);
+	return query_id;
+}
+
+/* floor(log2(v)) for v > 0, without loops (the verifier prefers straight code). */
+static __always_inline __u32 log2_u64(__u64 v)
+{
+	__u32 r = 0;
+
+	if (v >> 32) { v >>= 32; r += 32; }
+	if (v >> 16) { v >>= 16; r += 16; }
+	if (v >> 8) { v >>= 8; r += 8; }
+	if (v >> 4) { v >>= 4; r += 4; }
+	if (v >> 2) { v >>= 2; r += 2; }
+	if (v >> 1) { r += 1; }
+	return r;
+}
+
+static __always_inline void count_relation_lock(struct pt_regs *ctx, __u32 tgid, __u64 query_id)
+{
+	struct pgscope_relation_lock_key key = {
+		.tgid = tgid,
+		.relid = (__u32)PT_REGS_PARM1(ctx),
+		.query_id = query_id,
+		.lockmode = (__u32)PT_REGS_PARM2(ctx),
+	};
+	__u64 one = 1, *value = bpf_map_lookup_elem(&relation_locks, &key);
+
+	if (value)
+		*value += 1;
+	else if (bpf_map_update_elem(&relation_locks, &key, &one, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_PROBE_MAP_FULL);
+}
+
+static __always_inline void count_spin_site(__u32 tgid, struct call_entry *entry, __u64 elapsed)
+{
+	struct pgscope_spin_site_key key = {
+		.tgid = tgid,
+		.line = entry->detail,
+		.query_id = entry->query_id,
+		.file = entry->file,
+		.func = entry->func,
+	};
+	struct pgscope_spin_site_stats *stats = bpf_map_lookup_elem(&spin_sites, &key);
+
+	if (!stats) {
+		struct pgscope_spin_site_stats first = { .calls = 1, .total_ns = elapsed, .max_ns = elapsed };
+		if (bpf_map_update_elem(&spin_sites, &key, &first, BPF_NOEXIST) != 0)
+			count(PGSCOPE_CNT_PROBE_MAP_FULL);
+		return;
+	}
+	stats->calls += 1;
+	stats->total_ns += elapsed;
+	if (elapsed > stats->max_ns)
+		stats->max_ns = elapsed;
+}
+
+SEC("uprobe")
+int on_function_entry(struct pt_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
+	__u64 *hits;
+
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE)) {
+		hits = bpf_map_lookup_elem(&foreign_function_hits, &function);
+		if (hits)
+			*hits += 1;
+		return 0;
+	}
+	hits = bpf_map_lookup_elem(&function_hits, &function);
+	if (hits)
+		*hits += 1;
+	struct call_entry entry = {};
+
+	if (function == PGSCOPE_FN_PGSS_STORE) {
+		/* pgss_store(query, queryId, location, len, kind, …): the queryid it stores is the
+		 * statement's own (also for nested statements), the kind tells text/plan/exec apart.
+		 * PG14-17 (PG18 changes the queryid's type, not its register). */
+		entry.query_id = PT_REGS_PARM2(ctx);
+		entry.detail = (__u32)((int)PT_REGS_PARM5(ctx) + 2) & 0xff;
+	} else {
+		entry.query_id = current_query_id(tgid);
+	}
+	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
+		count_relation_lock(ctx, tgid, entry.query_id);
+	if (function == PGSCOPE_FN_S_LOCK) {
+		/* s_lock(lock, file, line, func): only the pointers are kept; reading the strings
+		 * here would cost every spin. The site goes in the return's key, not the call key,
+		 * so that s_lock's own statistics stay one row per queryid. */
+		entry.file = PT_REGS_PARM2(ctx);
+		entry.detail = (__u32)PT_REGS_PARM3(ctx);
+		entry.func = PT_REGS_PARM4(ctx);
+	}
+	__u64 key = (pid_tgid << 32) | function;
+	entry.start_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&calls_in_flight, &key, &entry, BPF_ANY) != 0)
+		count(PGSCOPE_CNT_PROBE_MAP_FULL);
+	return 0;
+}
+
+SEC("uretprobe")
+int on_function_return(struct pt_regs *ctx)
+{
+	__u64 now = bpf_ktime_get_ns();
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u64 cookie = bpf_get_attach_cookie(ctx);
+	__u32 function = (__u32)cookie;
+	__u32 gate = cookie >> 32;
+	__u64 key = (pid_tgid << 32) | function;
+	struct call_entry *entry = bpf_map_lookup_elem(&calls_in_flight, &key);
+
+	if (!entry) {
+		/* Not a target, or its entry came before the probe was attached. */
+		if (bpf_map_lookup_elem(&targets, &tgid))
+			count(PGSCOPE_CNT_PROBE_NO_ENTRY);
+		return 0;
+	}
+	if (gate) {
+		__u32 *open = bpf_map_lookup_elem(&function_gates, &gate);
+		if (!open || !*open) {
+			/* Being detached: user space counts this time as detached already. */
+			bpf_map_delete_elem(&calls_in_flight, &key);
+			return 0;
+		}
+	}
+	__u64 elapsed = now - entry->start_ns;
+	__u32 detail = function == PGSCOPE_FN_S_LOCK ? 0 : entry->detail;
+	struct pgscope_call_key stats_key = {
+		.tgid = tgid,
+		.function = function | (detail << PGSCOPE_CALL_DETAIL_SHIFT),
+		.query_id = entry->query_id,
+	};
+	if (function == PGSCOPE_FN_S_LOCK)
+		count_spin_site(tgid, entry, elapsed);
+	bpf_map_delete_elem(&calls_in_flight, &key);
+
+	struct pgscope_call_stats *stats = bpf_map_lookup_elem(&call_stats, &stats_key);
+	if (!stats) {
+		struct pgscope_call_stats zero = {};
+		if (bpf_map_update_elem(&call_stats, &stats_key, &zero, BPF_NOEXIST) != 0 &&
+		    !bpf_map_lookup_elem(&call_stats, &stats_key)) {
+			count(PGSCOPE_CNT_PROBE_MAP_FULL);
+			return 0;
+		}
+		stats = bpf_map_lookup_elem(&call_stats, &stats_key);
+		if (!stats)
+			return 0;
+	}
+	__u32 bucket = elapsed ? log2_u64(elapsed) : 0;
+	if (bucket >= PGSCOPE_HIST_BUCKETS)
+		bucket = PGSCOPE_HIST_BUCKETS - 1;
+	stats->calls += 1;
+	stats->total_ns += elapsed;
+	if (elapsed > stats->max_ns)
+		stats->max_ns = elapsed;
+	stats->hist[bucket] += 1;
+	return 0;
+}
+
+/* Do nothing: `pgscope calibrate` attaches them to measure the floor cost of a probed call (the
+ * traps on entry and return), next to what the function probes above cost. */
+SEC("uprobe")
+int empty_entry(struct pt_regs *ctx)
+{
+	return 0;
+}
+
+SEC("uretprobe")
+int empty_return(struct pt_regs *ctx)
+{
+	return 0;
+}

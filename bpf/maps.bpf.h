@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The maps every program family shares (targets, layouts, the record ring buffer and its
+ * scratch, counters, off-CPU task state), and the counter helper.
+ *
+ * A part of the one BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PGSCOPE_MAX_TARGETS);
+	__type(key, __u32);  /* tgid */
+	__type(value, __u8); /* enum pgscope_target_flags */
+} targets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 8 << 20);
+} samples SEC(".maps");
+
+/* Attribution layout per process: set by user space for processes it found, inherited on fork. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, PGSCOPE_MAX_TARGETS);
+	__type(key, __u32); /* tgid */
+	__type(value, struct pgscope_pg_layout);
+} pg_layouts SEC(".maps");
+
+/* A sample is 17 KiB: too large for the 512-byte BPF stack, so it is built here. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pgscope_sample);
+} scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, PGSCOPE_CNT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+/* Off-CPU state per thread (see the off-CPU programs at the end). Task storage lives in the
+ * task itself: reaching it from sched_switch's task pointers costs no hash lookup, which on
+ * every context switch of the host is most of what off-CPU profiling costs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct pgscope_off_cpu_task);
+} off_cpu_tasks SEC(".maps");
+
+/* Index 0: bumped by user space whenever it adds or removes a target: a thread's cached
+ * `measured` is decided again. (Forks need no bump: a child's storage starts fresh; a target
+ * that execs drops its storage in on_process_exec.) User space is its only writer. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} targets_generation SEC(".maps");
+
+static __always_inline void count(__u32 counter)
+{
+	__u64 *value = bpf_map_lookup_elem(&counters, &counter);
+	if (value)
+		*value += 1;
+}

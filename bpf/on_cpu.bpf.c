@@ -1,0 +1,35 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * On-CPU sampling: a perf-event program on the CPU clock of every CPU, filtered to the
+ * processes in `targets`.
+ *
+ * A part of the one BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+SEC("perf_event")
+int on_cpu_sample(struct bpf_perf_event_data *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		return 0;
+	count(PGSCOPE_CNT_SAMPLES);
+
+	__u32 zero = 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&scratch, &zero);
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		return 0;
+	}
+
+	read_attribution(&s->attr, tgid, NULL, false);
+	s->off_cpu_ns = 0;
+	s->off_cpu_syscall = 0;
+	s->off_cpu_flags = 0;
+	send_stacks(ctx, s, pid_tgid, true);
+	return 0;
+}

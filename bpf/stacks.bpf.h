@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Stack capture shared by on-CPU samples and off-CPU wait starts: the kernel stack, the user
+ * registers and a bounded copy of the user stack, unwound in user space from .eh_frame.
+ *
+ * A part of the one BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+/* Copies the user stack from sp upwards. mm->start_stack bounds the main thread's stack (every
+ * Postgres process is single-threaded); bpf_probe_read_user cannot fault pages in and zero-fills
+ * on failure, so on a fault fall back to the rest of sp's page, which the CPU just touched. */
+static __always_inline __u64 copy_user_stack(struct pgscope_sample *s, struct task_struct *task)
+{
+	__u64 sp = s->user_sp;
+	__u64 top = BPF_CORE_READ(task, mm, start_stack);
+	__u64 len = PGSCOPE_USER_STACK_MAX;
+
+	if (top > sp && top - sp < len)
+		len = top - sp;
+	if (len > PGSCOPE_USER_STACK_MAX)
+		len = PGSCOPE_USER_STACK_MAX;
+	if (len && bpf_probe_read_user(s->user_stack, len, (void *)sp) == 0)
+		return len;
+
+	count(PGSCOPE_CNT_USER_STACK_FAULT);
+	len = 4096 - (sp & 4095);
+	if (len > PGSCOPE_USER_STACK_MAX)
+		len = PGSCOPE_USER_STACK_MAX;
+	if (len && bpf_probe_read_user(s->user_stack, len, (void *)sp) == 0)
+		return len;
+	count(PGSCOPE_CNT_USER_STACK_LOST);
+	return 0;
+}
+
+/* Return instances of in-flight uretprobes patched back per sample, a bounded loop (deeper nesting is rare:
+ * one per probed function active in the thread). */
+#define MAX_URETPROBE_FRAMES 8
+
+/* A uretprobe replaces the return address of the probed call on the user stack with the
+ * [uprobes] trampoline, which has no unwind information: stacks through a probed function in
+ * flight would end there. The kernel keeps the original address and the stack slot it took it
+ * from in task->utask->return_instances (innermost first); put them back into the copy. */
+static __always_inline void restore_uretprobe_returns(struct pgscope_sample *s, struct task_struct *task, __u64 len)
+{
+	struct uprobe_task *utask = BPF_CORE_READ(task, utask);
+	if (!utask)
+		return;
+	struct return_instance *ri = BPF_CORE_READ(utask, return_instances);
+
+	for (int i = 0; i < MAX_URETPROBE_FRAMES && ri; i++) {
+		__u64 slot = BPF_CORE_READ(ri, stack);
+		__u64 original = BPF_CORE_READ(ri, orig_ret_vaddr);
+		if (slot >= s->user_sp && slot + 8 <= s->user_sp + len) {
+			__u64 offset = slot - s->user_sp;
+			if (offset <= PGSCOPE_USER_STACK_MAX - 8)
+				__builtin_memcpy(&s->user_stack[offset], &original, 8);
+		}
+		ri = BPF_CORE_READ(ri, next);
+	}
+}
+
+/* Fills in the current task's identity, kernel stack, user registers and user stack copy, and
+ * sends the record (false: the ring buffer was full). The attribution fields are the caller's. */
+static __always_inline bool send_stacks(void *ctx, struct pgscope_sample *s, __u64 pid_tgid, bool kernel)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+
+	s->tgid = pid_tgid >> 32;
+	s->tid = (__u32)pid_tgid;
+	s->time_ns = bpf_ktime_get_ns();
+	s->cpu = bpf_get_smp_processor_id();
+	/* pt_regs of the task are its user registers even when the sample hit in the kernel. */
+	s->user_ip = BPF_CORE_READ(regs, ip);
+	s->user_sp = BPF_CORE_READ(regs, sp);
+	s->user_bp = BPF_CORE_READ(regs, bp);
+
+	long kernel_bytes = 0;
+	if (kernel) {
+		kernel_bytes = bpf_get_stack(ctx, s->kernel_stack, sizeof(s->kernel_stack), 0);
+		if (kernel_bytes < 0) {
+			count(PGSCOPE_CNT_KERNEL_STACK_FAULT);
+			kernel_bytes = 0;
+		}
+	}
+	s->kernel_frames = kernel_bytes / 8;
+
+	/* A thread trapped on a uprobe breakpoint is sampled with its ip one byte past the int3 at
+	 * the probed function's entry, where the unwind tables describe a prologue that has not run:
+	 * unwind from the breakpoint address itself. Only on the kernel path, where the byte before
+	 * ip is the trap instruction and not part of a longer one. */
+	if (s->kernel_frames > 0) {
+		__u8 opcode = 0;
+		if (bpf_probe_read_user(&opcode, 1, (void *)(s->user_ip - 1)) == 0 && opcode == 0xCC)
+			s->user_ip -= 1;
+	}
+
+	__u64 len = copy_user_stack(s, task);
+	s->user_stack_len = len;
+	restore_uretprobe_returns(s, task, len);
+
+	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
+	if (size > sizeof(*s))
+		size = sizeof(*s);
+	if (bpf_ringbuf_output(&samples, s, size, 0)) {
+		count(PGSCOPE_CNT_RINGBUF_FULL);
+		return false;
+	}
+	count(PGSCOPE_CNT_SENT);
+	return true;
+}
