@@ -3,11 +3,11 @@
 // First: its `out!` and `note!` macros print for every module below.
 #[macro_use]
 mod console;
-mod agent;
 mod aggregate;
 mod bpf;
 mod collect;
 mod container;
+mod daemon;
 mod findings;
 #[cfg(test)]
 mod fuzz_tests;
@@ -245,16 +245,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let (agent, config) = match &cli.command {
         Command::Agent(args) => {
-            let source = agent::ConfigSource {
+            let source = daemon::ConfigSource {
                 file: args.config.clone(),
-                flags: agent::config::Overrides {
+                flags: daemon::config::Overrides {
                     pyroscope_url: args.pyroscope_url.clone(),
                     service_name: args.service_name.clone(),
                     frequency: args.frequency,
                     upload_interval: args.upload_interval,
                     metrics_addr: args.metrics_addr,
                     off_cpu: args.off_cpu.then_some(true),
-                    log_format: args.log_json.then_some(agent::config::LogFormat::Json),
+                    log_format: args.log_json.then_some(daemon::config::LogFormat::Json),
                     probes: args.probes.clone(),
                 },
             };
@@ -270,7 +270,10 @@ fn main() -> ExitCode {
                 out!("configuration is valid:\n{}", config.summary());
                 return ExitCode::SUCCESS;
             }
-            init_logs("info", config.server.log_format == agent::config::LogFormat::Json);
+            init_logs(
+                "info",
+                config.server.log_format == daemon::config::LogFormat::Json,
+            );
             (Some(source), Some(config))
         }
         _ => {
@@ -290,7 +293,7 @@ fn main() -> ExitCode {
             Command::Calibrate => trace::calibrate(),
             Command::Report(args) => report::run(&args.from, &args.out, args.output_mode),
             Command::Agent(_) => match (agent, config) {
-                (Some(source), Some(config)) => agent::run(source, config).await,
+                (Some(source), Some(config)) => daemon::run(source, config).await,
                 _ => Err(anyhow::anyhow!("the agent's configuration was not loaded")),
             },
             Command::Trace(args) => {

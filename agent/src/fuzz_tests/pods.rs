@@ -1,4 +1,4 @@
-//! Kubernetes pod JSON (`agent::pods`) and the cgroup lines of `/proc/PID/cgroup`
+//! Kubernetes pod JSON (`daemon::pods`) and the cgroup lines of `/proc/PID/cgroup`
 //! (`container::parse_cgroup`): how a profile finds its pod. Any JSON and any cgroup text
 //! leave the index consistent and never panic; in real-looking seeds the container ID is
 //! found, and the ID a cgroup line names finds its container in the index of its pod.
@@ -15,8 +15,8 @@ use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use serde_json::Value;
 
-use crate::agent::pods::PodIndex;
 use crate::container::parse_cgroup;
+use crate::daemon::pods::PodIndex;
 use crate::fuzzing;
 
 const ORDERS_UID: &str = "8d2f4c1a-77b3-4e0f-9a55-3c6e1b2d4f80";

@@ -1,6 +1,6 @@
 //! `--probes`: per-call statistics of chosen Postgres functions, read back at the end of a trace
 //! and rendered per function and per (queryid, function). Attaching and the duty cycle are in
-//! `probe_set`.
+//! `collect::probes::set`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -99,7 +99,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     let mut state = LoopState::default();
     let mut function_probes = probes::AgentProbes::new(&config);
     let mut agent_findings = findings_state::AgentFindings::default();
-    let mut found = Found {
+    let mut discoverer = Discoverer {
         probes: &mut probes,
         session: &mut session,
         exporter: &mut exporter,
@@ -107,7 +107,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         findings: &mut agent_findings,
         enqueued: &mut state.enqueued,
     };
-    found.discover(&config, off_cpu);
+    discoverer.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
 
     // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
@@ -148,7 +148,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
                 function_probes.tick(&mut probes, &session, DUTY_TICK);
             }
             _ = discovery.tick() => {
-                Found {
+                Discoverer {
                     probes: &mut probes,
                     session: &mut session,
                     exporter: &mut exporter,
@@ -261,9 +261,9 @@ fn apply_reload(old: &AgentConfig, new: &AgentConfig) {
     }
 }
 
-/// What discovery changes: the kernel's filter, the session's instances, the exporter's
-/// last uploads and the function probes.
-struct Found<'a> {
+/// Discovery with what it changes: the kernel's filter, the session's instances, the
+/// exporter's last uploads and the function probes.
+struct Discoverer<'a> {
     probes: &'a mut OnCpuProbes,
     session: &'a mut Session,
     exporter: &'a mut export::Exporter,
@@ -273,11 +273,11 @@ struct Found<'a> {
     enqueued: &'a mut BTreeMap<&'static str, u64>,
 }
 
-impl Found<'_> {
+impl Discoverer<'_> {
     /// Attaches postmasters that appeared (and that the configuration lets in); sends and drops
     /// instances whose postmaster is gone or that the configuration now leaves out.
     fn discover(&mut self, config: &AgentConfig, off_cpu: bool) {
-        let Found {
+        let Discoverer {
             probes,
             session,
             exporter,

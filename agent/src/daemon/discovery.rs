@@ -10,22 +10,22 @@ use crate::target::ProcessInfo;
 
 /// A postmaster found by a scan.
 #[derive(Clone, Debug)]
-pub struct Found {
+pub struct FoundPostmaster {
     pub postmaster: ProcessInfo,
     pub facts: InstanceFacts,
 }
 
 /// Every postmaster running now that the configuration lets in, by PID.
-pub fn scan(config: &DiscoveryConfig) -> Vec<Found> {
+pub fn scan(config: &DiscoveryConfig) -> Vec<FoundPostmaster> {
     let Ok(entries) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut found: Vec<Found> = entries
+    let mut found: Vec<FoundPostmaster> = entries
         .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter_map(ProcessInfo::read)
         .filter(|process| process.is_postgres())
         .filter(|process| !ProcessInfo::read(process.ppid).is_some_and(|parent| parent.is_postgres()))
-        .map(|postmaster| Found {
+        .map(|postmaster| FoundPostmaster {
             facts: InstanceFacts::read(postmaster.pid),
             postmaster,
         })
