@@ -7,6 +7,7 @@ pub mod live;
 pub mod off_cpu;
 pub mod probes;
 pub mod session;
+mod wait_reassembly;
 
 use aya::maps::{MapData, RingBuf};
 

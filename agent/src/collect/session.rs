@@ -1,5 +1,6 @@
 //! The collection core shared by `trace` and `agent`: samples from the ring buffer are decoded,
-//! attributed to their instance, unwound and counted per instance, on CPU and off CPU.
+//! attributed to their instance, unwound and counted per instance, on CPU and off CPU. Off-CPU
+//! waits that arrive in parts are put together by `wait_reassembly`.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -10,14 +11,13 @@ use tracing::debug;
 use super::instance::InstanceContext;
 use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
+use super::wait_reassembly::{OpenPart, PendingWait, WaitReassembly};
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{
-    LongWaitEnd, OffCpuClass, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_LONG_NS, OFF_CPU_PENDING,
-};
+use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
 use crate::bpf::OpenWait;
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
-use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
+use symbolizer::{KernelSymbols, Symbolizer, UserRegs};
 
 /// The stacks of one instance, counted since they were last taken.
 #[derive(Default)]
@@ -43,17 +43,6 @@ pub struct Instance {
     pub on_cpu_samples: u64,
 }
 
-/// A wait whose stacks were taken when it began; its blocked time is still to come.
-struct PendingWait {
-    root: u32,
-    tgid: u32,
-    start_ns: u64,
-    attribution: Attribution,
-    class: OffCpuClass,
-    syscall: &'static str,
-    user: UnwoundStack,
-}
-
 /// Everything that is built up while samples arrive.
 pub struct Session {
     pub symbolizer: Symbolizer,
@@ -74,13 +63,8 @@ pub struct Session {
     /// Per-query and per-wait counts so far, for `trace`'s live view; the agent keeps none
     /// (they would grow with every queryid it ever sees).
     pub live: Option<LiveCounts>,
-    /// Waits in progress whose stacks came when they began, by thread.
-    pending_waits: HashMap<u32, PendingWait>,
-    /// Wait ends without their stacks (the record was lost or did not match).
-    pub unmatched_wait_ends: u64,
-    /// Long waits still open of which parts were shipped (`ship_open_waits`), by thread and
-    /// start: the nanoseconds shipped, which their end leaves out.
-    shipped_open: HashMap<(u32, u64), u64>,
+    /// Off-CPU waits whose parts come in several records.
+    waits: WaitReassembly,
 }
 
 impl Session {
@@ -101,9 +85,7 @@ impl Session {
             query_filter,
             filtered_out: 0,
             live,
-            pending_waits: HashMap::new(),
-            unmatched_wait_ends: 0,
-            shipped_open: HashMap::new(),
+            waits: WaitReassembly::default(),
         }
     }
 
@@ -274,7 +256,7 @@ impl Session {
         self.live_pids.insert(header.tgid);
         match class_of(header.off_cpu_class, postmaster == Some(header.tgid)) {
             Some(class) if header.off_cpu_flags & OFF_CPU_PENDING != 0 => {
-                self.pending_waits.insert(
+                self.waits.begin(
                     header.tid,
                     PendingWait {
                         root,
@@ -311,36 +293,15 @@ impl Session {
     /// A wait whose stacks came when it began has ended: they get its blocked time, or are
     /// dropped when it was short (the kernel counted it in the totals).
     fn end_wait(&mut self, end: WaitEnd) {
-        let Some(pending) = self.pending_waits.remove(&end.tid) else {
-            self.unmatched_wait_ends += 1;
-            return;
-        };
-        if pending.start_ns != end.start_ns {
-            self.unmatched_wait_ends += 1;
-            return;
-        }
-        let shipped = self.shipped_open.remove(&(end.tid, end.start_ns)).unwrap_or(0);
-        let rest = end.blocked_ns.saturating_sub(shipped);
-        if rest == 0 {
-            return;
-        }
-        if let Some(instance) = self.instances.get_mut(&pending.root) {
-            instance.stacks.off_cpu.add_off_cpu(
-                pending.tgid,
-                pending.attribution,
-                pending.class,
-                pending.syscall,
-                pending.user,
-                rest,
-            );
+        if let Some((pending, ns)) = self.waits.end(&end) {
+            self.add_pending_wait(pending, ns);
         }
     }
 
     /// A wait without stacks that lasted a second or more has ended: what was not shipped of
     /// it while it was open is counted like the totals' waits.
     fn end_long_wait(&mut self, end: LongWaitEnd) {
-        let shipped = self.shipped_open.remove(&(end.tid, end.start_ns)).unwrap_or(0);
-        let rest = end.blocked_ns.saturating_sub(shipped);
+        let rest = self.waits.end_long(&end);
         if rest > 0 {
             self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
                 tgid: end.tgid,
@@ -353,49 +314,35 @@ impl Session {
 
     /// Ships what grew, since it was last shipped, of every wait open for a second or more:
     /// the agent does at every upload, so that a backend blocked for minutes is in each
-    /// interval's profile rather than all at once in the one its wait ends in. A part goes
-    /// where the wait's end will: with its stacks when they were taken as it began, else with
-    /// the frame of its kind of wait. The end (a [`WaitEnd`] or [`LongWaitEnd`], both carrying
-    /// the wait's whole time, never the totals) counts only what was not shipped.
+    /// interval's profile rather than all at once in the one its wait ends in. The end (a
+    /// [`WaitEnd`] or [`LongWaitEnd`], both carrying the wait's whole time, never the totals)
+    /// counts only what was not shipped.
     pub fn ship_open_waits(&mut self, open: &[OpenWait]) {
-        // A wait that ended is forgotten with its end record; one whose end record never came
-        // (its process gone) is forgotten here.
-        self.shipped_open.retain(|(tid, start), _| {
-            open.iter().any(|w| w.tid == *tid && w.start_ns == *start)
-                || Path::new(&format!("/proc/{tid}")).exists()
-        });
-        for wait in open.iter().filter(|w| w.so_far_ns >= OFF_CPU_LONG_NS) {
-            let id = (wait.tid, wait.start_ns);
-            let shipped = self.shipped_open.get(&id).copied().unwrap_or(0);
-            let part = wait.so_far_ns.saturating_sub(shipped);
-            if part == 0 {
-                continue;
-            }
-            self.shipped_open.insert(id, wait.so_far_ns);
-            let pending = self
-                .pending_waits
-                .get(&wait.tid)
-                .filter(|p| p.start_ns == wait.start_ns);
-            match pending {
-                Some(pending) => {
-                    if let Some(instance) = self.instances.get_mut(&pending.root) {
-                        instance.stacks.off_cpu.add_off_cpu(
-                            pending.tgid,
-                            pending.attribution.clone(),
-                            pending.class,
-                            pending.syscall,
-                            pending.user.clone(),
-                            part,
-                        );
-                    }
+        for part in self.waits.open_parts(open) {
+            match part {
+                OpenPart::WithStacks(pending, ns) => self.add_pending_wait(pending, ns),
+                OpenPart::WithoutStacks(wait, ns) => {
+                    self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
+                        tgid: wait.tgid,
+                        attr: wait.attr,
+                        ns,
+                        still_open: false,
+                    }))
                 }
-                None => self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
-                    tgid: wait.tgid,
-                    attr: wait.attr,
-                    ns: part,
-                    still_open: false,
-                })),
             }
+        }
+    }
+
+    fn add_pending_wait(&mut self, pending: PendingWait, ns: u64) {
+        if let Some(instance) = self.instances.get_mut(&pending.root) {
+            instance.stacks.off_cpu.add_off_cpu(
+                pending.tgid,
+                pending.attribution,
+                pending.class,
+                pending.syscall,
+                pending.user,
+                ns,
+            );
         }
     }
 
@@ -454,7 +401,7 @@ impl Session {
             self.live_pids.remove(&pid);
         }
         if !exited.is_empty() {
-            self.pending_waits.retain(|_, wait| !exited.contains(&wait.tgid));
+            self.waits.forget_processes(&exited);
         }
         exited
     }
