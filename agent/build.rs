@@ -42,6 +42,10 @@ fn main() {
     check_every_part_is_listed(&bpf_dir);
     let unit = out_dir.join("pgscope.bpf.c");
     std::fs::write(&unit, unit_source(&bpf_dir)).expect("write the BPF unit into OUT_DIR");
+    generate_abi(
+        &bpf_dir.join("include/pgscope.h"),
+        &out_dir.join("pgscope_abi.rs"),
+    );
     compile_bpf(
         &unit,
         &out_dir.join(BPF_OBJECT),
@@ -61,6 +65,32 @@ fn check_every_part_is_listed(bpf_dir: &Path) {
             "bpf/{name} is not in BPF_PARTS (agent/build.rs): add it where it belongs in the order"
         );
     }
+}
+
+/// The Rust side of `pgscope.h`: its structs, enums and constants as the header defines them,
+/// so that one cannot change without the other (`agent/src/bpf/abi.rs` builds on them).
+fn generate_abi(header: &Path, out: &Path) {
+    println!("cargo:rerun-if-changed={}", header.display());
+    let bindings = bindgen::Builder::default()
+        .header(header.to_string_lossy())
+        .allowlist_item("pgscope_.*")
+        .allowlist_item("PGSCOPE_.*")
+        .constified_enum_module("pgscope_.*")
+        .derive_default(true)
+        .derive_eq(true)
+        .derive_hash(true)
+        .layout_tests(false)
+        .use_core()
+        .generate()
+        .unwrap_or_else(|e| {
+            panic!(
+                "bindgen cannot read `{}`: {e}; run `make deps` (libclang)",
+                header.display()
+            )
+        });
+    bindings
+        .write_to_file(out)
+        .unwrap_or_else(|e| panic!("cannot write `{}`: {e}", out.display()));
 }
 
 /// The C unit: the headers every part needs, the license, then each part by absolute path.

@@ -5,7 +5,8 @@
 set -euo pipefail
 
 packages=(
-  clang llvm libbpf-dev bpftool       # BPF programs: compiler, libbpf headers, vmlinux.h
+  clang llvm libbpf-dev bpftool       # BPF programs: compiler, libbpf headers, vmlinux.h; clang
+                                      # brings libclang, which bindgen loads to generate the ABI
   build-essential pkg-config          # C fixtures of the symbolizer tests, Rust build scripts
   binutils elfutils file              # strip/objcopy/readelf for fixtures and the debug-file split
   linux-perf                          # the perf agreement test

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 OR GPL-2.0 */
 /*
  * The one definition of everything that crosses between the BPF programs and the Rust agent.
- * The agent mirrors these structs in agent/src/bpf/abi.rs and asserts the same sizes and
- * offsets at compile time; change both together.
+ * The Rust side is generated from this header when the agent is built (bindgen, in
+ * agent/build.rs); agent/src/bpf/abi.rs names it for Rust and fails to compile when an enum
+ * gains a value it does not name, or the sample's fields move.
  */
 #ifndef PGSCOPE_H
 #define PGSCOPE_H
@@ -110,11 +111,11 @@ struct pgscope_spin_site_stats {
 	__u64 max_ns;
 };
 
-_Static_assert(sizeof(struct pgscope_call_key) == 16, "mirrored in agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_call_stats) == 24 + 8 * PGSCOPE_HIST_BUCKETS, "mirrored in agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_relation_lock_key) == 24, "mirrored in agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_spin_site_key) == 32, "mirrored in agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_spin_site_stats) == 24, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_call_key) == 16, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_call_stats) == 24 + 8 * PGSCOPE_HIST_BUCKETS, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_relation_lock_key) == 24, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_spin_site_key) == 32, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_spin_site_stats) == 24, "read by agent/src/bpf/abi.rs");
 
 /* Where one Postgres process keeps the state pg_stat_activity shows, so that a sample can read
  * it from the backend's own memory at no per-statement cost. Addresses are of the exported
@@ -129,7 +130,7 @@ struct pgscope_pg_layout {
 	__u32 st_query_id_offset; /* offsetof(PgBackendStatus, st_query_id), PG14+ */
 };
 
-_Static_assert(sizeof(struct pgscope_pg_layout) == 40, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_pg_layout) == 40, "read by agent/src/bpf/abi.rs");
 
 /* Why a process was off CPU, from the scheduler's and the syscall's point of view. Postgres'
  * own view (the wait event in force) comes with it. */
@@ -180,8 +181,8 @@ struct pgscope_off_cpu_total {
 	__u64 waits;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_key) == 40, "mirrored in agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_off_cpu_total) == 16, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_key) == 40, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_total) == 16, "read by agent/src/bpf/abi.rs");
 
 /* A thread's off-CPU state (task storage off_cpu_tasks): kept for every thread that switches,
  * so that telling a Postgres thread from any other costs no map lookup; user space reads the
@@ -204,7 +205,7 @@ struct pgscope_off_cpu_task {
 	__u32 st_query_id_offset;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_task) == 88, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 88, "read by agent/src/bpf/abi.rs");
 
 /* The end of an off-CPU wait whose stacks were sent when it began (a sample record with
  * PGSCOPE_OFF_CPU_PENDING): told apart from samples by its size. */
@@ -218,7 +219,7 @@ struct pgscope_wait_end {
 
 #define PGSCOPE_WAIT_END_MAGIC 0x646e457469615750ULL /* "PWaitEnd" */
 
-_Static_assert(sizeof(struct pgscope_wait_end) == 32, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_wait_end) == 32, "read by agent/src/bpf/abi.rs");
 
 /* The end of a wait without stacks that lasted at least PGSCOPE_OFF_CPU_LONG_NS: sent whole
  * rather than added to the totals, so that user space, which may have shipped parts of it
@@ -238,7 +239,7 @@ struct pgscope_long_wait_end {
 #define PGSCOPE_LONG_WAIT_END_MAGIC 0x646e45746961574cULL /* "LWaitEnd" */
 #define PGSCOPE_OFF_CPU_LONG_NS 1000000000ULL
 
-_Static_assert(sizeof(struct pgscope_long_wait_end) == 64, "mirrored in agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_long_wait_end) == 64, "read by agent/src/bpf/abi.rs");
 
 /* pgscope_sample.off_cpu_flags */
 enum pgscope_off_cpu_flags {
@@ -273,10 +274,10 @@ struct pgscope_sample {
 #define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
 
 _Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,
-	       "header layout is mirrored in agent/src/bpf/abi.rs");
+	       "read by agent/src/bpf/abi.rs");
 _Static_assert(__builtin_offsetof(struct pgscope_sample, user_stack) == PGSCOPE_SAMPLE_STACK_OFFSET,
-	       "layout is mirrored in agent/src/bpf/abi.rs");
+	       "read by agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_sample) == PGSCOPE_SAMPLE_STACK_OFFSET + PGSCOPE_USER_STACK_MAX,
-	       "size is mirrored in agent/src/bpf/abi.rs");
+	       "read by agent/src/bpf/abi.rs");
 
 #endif /* PGSCOPE_H */

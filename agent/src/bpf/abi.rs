@@ -1,38 +1,71 @@
-//! Rust mirror of `bpf/include/pgscope.h`. Every size and offset is asserted at compile time
-//! against the same numbers the header asserts with `_Static_assert`.
+//! The Rust side of `bpf/include/pgscope.h`, the one definition of what crosses between the
+//! BPF programs and the agent. Its structs, enums and constants are generated from the header
+//! when the agent is built (bindgen, in `agent/build.rs`), so they cannot drift from it; this
+//! module gives them Rust names, adds the record parsers, and checks at compile time the two
+//! things kept by hand: the Rust enums' variants (one per value of the C enum, in order) and
+//! the flattened sample header (every field at the generated struct's offset).
 
 use std::mem::{offset_of, size_of};
 
-pub const USER_STACK_MAX: usize = 16384;
-pub const KERNEL_FRAMES_MAX: usize = 127;
-const SAMPLE_HEADER_SIZE: usize = 104;
+/// What bindgen generated from the header.
+#[allow(dead_code, non_camel_case_types, non_upper_case_globals, clippy::all)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/pgscope_abi.rs"));
+}
+
+use generated as c;
+
+pub const USER_STACK_MAX: usize = c::PGSCOPE_USER_STACK_MAX as usize;
+pub const KERNEL_FRAMES_MAX: usize = c::PGSCOPE_KERNEL_FRAMES_MAX as usize;
+const SAMPLE_HEADER_SIZE: usize = c::PGSCOPE_SAMPLE_HEADER_SIZE as usize;
 /// Offset of the user stack bytes in a sample record.
-pub const SAMPLE_STACK_OFFSET: usize = SAMPLE_HEADER_SIZE + 8 * KERNEL_FRAMES_MAX;
+pub const SAMPLE_STACK_OFFSET: usize = c::PGSCOPE_SAMPLE_STACK_OFFSET as usize;
 
 /// `enum pgscope_target_flags`.
-pub const TARGET_PROFILE: u8 = 1;
-pub const TARGET_FOLLOW_FORKS: u8 = 2;
-pub const TARGET_OFF_CPU: u8 = 4;
+pub const TARGET_PROFILE: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_PROFILE as u8;
+pub const TARGET_FOLLOW_FORKS: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_FOLLOW_FORKS as u8;
+pub const TARGET_OFF_CPU: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_OFF_CPU as u8;
+
+/// Whether `values` are exactly 0, 1, …, `max` - 1: a Rust enum's variants list every value of
+/// its C enum, in order, so that a value added to the header fails the build until it is named.
+const fn covers_every_value(values: &[u32], max: u32) -> bool {
+    if values.len() != max as usize {
+        return false;
+    }
+    let mut i = 0;
+    while i < values.len() {
+        if values[i] != i as u32 {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
 
 /// `enum pgscope_counter`, in the header's order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum Counter {
-    Samples = 0,
-    Sent = 1,
-    RingbufFull = 2,
-    UserStackFault = 3,
-    UserStackLost = 4,
-    KernelStackFault = 5,
-    NoScratch = 6,
-    ForksFollowed = 7,
-    TargetsFull = 8,
-    AttributionFault = 9,
-    ProbeNoEntry = 10,
-    ProbeMapFull = 11,
-    OffCpuStacks = 12,
-    OffCpuMapFull = 13,
+    Samples = c::pgscope_counter::PGSCOPE_CNT_SAMPLES,
+    Sent = c::pgscope_counter::PGSCOPE_CNT_SENT,
+    RingbufFull = c::pgscope_counter::PGSCOPE_CNT_RINGBUF_FULL,
+    UserStackFault = c::pgscope_counter::PGSCOPE_CNT_USER_STACK_FAULT,
+    UserStackLost = c::pgscope_counter::PGSCOPE_CNT_USER_STACK_LOST,
+    KernelStackFault = c::pgscope_counter::PGSCOPE_CNT_KERNEL_STACK_FAULT,
+    NoScratch = c::pgscope_counter::PGSCOPE_CNT_NO_SCRATCH,
+    ForksFollowed = c::pgscope_counter::PGSCOPE_CNT_FORKS_FOLLOWED,
+    TargetsFull = c::pgscope_counter::PGSCOPE_CNT_TARGETS_FULL,
+    AttributionFault = c::pgscope_counter::PGSCOPE_CNT_ATTRIBUTION_FAULT,
+    ProbeNoEntry = c::pgscope_counter::PGSCOPE_CNT_PROBE_NO_ENTRY,
+    ProbeMapFull = c::pgscope_counter::PGSCOPE_CNT_PROBE_MAP_FULL,
+    OffCpuStacks = c::pgscope_counter::PGSCOPE_CNT_OFF_CPU_STACKS,
+    OffCpuMapFull = c::pgscope_counter::PGSCOPE_CNT_OFF_CPU_MAP_FULL,
 }
+
+const _: () = assert!(covers_every_value(
+    &Counter::ALL_VALUES,
+    c::pgscope_counter::PGSCOPE_CNT_MAX
+));
 
 impl Counter {
     pub const ALL: [Counter; 14] = [
@@ -51,6 +84,17 @@ impl Counter {
         Counter::OffCpuStacks,
         Counter::OffCpuMapFull,
     ];
+
+    /// The values of [`Self::ALL`], for the check against the header.
+    const ALL_VALUES: [u32; Self::ALL.len()] = {
+        let mut values = [0; Self::ALL.len()];
+        let mut i = 0;
+        while i < values.len() {
+            values[i] = Self::ALL[i] as u32;
+            i += 1;
+        }
+        values
+    };
 
     /// Name used in progress lines and metrics.
     pub fn name(self) -> &'static str {
@@ -103,35 +147,66 @@ pub struct SampleHeader {
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
 
+/// Every field of [`SampleHeader`] where `struct pgscope_sample` has it (the attribution's
+/// fields are flattened into the header).
+macro_rules! at_sample_offset {
+    ($($field:ident),* ; $($flat:ident = $attr:ident),*) => {
+        $(const _: () = assert!(offset_of!(SampleHeader, $field) == offset_of!(c::pgscope_sample, $field));)*
+        $(const _: () = assert!(
+            offset_of!(SampleHeader, $flat)
+                == offset_of!(c::pgscope_sample, attr) + offset_of!(c::pgscope_attribution, $attr)
+        );)*
+    };
+}
+
+at_sample_offset!(
+    tgid, tid, time_ns, cpu, kernel_frames, user_ip, user_sp, user_bp, user_stack_len,
+    off_cpu_ns, off_cpu_syscall, off_cpu_flags, kernel_stack;
+    query_id = query_id, wait_event_info = wait_event_info, backend_type = backend_type,
+    database_id = database_id, backend_state = backend_state, attribution = flags,
+    off_cpu_class = off_cpu_class
+);
 const _: () = assert!(offset_of!(SampleHeader, kernel_stack) == SAMPLE_HEADER_SIZE);
-const _: () = assert!(offset_of!(SampleHeader, user_stack_len) == 48);
-const _: () = assert!(offset_of!(SampleHeader, query_id) == 56);
-const _: () = assert!(offset_of!(SampleHeader, attribution) == 80);
-const _: () = assert!(offset_of!(SampleHeader, off_cpu_ns) == 88);
+const _: () = assert!(offset_of!(c::pgscope_sample, user_stack) == SAMPLE_STACK_OFFSET);
 
 /// `enum pgscope_off_cpu_class`: why a process was off CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u32)]
 pub enum OffCpuClass {
-    Futex = 1,
-    Latch = 2,
-    Io = 3,
-    Preempted = 4,
-    Other = 5,
-    Idle = 6,
+    Futex = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_FUTEX,
+    Latch = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_LATCH,
+    Io = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_IO,
+    Preempted = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_PREEMPTED,
+    Other = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_OTHER,
+    Idle = c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_IDLE,
 }
 
+// PGSCOPE_OFF_CPU_NONE (0, an on-CPU sample) and then one variant per class.
+const _: () = assert!(covers_every_value(
+    &[
+        c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_NONE,
+        OffCpuClass::Futex as u32,
+        OffCpuClass::Latch as u32,
+        OffCpuClass::Io as u32,
+        OffCpuClass::Preempted as u32,
+        OffCpuClass::Other as u32,
+        OffCpuClass::Idle as u32,
+    ],
+    c::pgscope_off_cpu_class::PGSCOPE_OFF_CPU_CLASS_MAX
+));
+
 impl OffCpuClass {
+    const ALL: [OffCpuClass; 6] = [
+        OffCpuClass::Futex,
+        OffCpuClass::Latch,
+        OffCpuClass::Io,
+        OffCpuClass::Preempted,
+        OffCpuClass::Other,
+        OffCpuClass::Idle,
+    ];
+
     pub fn from_raw(value: u32) -> Option<OffCpuClass> {
-        Some(match value {
-            1 => OffCpuClass::Futex,
-            2 => OffCpuClass::Latch,
-            3 => OffCpuClass::Io,
-            4 => OffCpuClass::Preempted,
-            5 => OffCpuClass::Other,
-            6 => OffCpuClass::Idle,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|class| *class as u32 == value)
     }
 
     /// The `off_cpu` label value.
@@ -148,76 +223,24 @@ impl OffCpuClass {
 }
 
 /// `struct pgscope_attribution`: what pg_stat_activity showed for a process at one instant.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct RawAttribution {
-    pub query_id: u64,
-    pub wait_event_info: u32,
-    pub backend_type: u32,
-    pub database_id: u32,
-    pub backend_state: u32,
-    pub flags: u32,
-    pub off_cpu_class: u32,
-}
-
+pub type RawAttribution = c::pgscope_attribution;
 /// `struct pgscope_off_cpu_key`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct OffCpuKey {
-    pub tgid: u32,
-    pub _pad: u32,
-    pub attr: RawAttribution,
-}
-
+pub type OffCpuKey = c::pgscope_off_cpu_key;
 /// `struct pgscope_off_cpu_total`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OffCpuTotal {
-    pub ns: u64,
-    pub waits: u64,
-}
-
-/// `struct pgscope_off_cpu_task`: one traced thread's off-CPU state.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OffCpuTask {
-    /// When it was switched out (`bpf_ktime_get_ns`, CLOCK_MONOTONIC); 0 while it runs.
-    pub start_ns: u64,
-    /// `start_ns` of the wait whose stacks were sent when it began, else 0.
-    pub stack_start_ns: u64,
-    pub syscall: u32,
-    pub tgid: u32,
-    pub attr: RawAttribution,
-    pub status_entry: u64,
-    pub wait_event_ptr: u64,
-    pub generation: u32,
-    /// 1: a target measured off CPU (the storage is kept for every thread that switches).
-    pub measured: u32,
-    pub st_state_offset: u32,
-    pub st_query_id_offset: u32,
-}
-
-const _: () = assert!(size_of::<OffCpuTask>() == 88);
+pub type OffCpuTotal = c::pgscope_off_cpu_total;
+/// `struct pgscope_off_cpu_task`: one traced thread's off-CPU state (`start_ns` 0 while it
+/// runs; `measured` 1 for a target measured off CPU).
+pub type OffCpuTask = c::pgscope_off_cpu_task;
 
 /// `enum pgscope_off_cpu_flags`: the record's stacks were taken when the wait began; its
 /// blocked time follows in a [`WaitEnd`].
-pub const OFF_CPU_PENDING: u32 = 1;
+pub const OFF_CPU_PENDING: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_PENDING;
 
-/// `struct pgscope_wait_end`: the end of a wait sent with [`OFF_CPU_PENDING`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WaitEnd {
-    pub tgid: u32,
-    pub tid: u32,
-    /// The pending record's `time_ns`.
-    pub start_ns: u64,
-    /// 0: shorter than the threshold, counted in the totals (drop the stacks).
-    pub blocked_ns: u64,
-    pub magic: u64,
-}
+/// `struct pgscope_wait_end`: the end of a wait sent with [`OFF_CPU_PENDING`] (`blocked_ns` 0:
+/// shorter than the threshold, counted in the totals: drop the stacks).
+pub type WaitEnd = c::pgscope_wait_end;
 
-const WAIT_END_MAGIC: u64 = 0x646e_4574_6961_5750;
-const _: () = assert!(size_of::<WaitEnd>() == 32);
+const WAIT_END_MAGIC: u64 = c::PGSCOPE_WAIT_END_MAGIC;
 
 /// A ring buffer record of exactly `T`'s size, copied out; records of other kinds are told
 /// apart by their size.
@@ -235,24 +258,13 @@ impl WaitEnd {
 }
 /// `struct pgscope_long_wait_end`: a wait without stacks that lasted at least
 /// [`OFF_CPU_LONG_NS`], sent whole instead of added to the totals.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LongWaitEnd {
-    pub tgid: u32,
-    pub tid: u32,
-    /// When it began: `OffCpuTask::start_ns` of the wait.
-    pub start_ns: u64,
-    pub blocked_ns: u64,
-    pub attr: RawAttribution,
-    pub magic: u64,
-}
+pub type LongWaitEnd = c::pgscope_long_wait_end;
 
-const LONG_WAIT_END_MAGIC: u64 = 0x646e_4574_6961_574c;
-const _: () = assert!(size_of::<LongWaitEnd>() == 64);
+const LONG_WAIT_END_MAGIC: u64 = c::PGSCOPE_LONG_WAIT_END_MAGIC;
 
 /// `PGSCOPE_OFF_CPU_LONG_NS`: waits at least this long end in a [`LongWaitEnd`] (or a
 /// [`WaitEnd`] when their stacks were sent), never only in the totals.
-pub const OFF_CPU_LONG_NS: u64 = 1_000_000_000;
+pub const OFF_CPU_LONG_NS: u64 = c::PGSCOPE_OFF_CPU_LONG_NS as u64;
 
 impl LongWaitEnd {
     /// A ring buffer record that is a long wait's end (samples are far longer, wait ends
@@ -262,17 +274,11 @@ impl LongWaitEnd {
     }
 }
 
-const _: () = assert!(size_of::<RawAttribution>() == 32);
-const _: () = assert!(size_of::<OffCpuKey>() == 40);
-const _: () = assert!(size_of::<OffCpuTotal>() == 16);
-
-// SAFETY: both are repr(C) plain old data without padding (sizes asserted above).
+// SAFETY: bindgen's structs are repr(C) plain old data (integers and arrays of them), and the
+// header asserts each size, with explicit `_pad` fields where C would pad.
 unsafe impl aya::Pod for OffCpuKey {}
 unsafe impl aya::Pod for OffCpuTotal {}
-// SAFETY: repr(C) plain old data without padding (size asserted above).
 unsafe impl aya::Pod for OffCpuTask {}
-// SAFETY: repr(C) plain old data without padding (sizes asserted above: 4+4+8+8+8 and
-// 4+4+8+8+32+8 bytes).
 unsafe impl aya::Pod for WaitEnd {}
 unsafe impl aya::Pod for LongWaitEnd {}
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
@@ -307,29 +313,17 @@ impl SampleHeader {
 }
 
 /// `enum pgscope_attribution_flags`.
-pub const ATTR_BACKEND_TYPE: u32 = 1;
-pub const ATTR_DATABASE: u32 = 2;
-pub const ATTR_STATUS: u32 = 4;
-pub const ATTR_WAIT_EVENT: u32 = 8;
+pub const ATTR_BACKEND_TYPE: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_BACKEND_TYPE;
+pub const ATTR_DATABASE: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_DATABASE;
+pub const ATTR_STATUS: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_STATUS;
+pub const ATTR_WAIT_EVENT: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_WAIT_EVENT;
 /// Off-CPU totals: long enough for a stack, but the stack rate limit left it without one.
-pub const ATTR_STACK_NOT_SAMPLED: u32 = 16;
+pub const ATTR_STACK_NOT_SAMPLED: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 
 /// `struct pgscope_pg_layout`: where one Postgres process keeps its pg_stat_activity state.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PgLayout {
-    pub my_be_entry: u64,
-    pub my_wait_event_info: u64,
-    pub my_backend_type: u64,
-    pub my_database_id: u64,
-    pub st_state_offset: u32,
-    pub st_query_id_offset: u32,
-}
+pub type PgLayout = c::pgscope_pg_layout;
 
-const _: () = assert!(size_of::<PgLayout>() == 40);
-const _: () = assert!(offset_of!(PgLayout, st_state_offset) == 32);
-
-// SAFETY: PgLayout is repr(C) plain old data with no padding (asserted size 40 = 4*8 + 2*4).
+// SAFETY: see the off-CPU structs above.
 unsafe impl aya::Pod for PgLayout {}
 
 /// A sample record as read from the ring buffer: the header and the copied user stack.
@@ -457,14 +451,19 @@ mod tests {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u32)]
 pub enum Function {
-    PgssStore = 0,
-    SLock = 1,
-    LockRelationOid = 2,
-    GetCachedPlan = 3,
-    PortalStart = 4,
-    VacUpdateDatfrozenxid = 5,
-    BtGetroot = 6,
+    PgssStore = c::pgscope_function::PGSCOPE_FN_PGSS_STORE,
+    SLock = c::pgscope_function::PGSCOPE_FN_S_LOCK,
+    LockRelationOid = c::pgscope_function::PGSCOPE_FN_LOCK_RELATION_OID,
+    GetCachedPlan = c::pgscope_function::PGSCOPE_FN_GET_CACHED_PLAN,
+    PortalStart = c::pgscope_function::PGSCOPE_FN_PORTAL_START,
+    VacUpdateDatfrozenxid = c::pgscope_function::PGSCOPE_FN_VAC_UPDATE_DATFROZENXID,
+    BtGetroot = c::pgscope_function::PGSCOPE_FN_BT_GETROOT,
 }
+
+const _: () = assert!(covers_every_value(
+    &Function::ALL_VALUES,
+    c::pgscope_function::PGSCOPE_FN_MAX
+));
 
 impl Function {
     pub const ALL: [Function; 7] = [
@@ -476,6 +475,17 @@ impl Function {
         Function::VacUpdateDatfrozenxid,
         Function::BtGetroot,
     ];
+
+    /// The values of [`Self::ALL`], for the check against the header.
+    const ALL_VALUES: [u32; Self::ALL.len()] = {
+        let mut values = [0; Self::ALL.len()];
+        let mut i = 0;
+        while i < values.len() {
+            values[i] = Self::ALL[i] as u32;
+            i += 1;
+        }
+        values
+    };
 
     /// The C function name, as given to `--probes`.
     pub fn name(self) -> &'static str {
@@ -497,7 +507,7 @@ impl Function {
 
 /// `PGSCOPE_CALL_DETAIL_SHIFT`: `CallKey::function` holds the function in its low byte and a
 /// detail above it (for pgss_store its pgssStoreKind + 2: 1 text only, 2 plan, 3 exec).
-const CALL_DETAIL_SHIFT: u32 = 8;
+const CALL_DETAIL_SHIFT: u32 = c::PGSCOPE_CALL_DETAIL_SHIFT;
 
 /// A probed function with the detail its call key records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -530,37 +540,12 @@ impl ProbedCall {
 }
 
 /// Buckets of `struct pgscope_call_stats.hist`: bucket i counts calls of [2^i, 2^(i+1)) ns.
-pub const HIST_BUCKETS: usize = 40;
+pub const HIST_BUCKETS: usize = c::PGSCOPE_HIST_BUCKETS as usize;
 
 /// `struct pgscope_call_key`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CallKey {
-    pub tgid: u32,
-    pub function: u32,
-    pub query_id: u64,
-}
-
+pub type CallKey = c::pgscope_call_key;
 /// `struct pgscope_call_stats`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CallStats {
-    pub calls: u64,
-    pub total_ns: u64,
-    pub max_ns: u64,
-    pub hist: [u64; HIST_BUCKETS],
-}
-
-impl Default for CallStats {
-    fn default() -> Self {
-        Self {
-            calls: 0,
-            total_ns: 0,
-            max_ns: 0,
-            hist: [0; HIST_BUCKETS],
-        }
-    }
-}
+pub type CallStats = c::pgscope_call_stats;
 
 impl CallStats {
     /// Adds another CPU's (or key's) statistics.
@@ -592,37 +577,12 @@ impl CallStats {
 }
 
 /// `struct pgscope_relation_lock_key`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RelationLockKey {
-    pub tgid: u32,
-    pub relid: u32,
-    pub query_id: u64,
-    pub lockmode: u32,
-    pub _pad: u32,
-}
-
-/// `struct pgscope_spin_site_key`: an `s_lock` call site in one backend under one queryid.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct SpinSiteKey {
-    pub tgid: u32,
-    pub line: u32,
-    pub query_id: u64,
-    /// Address of the call site's `__FILE__` string in process `tgid`.
-    pub file: u64,
-    /// Address of the call site's `__func__` string in process `tgid`.
-    pub func: u64,
-}
-
+pub type RelationLockKey = c::pgscope_relation_lock_key;
+/// `struct pgscope_spin_site_key`: an `s_lock` call site in one backend under one queryid
+/// (`file` and `func`: addresses of its `__FILE__` and `__func__` strings in process `tgid`).
+pub type SpinSiteKey = c::pgscope_spin_site_key;
 /// `struct pgscope_spin_site_stats`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SpinSiteStats {
-    pub calls: u64,
-    pub total_ns: u64,
-    pub max_ns: u64,
-}
+pub type SpinSiteStats = c::pgscope_spin_site_stats;
 
 impl SpinSiteStats {
     pub fn merge(&mut self, other: &SpinSiteStats) {
@@ -632,16 +592,7 @@ impl SpinSiteStats {
     }
 }
 
-const _: () = assert!(size_of::<CallKey>() == 16);
-const _: () = assert!(size_of::<SpinSiteKey>() == 32);
-const _: () = assert!(offset_of!(SpinSiteKey, func) == 24);
-const _: () = assert!(size_of::<SpinSiteStats>() == 24);
-const _: () = assert!(size_of::<CallStats>() == 24 + 8 * HIST_BUCKETS);
-const _: () = assert!(size_of::<RelationLockKey>() == 24);
-const _: () = assert!(offset_of!(RelationLockKey, lockmode) == 16);
-
-// SAFETY: all five are repr(C) plain old data without padding (sizes asserted above; the
-// explicit _pad field fills RelationLockKey's tail).
+// SAFETY: see the off-CPU structs above (RelationLockKey's tail is its explicit `_pad`).
 unsafe impl aya::Pod for CallKey {}
 unsafe impl aya::Pod for CallStats {}
 unsafe impl aya::Pod for RelationLockKey {}

@@ -35,7 +35,7 @@ impl OnCpuProbes {
         for pid in self.target_pids()? {
             // Read before the task: a wait seen open was open at least until then.
             let now = monotonic_ns();
-            // SAFETY: OffCpuTask mirrors the map's value type (sizes asserted in abi.rs).
+            // SAFETY: OffCpuTask is the map's value type, generated from pgscope.h.
             let task = unsafe { task_storage::lookup::<OffCpuTask>(tasks.fd().as_fd(), pid) }
                 .with_context(|| format!("reading the off-CPU state of PID {pid}"))?;
             if let Some(task) = task.filter(|t| t.measured == 1 && t.start_ns != 0) {
