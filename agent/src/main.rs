@@ -19,6 +19,7 @@ mod postgres;
 mod preflight;
 mod redact;
 mod report;
+mod signals;
 mod target;
 mod trace;
 

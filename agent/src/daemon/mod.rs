@@ -18,26 +18,23 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use aya::maps::{MapData, RingBuf};
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
-use tokio::signal::unix::{signal, SignalKind};
 use tracing::{info, warn};
 
 use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
+use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
 use crate::collect::probes::statement_clock::CounterLayout;
 use crate::collect::{self, Session};
 use crate::preflight;
+use crate::signals::Signals;
 use config::AgentConfig;
 use symbolizer::{Symbolizer, SymbolizerOptions};
 
 /// How often new and vanished postmasters are looked for.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(2);
-/// How often the function probes' duty cycles advance.
-const DUTY_TICK: Duration = Duration::from_millis(50);
 /// How long stopping may take from SIGTERM to exit, the last push included: well inside a
 /// pod's grace period, and short enough that a restart or rollout is not held up by an
 /// unreachable Pyroscope (what it did not take by then is counted as dropped, and logged).
@@ -110,93 +107,34 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     discoverer.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
 
-    // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
-    // always returns that same fd.
-    let mut ring: AsyncFd<RingBuf<MapData>> =
-        unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)
-            .context("registering the ring buffer with tokio")?;
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut hangup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    let mut second = tokio::time::interval(Duration::from_secs(1));
-    let mut duty_tick = tokio::time::interval(DUTY_TICK);
-    let mut discovery = tokio::time::interval(DISCOVERY_INTERVAL);
     let mut upload = tokio::time::interval(config.collection.upload_interval);
     upload.reset();
-    let mut interval_start = unix_nanos();
     info!(
         frequency_hz = config.collection.frequency,
         upload_interval = ?config.collection.upload_interval,
         off_cpu,
         "profiling"
     );
-    loop {
-        tokio::select! {
-            readable = ring.readable_mut() => {
-                let mut guard = readable.context("waiting on the ring buffer")?;
-                collect::drain(guard.get_inner_mut(), &mut session);
-                guard.clear_ready();
-            }
-            _ = second.tick() => {
-                shared.beat();
-                session.forget_exited();
-                function_probes.measure_cpu(&session, Duration::from_secs(1));
-                shared.publish(state.snapshot(&probes, &session, &exporter, &function_probes, &agent_findings, off_cpu));
-            }
-            _ = duty_tick.tick() => {
-                function_probes.tick(&mut probes, &session, DUTY_TICK);
-            }
-            _ = discovery.tick() => {
-                Discoverer {
-                    probes: &mut probes,
-                    session: &mut session,
-                    exporter: &mut exporter,
-                    function_probes: &mut function_probes,
-                    findings: &mut agent_findings,
-                    enqueued: &mut state.enqueued,
-                }
-                .discover(&config, off_cpu);
-            }
-            _ = upload.tick() => {
-                let now = unix_nanos();
-                // Records already in the ring buffer belong to this interval: the stacks of
-                // waits still open among them, and the ends of waits no longer open.
-                collect::drain(ring.get_mut(), &mut session);
-                totals.add_new_waits(&mut probes, &mut session);
-                let rows = function_probes.take_interval(&mut probes, &session);
-                exporter
-                    .upload(&mut session, &config, interval_start..now, &rows, &mut state.enqueued, &mut agent_findings)
-                    .await;
-                interval_start = now;
-            }
-            _ = hangup.recv() => {
-                match source.load() {
-                    Ok(new) => {
-                        apply_reload(&config, &new);
-                        exporter.reconfigure(&new)?;
-                        if new.collection.upload_interval != config.collection.upload_interval {
-                            upload = tokio::time::interval(new.collection.upload_interval);
-                            upload.reset();
-                        }
-                        config = new;
-                        state.reloads_ok += 1;
-                        info!("configuration reloaded");
-                    }
-                    Err(error) => {
-                        state.reloads_failed += 1;
-                        warn!("configuration not reloaded, the old one stays: {error:#}");
-                    }
-                }
-            }
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-        }
-    }
+    let mut policy = AgentLoop {
+        source: &source,
+        config: &mut config,
+        shared: &shared,
+        exporter: &mut exporter,
+        function_probes: &mut function_probes,
+        findings: &mut agent_findings,
+        state: &mut state,
+        totals: &mut totals,
+        off_cpu,
+        interval_start: unix_nanos(),
+        discovery: tokio::time::interval(DISCOVERY_INTERVAL),
+        upload,
+        signals: Signals::install()?,
+    };
+    let ring = driver::run(ring, &mut session, &mut probes, &mut policy).await?;
+    let interval_start = policy.interval_start;
     let stopping = Instant::now();
     info!("stopping: sending what was collected");
     shared.ready.store(false, Ordering::Relaxed);
-    collect::drain(ring.get_mut(), &mut session);
     totals.add_new_waits(&mut probes, &mut session);
     let rows = function_probes.take_interval(&mut probes, &session);
     function_probes.detach_all(&mut probes, &session);
@@ -224,6 +162,130 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// The agent's part of the collection loop: discovery, uploads, reloads, its metrics and the
+/// probes' duty cycles, until a signal stops it.
+struct AgentLoop<'a> {
+    source: &'a ConfigSource,
+    config: &'a mut AgentConfig,
+    shared: &'a http::Shared,
+    exporter: &'a mut export::Exporter,
+    function_probes: &'a mut probes::AgentProbes,
+    findings: &'a mut findings_state::AgentFindings,
+    state: &'a mut LoopState,
+    totals: &'a mut off_cpu_totals::Tracker,
+    off_cpu: bool,
+    /// When the interval being collected began (Unix ns).
+    interval_start: u64,
+    discovery: tokio::time::Interval,
+    upload: tokio::time::Interval,
+    signals: Signals,
+}
+
+enum AgentEvent {
+    Discovery,
+    Upload,
+    Reload,
+    Stop,
+}
+
+impl Policy for AgentLoop<'_> {
+    type Event = AgentEvent;
+
+    async fn next_event(&mut self) -> AgentEvent {
+        tokio::select! {
+            _ = self.discovery.tick() => AgentEvent::Discovery,
+            _ = self.upload.tick() => AgentEvent::Upload,
+            _ = self.signals.hangup.recv() => AgentEvent::Reload,
+            _ = self.signals.terminate.recv() => AgentEvent::Stop,
+            _ = self.signals.interrupt.recv() => AgentEvent::Stop,
+        }
+    }
+
+    async fn handle(
+        &mut self,
+        event: AgentEvent,
+        session: &mut Session,
+        probes: &mut OnCpuProbes,
+        ring: &mut RingBuf<MapData>,
+    ) -> Result<Flow> {
+        match event {
+            AgentEvent::Discovery => Discoverer {
+                probes,
+                session,
+                exporter: self.exporter,
+                function_probes: self.function_probes,
+                findings: self.findings,
+                enqueued: &mut self.state.enqueued,
+            }
+            .discover(self.config, self.off_cpu),
+            AgentEvent::Upload => {
+                let now = unix_nanos();
+                // Records already in the ring buffer belong to this interval: the stacks of
+                // waits still open among them, and the ends of waits no longer open.
+                collect::drain(ring, session);
+                self.totals.add_new_waits(probes, session);
+                let rows = self.function_probes.take_interval(probes, session);
+                self.exporter
+                    .upload(
+                        session,
+                        self.config,
+                        self.interval_start..now,
+                        &rows,
+                        &mut self.state.enqueued,
+                        self.findings,
+                    )
+                    .await;
+                self.interval_start = now;
+            }
+            AgentEvent::Reload => self.reload()?,
+            AgentEvent::Stop => return Ok(Flow::Stop),
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn each_second(&mut self, session: &mut Session, probes: &mut OnCpuProbes) {
+        self.shared.beat();
+        self.function_probes.measure_cpu(session, Duration::from_secs(1));
+        self.shared.publish(self.state.snapshot(
+            probes,
+            session,
+            self.exporter,
+            self.function_probes,
+            self.findings,
+            self.off_cpu,
+        ));
+    }
+
+    fn duty_tick(&mut self, session: &Session, probes: &mut OnCpuProbes) -> Result<()> {
+        self.function_probes.tick(probes, session, DUTY_TICK);
+        Ok(())
+    }
+}
+
+impl AgentLoop<'_> {
+    /// SIGHUP: the configuration file again; a broken one keeps the old configuration.
+    fn reload(&mut self) -> Result<()> {
+        match self.source.load() {
+            Ok(new) => {
+                apply_reload(self.config, &new);
+                self.exporter.reconfigure(&new)?;
+                if new.collection.upload_interval != self.config.collection.upload_interval {
+                    self.upload = tokio::time::interval(new.collection.upload_interval);
+                    self.upload.reset();
+                }
+                *self.config = new;
+                self.state.reloads_ok += 1;
+                info!("configuration reloaded");
+            }
+            Err(error) => {
+                self.state.reloads_failed += 1;
+                warn!("configuration not reloaded, the old one stays: {error:#}");
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Settings a reload cannot change in a running agent, said once.

@@ -14,14 +14,15 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use std::pin::Pin;
+
 use aya::maps::{MapData, RingBuf};
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::time::Sleep;
 use tracing::warn;
 
 use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
+use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
 use crate::collect::off_cpu::WaitWithoutStack;
 use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
@@ -29,6 +30,7 @@ use crate::collect::{self, Session};
 use crate::output_file::{self, OutputMode, Planned};
 use crate::postgres;
 use crate::preflight;
+use crate::signals::Signals;
 use crate::target::{self, Target};
 pub use probing::{parse_explicit_probe, ExplicitProbe};
 use symbolizer::{KernelSymbols, Symbolizer, SymbolizerOptions};
@@ -309,24 +311,6 @@ fn traced_pids(probes: &OnCpuProbes, root: u32) -> PidsByRoot {
     PidsByRoot::from([(root, pids)])
 }
 
-/// SIGINT, SIGTERM and SIGHUP end a trace early, with its output written: a trace started
-/// from a terminal that then closes (SIGHUP) keeps what it measured.
-struct Signals {
-    interrupt: tokio::signal::unix::Signal,
-    terminate: tokio::signal::unix::Signal,
-    hangup: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn install() -> Result<Self> {
-        Ok(Self {
-            interrupt: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
-            terminate: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
-            hangup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
-        })
-    }
-}
-
 /// `pgscope calibrate`: what a probe hit costs on this machine — the floor (a uprobe running an
 /// empty program) and pgscope's function probes (entry + return, full programs).
 pub fn calibrate() -> Result<()> {
@@ -343,11 +327,8 @@ pub fn calibrate() -> Result<()> {
 /// Queries and wait events the live view shows.
 const LIVE_ROWS: usize = 5;
 
-/// How often probe duty cycles advance.
-const DUTY_TICK: Duration = Duration::from_millis(50);
-
-/// Drains the ring buffer until the duration passes or a signal arrives. Returns whether the
-/// session ended before its duration.
+/// Collects until the duration passes or a signal arrives. Returns whether the session ended
+/// before its duration.
 async fn collect(
     session: &mut Session,
     probes: &mut OnCpuProbes,
@@ -355,58 +336,100 @@ async fn collect(
     ring: RingBuf<MapData>,
     options: &TraceOptions,
     started: Instant,
-    mut signals: Signals,
+    signals: Signals,
 ) -> Result<bool> {
-    // SAFETY: the RingBuf owns its map fd for as long as the AsyncFd owns the RingBuf, and
-    // always returns that same fd.
-    let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-        .map_err(|e| e.into_parts().1)
-        .context("registering the ring buffer with tokio")?;
-    let deadline = tokio::time::sleep(options.duration);
-    tokio::pin!(deadline);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut progress = progress::Progress::new(options.duration);
-    let mut duty_tick = tokio::time::interval(DUTY_TICK);
-    // CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
-    let mut instance_cpu_ns_per_s = 1e9;
-    let mut last_samples = 0u64;
-    let target_pid = session.only().map_or(0, |instance| instance.context.root);
-    let ended_early = loop {
-        tokio::select! {
-            readable = ring.readable_mut() => {
-                let mut guard = readable.context("waiting on the ring buffer")?;
-                collect::drain(guard.get_inner_mut(), session);
-                guard.clear_ready();
-            }
-            _ = tick.tick() => {
-                session.forget_exited();
-                match probes.counters() {
-                    Ok(counters) => {
-                        let samples = counters.get(Counter::Samples);
-                        if last_samples > 0 {
-                            let per_second = samples.saturating_sub(last_samples) as f64;
-                            instance_cpu_ns_per_s = per_second / options.frequency_hz as f64 * 1e9;
-                        }
-                        last_samples = samples;
-                        let mut table = session.live.as_ref().map(|live| live.lines(LIVE_ROWS)).unwrap_or_default();
-                        table.extend(probe_set.live_lines());
-                        let stats = session.only().map(|i| i.stacks.on_cpu.stats()).unwrap_or_default();
-                        progress.update(started.elapsed(), &counters, &stats, &table);
-                    }
-                    Err(error) => warn!("cannot read BPF counters: {error:#}"),
-                }
-            }
-            _ = duty_tick.tick() => {
-                probe_set.tick(probes, DUTY_TICK, instance_cpu_ns_per_s, &traced_pids(probes, target_pid)).context("duty-cycling the probes")?;
-            }
-            _ = &mut deadline => break false,
-            _ = signals.interrupt.recv() => break true,
-            _ = signals.terminate.recv() => break true,
-            _ = signals.hangup.recv() => break true,
-        }
+    let mut policy = TraceLoop {
+        probe_set,
+        frequency_hz: options.frequency_hz,
+        started,
+        progress: progress::Progress::new(options.duration),
+        instance_cpu_ns_per_s: 1e9,
+        last_samples: 0,
+        target_pid: session.only().map_or(0, |instance| instance.context.root),
+        deadline: Box::pin(tokio::time::sleep(options.duration)),
+        signals,
+        ended_early: false,
     };
-    // Samples already in the ring buffer belong to the session.
-    collect::drain(ring.get_mut(), session);
-    progress.finish();
-    Ok(ended_early)
+    driver::run(ring, session, probes, &mut policy).await?;
+    policy.progress.finish();
+    Ok(policy.ended_early)
+}
+
+/// The trace's part of the collection loop: the live view, the probes' duty cycle against the
+/// instance's CPU, and the end (its duration, or a signal).
+struct TraceLoop<'a> {
+    probe_set: &'a mut ProbeSet,
+    frequency_hz: u64,
+    started: Instant,
+    progress: progress::Progress,
+    /// CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
+    instance_cpu_ns_per_s: f64,
+    last_samples: u64,
+    target_pid: u32,
+    deadline: Pin<Box<Sleep>>,
+    signals: Signals,
+    ended_early: bool,
+}
+
+/// What ends a trace.
+enum TraceEvent {
+    Deadline,
+    Signal,
+}
+
+impl Policy for TraceLoop<'_> {
+    type Event = TraceEvent;
+
+    async fn next_event(&mut self) -> TraceEvent {
+        tokio::select! {
+            _ = &mut self.deadline => TraceEvent::Deadline,
+            _ = self.signals.interrupt.recv() => TraceEvent::Signal,
+            _ = self.signals.terminate.recv() => TraceEvent::Signal,
+            _ = self.signals.hangup.recv() => TraceEvent::Signal,
+        }
+    }
+
+    async fn handle(
+        &mut self,
+        event: TraceEvent,
+        _: &mut Session,
+        _: &mut OnCpuProbes,
+        _: &mut RingBuf<MapData>,
+    ) -> Result<Flow> {
+        self.ended_early = matches!(event, TraceEvent::Signal);
+        Ok(Flow::Stop)
+    }
+
+    fn each_second(&mut self, session: &mut Session, probes: &mut OnCpuProbes) {
+        match probes.counters() {
+            Ok(counters) => {
+                let samples = counters.get(Counter::Samples);
+                if self.last_samples > 0 {
+                    let per_second = samples.saturating_sub(self.last_samples) as f64;
+                    self.instance_cpu_ns_per_s = per_second / self.frequency_hz as f64 * 1e9;
+                }
+                self.last_samples = samples;
+                let mut table = session
+                    .live
+                    .as_ref()
+                    .map(|live| live.lines(LIVE_ROWS))
+                    .unwrap_or_default();
+                table.extend(self.probe_set.live_lines());
+                let stats = session
+                    .only()
+                    .map(|i| i.stacks.on_cpu.stats())
+                    .unwrap_or_default();
+                self.progress
+                    .update(self.started.elapsed(), &counters, &stats, &table);
+            }
+            Err(error) => warn!("cannot read BPF counters: {error:#}"),
+        }
+    }
+
+    fn duty_tick(&mut self, _: &Session, probes: &mut OnCpuProbes) -> Result<()> {
+        let pids = traced_pids(probes, self.target_pid);
+        self.probe_set
+            .tick(probes, DUTY_TICK, self.instance_cpu_ns_per_s, &pids)
+            .context("duty-cycling the probes")
+    }
 }
