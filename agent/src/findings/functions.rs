@@ -3,8 +3,15 @@
 //! its on-CPU time (samples × period) plus its off-CPU time without idle client waits. When
 //! one function takes most of it, that function is the statement's cost, whatever the plan
 //! says — and each probed function is one whose cost has a known mechanism.
+//!
+//! Without off-CPU time the two do not compare: the statement's time is then its CPU time
+//! alone, while a call's time still includes being preempted, and on a busy host a function
+//! would look like most of a statement it is a small part of. Its share is then read from the
+//! samples instead: of the statement's on-CPU samples, those with the function on the stack.
 
 use std::collections::{BTreeMap, HashMap};
+
+use exporters::Profile;
 
 use super::{percent, Finding, ProbeRow, Severity};
 use crate::bpf::abi::Function;
@@ -60,7 +67,42 @@ fn mechanism(function: Function) -> Option<(&'static str, &'static str)> {
 /// Statement time per queryid: on-CPU and blocked, in nanoseconds.
 pub type StatementTime = HashMap<i64, u64>;
 
-pub fn dominating(rows: &[ProbeRow], statement_time: &StatementTime, min_statement_ns: u64) -> Vec<Finding> {
+/// What a function's share of a statement is measured against.
+#[derive(Clone, Copy)]
+pub enum ShareOf<'a> {
+    /// The statement's time on and off CPU (off-CPU time was measured).
+    Time,
+    /// The statement's on-CPU samples (off-CPU time was not measured).
+    CpuSamples(&'a Profile),
+}
+
+/// Of `query_id`'s on-CPU samples, the share with `function` on the stack.
+fn sampled_share(profile: &Profile, query_id: i64, function: &str) -> f64 {
+    let wanted = query_id.to_string();
+    let (mut with, mut all) = (0u64, 0u64);
+    for sample in profile
+        .samples
+        .iter()
+        .filter(|s| s.label("queryid") == Some(wanted.as_str()))
+    {
+        all += sample.count;
+        if sample.frames.iter().any(|f| &*f.name == function) {
+            with += sample.count;
+        }
+    }
+    if all == 0 {
+        0.0
+    } else {
+        with as f64 / all as f64
+    }
+}
+
+pub fn dominating(
+    rows: &[ProbeRow],
+    statement_time: &StatementTime,
+    min_statement_ns: u64,
+    share_of: ShareOf,
+) -> Vec<Finding> {
     let mut per_call: BTreeMap<(i64, Function), (u64, u64)> = BTreeMap::new();
     for row in rows.iter().filter(|r| r.query_id != 0) {
         let entry = per_call.entry((row.query_id, row.function)).or_default();
@@ -78,7 +120,10 @@ pub fn dominating(rows: &[ProbeRow], statement_time: &StatementTime, min_stateme
         if calls < MIN_CALLS || statement_ns < min_statement_ns {
             continue;
         }
-        let share = ns as f64 / statement_ns as f64;
+        let (share, of) = match share_of {
+            ShareOf::Time => (ns as f64 / statement_ns as f64, "time"),
+            ShareOf::CpuSamples(profile) => (sampled_share(profile, query_id, function.name()), "CPU time"),
+        };
         if share < DOMINANT {
             continue;
         }
@@ -90,7 +135,7 @@ pub fn dominating(rows: &[ProbeRow], statement_time: &StatementTime, min_stateme
                 Severity::Warning
             },
             title: format!(
-                "queryid {query_id} spends {} of its time in {}",
+                "queryid {query_id} spends {} of its {of} in {}",
                 percent(share.min(1.0)),
                 function.name()
             ),
@@ -105,7 +150,12 @@ pub fn dominating(rows: &[ProbeRow], statement_time: &StatementTime, min_stateme
                     format!("{:.1}", ns as f64 / 1e6),
                 ),
                 (
-                    "ms of the statement (on CPU + blocked)".into(),
+                    match share_of {
+                        ShareOf::Time => "ms of the statement (on CPU + blocked)".into(),
+                        ShareOf::CpuSamples(_) => {
+                            "ms of the statement on CPU (blocked time not measured)".into()
+                        }
+                    },
                     format!("{:.1}", statement_ns as f64 / 1e6),
                 ),
                 ("what it does".into(), what.into()),
@@ -140,7 +190,7 @@ mod tests {
             // PortalStart is a phase, left to the phase rule.
             row(8, Function::PortalStart, 1000, 900_000_000),
         ];
-        let found = dominating(&rows, &time, 1);
+        let found = dominating(&rows, &time, 1, ShareOf::Time);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].query_ids, vec![7]);
         assert_eq!(found[0].severity, Severity::Critical);
@@ -157,14 +207,57 @@ mod tests {
             row(7, Function::PgssStore, 500, 30_000_000),
             row(7, Function::PgssStore, 500, 30_000_000),
         ];
-        assert_eq!(dominating(&rows, &time, 1).len(), 1);
+        assert_eq!(dominating(&rows, &time, 1, ShareOf::Time).len(), 1);
         assert!(
-            dominating(&rows, &time, 200_000_000).is_empty(),
+            dominating(&rows, &time, 200_000_000, ShareOf::Time).is_empty(),
             "too short a statement"
         );
         let few = vec![row(7, Function::PgssStore, 5, 90_000_000)];
-        assert!(dominating(&few, &time, 1).is_empty(), "too few calls");
+        assert!(
+            dominating(&few, &time, 1, ShareOf::Time).is_empty(),
+            "too few calls"
+        );
         let unknown = vec![row(0, Function::PgssStore, 500, 90_000_000)];
-        assert!(dominating(&unknown, &StatementTime::from([(0, 100_000_000)]), 1).is_empty());
+        assert!(dominating(
+            &unknown,
+            &StatementTime::from([(0, 100_000_000)]),
+            1,
+            ShareOf::Time
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn without_blocked_time_the_share_comes_from_the_samples() {
+        use crate::findings::cpu::tests::{profile, sample};
+        // Preempted on a busy host, the calls' wall time is 90% of the statement's CPU time;
+        // the samples show the function on the stack in one sample of ten.
+        let time = StatementTime::from([(7, 1_000_000_000)]);
+        let rows = vec![row(7, Function::VacUpdateDatfrozenxid, 500, 900_000_000)];
+        let small = profile(vec![
+            sample(7, "executor", &["exec_simple_query", "vacuum"], 9),
+            sample(7, "executor", &["vacuum", "vac_update_datfrozenxid"], 1),
+        ]);
+        assert!(
+            dominating(&rows, &time, 1, ShareOf::CpuSamples(&small)).is_empty(),
+            "named from wall time against CPU time"
+        );
+        assert_eq!(dominating(&rows, &time, 1, ShareOf::Time).len(), 1);
+        let large = profile(vec![
+            sample(7, "executor", &["vacuum"], 2),
+            sample(
+                7,
+                "executor",
+                &["vacuum", "vac_update_datfrozenxid", "heap_getnext"],
+                8,
+            ),
+            sample(8, "executor", &["other"], 50),
+        ]);
+        let found = dominating(&rows, &time, 1, ShareOf::CpuSamples(&large));
+        assert_eq!(found.len(), 1);
+        assert_eq!(
+            found[0].title,
+            "queryid 7 spends 80.0% of its CPU time in vac_update_datfrozenxid"
+        );
     }
 }

@@ -84,10 +84,15 @@ pub fn evaluate(evidence: &Evidence) -> Vec<Finding> {
     findings.extend(indexes::repeated_descents(&queries));
     let period = evidence.on_cpu.meta.period;
     let time = statement_time(&queries, period, evidence.off_cpu);
+    let share_of = match evidence.off_cpu {
+        Some(_) => functions::ShareOf::Time,
+        None => functions::ShareOf::CpuSamples(evidence.on_cpu),
+    };
     findings.extend(functions::dominating(
         evidence.probes,
         &time,
         cpu::MIN_SAMPLES * period,
+        share_of,
     ));
     let seconds = evidence.on_cpu.meta.duration_nanos as f64 / 1e9;
     findings.extend(spin_sites::spinning_sites(
