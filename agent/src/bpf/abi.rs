@@ -26,6 +26,19 @@ pub const TARGET_PROFILE: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_PROFILE a
 pub const TARGET_FOLLOW_FORKS: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_FOLLOW_FORKS as u8;
 pub const TARGET_OFF_CPU: u8 = c::pgscope_target_flags::PGSCOPE_TARGET_OFF_CPU as u8;
 
+/// The `u32` values of an array of fieldless `repr(u32)` enum variants, in a const context.
+macro_rules! values_of {
+    ($all:expr) => {{
+        let mut values = [0; $all.len()];
+        let mut i = 0;
+        while i < values.len() {
+            values[i] = $all[i] as u32;
+            i += 1;
+        }
+        values
+    }};
+}
+
 /// Whether `values` are exactly 0, 1, …, `max` - 1: a Rust enum's variants list every value of
 /// its C enum, in order, so that a value added to the header fails the build until it is named.
 const fn covers_every_value(values: &[u32], max: u32) -> bool {
@@ -86,15 +99,7 @@ impl Counter {
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
-    const ALL_VALUES: [u32; Self::ALL.len()] = {
-        let mut values = [0; Self::ALL.len()];
-        let mut i = 0;
-        while i < values.len() {
-            values[i] = Self::ALL[i] as u32;
-            i += 1;
-        }
-        values
-    };
+    const ALL_VALUES: [u32; Self::ALL.len()] = values_of!(Self::ALL);
 
     /// Name used in progress lines and metrics.
     pub fn name(self) -> &'static str {
@@ -477,15 +482,7 @@ impl Function {
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
-    const ALL_VALUES: [u32; Self::ALL.len()] = {
-        let mut values = [0; Self::ALL.len()];
-        let mut i = 0;
-        while i < values.len() {
-            values[i] = Self::ALL[i] as u32;
-            i += 1;
-        }
-        values
-    };
+    const ALL_VALUES: [u32; Self::ALL.len()] = values_of!(Self::ALL);
 
     /// The C function name, as given to `--probes`.
     pub fn name(self) -> &'static str {
