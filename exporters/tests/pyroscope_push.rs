@@ -119,17 +119,18 @@ fn answer(
         200 => String::new(),
         _ => r#"{"code":"invalid_argument","message":"scripted refusal"}"#.to_string(),
     };
+    // Kept before answering: once the sender has its answer, the request is here.
+    received.lock().expect("requests").push(Received {
+        headers,
+        body,
+        status,
+    });
     let mut stream = stream;
     write!(
         stream,
         "HTTP/1.1 {status} X\r\n{extra_headers}Content-Length: {}\r\nConnection: close\r\n\r\n{text}",
         text.len()
     )?;
-    received.lock().expect("requests").push(Received {
-        headers,
-        body,
-        status,
-    });
     Ok(())
 }
 
@@ -253,6 +254,9 @@ async fn retryable_errors_are_retried_until_the_batch_arrives() {
             .series,
     );
     wait_until("the third attempt", || server.accepted().len() == 1).await;
+    // The server keeps a request once it has answered; the sender counts it once it has read
+    // the answer, a moment later.
+    wait_until("the sender to count it", || sender.stats().pushes_ok == 1).await;
     let stats = sender.stats();
     assert_eq!(stats.retries, 2);
     assert_eq!(stats.pushes_failed_retryable, 2);
@@ -304,7 +308,10 @@ async fn a_full_queue_drops_the_oldest_and_the_rest_arrives_once_the_server_is_u
 
     let server = Server::serve(TcpListener::bind(("127.0.0.1", port)).expect("rebind"), &[]);
     wait_until("the queued batches", || server.accepted().len() == 3).await;
-    assert_eq!(sender.stats().queue_depth_batches, 0);
+    wait_until("the sender to count them", || {
+        sender.stats().queue_depth_batches == 0
+    })
+    .await;
     assert_eq!(sender.stats().dropped_queue_full_batches, 2);
 }
 
