@@ -535,10 +535,8 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
             profile.examples_where(|s| s.pid() != Some(session.pid()), 5)
         );
         if expect_samples {
-            // Samples pass the filter; how many depends on the CPU the backend gets beside the
-            // other busy one (136 of at most 396 on a loaded 2-core CI machine).
             ensure!(
-                profile.total() >= 40,
+                profile.total() >= 150,
                 "{name}: only {} samples of the busy backend {} with --queryid {wanted}",
                 profile.total(),
                 session.pid()
