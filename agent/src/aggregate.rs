@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::bpf::abi::OffCpuClass;
+use crate::model::labels as label;
 use crate::postgres::attribution::Attribution;
 use crate::postgres::phase::Phase;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
@@ -262,17 +263,17 @@ impl StackAggregator {
                     kind: FrameKind::Kernel,
                 });
             }
-            let mut labels = vec![("pid".to_string(), key.pid.to_string())];
+            let mut labels = vec![(label::PID.to_string(), key.pid.to_string())];
             key.attribution.push_labels(&mut labels, database_names);
             if let Some(class) = key.off_cpu {
-                labels.push(("off_cpu".to_string(), class.name().to_string()));
+                labels.push((label::OFF_CPU.to_string(), class.name().to_string()));
             }
             let user_names = frames
                 .iter()
                 .filter(|f| f.kind == FrameKind::User)
                 .map(|f| &*f.name);
             if let Some(phase) = Phase::of_stack(user_names) {
-                labels.push(("phase".to_string(), phase.label().to_string()));
+                labels.push((label::PHASE.to_string(), phase.label().to_string()));
             }
             labels.sort();
             samples.push(StackSample {

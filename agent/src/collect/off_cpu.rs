@@ -130,7 +130,7 @@ pub fn without_idle(profile: &Profile) -> Profile {
     kept.samples.retain(|s| {
         !s.labels
             .iter()
-            .any(|(k, v)| k == "off_cpu" && v == OffCpuClass::Idle.name())
+            .any(|(k, v)| k == crate::model::labels::OFF_CPU && v == OffCpuClass::Idle.name())
     });
     kept
 }

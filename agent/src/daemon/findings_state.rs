@@ -10,7 +10,8 @@ use exporters::Profile;
 use tracing::{debug, info};
 
 use super::probes::CallRow;
-use crate::findings::{self, Evidence, Finding, PgssEvidence, ProbeRow, Severity};
+use crate::findings::{self, Finding, Severity};
+use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId};
 use crate::postgres::sql;
 
 /// Findings kept per instance, most severe first: /metrics has one series per finding, and
@@ -37,7 +38,7 @@ const PGSS_ABSENT_RETRY: Duration = Duration::from_secs(600);
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FindingKey {
     pub kind: &'static str,
-    pub query_id: Option<i64>,
+    pub query_id: Option<QueryId>,
     pub severity: Severity,
 }
 
@@ -161,22 +162,22 @@ impl AgentFindings {
             .unwrap_or_default()
             .iter()
             .map(|row| ProbeRow {
-                query_id: row.query_id,
+                query_id: QueryId(row.query_id),
                 function: row.call.function,
                 calls: row.calls,
                 total_ns: row.total_ns,
             })
             .collect();
-        let found = findings::evaluate(&Evidence {
+        let found = findings::evaluate(&Analysis::new(Measurements {
             on_cpu,
-            probes: &probes,
             off_cpu,
+            probes: &probes,
+            // The agent's probes count calls; call sites are `pgscope trace --probes s_lock`'s.
+            spin_sites: &[],
             pgss,
             // Settings are quoted by `pgscope trace`; the agent reads only the counter above.
             instance: None,
-            // The agent's probes count calls; call sites are `pgscope trace --probes s_lock`'s.
-            spin_sites: &[],
-        });
+        }));
         self.evaluated += 1;
         self.update(instance, &found);
     }
@@ -305,7 +306,7 @@ mod tests {
             severity,
             title: format!("{kind} of {query_id}"),
             numbers: Vec::new(),
-            query_ids: vec![query_id],
+            query_ids: vec![QueryId(query_id)],
             frames: Vec::new(),
             action: "consider".into(),
         }
@@ -352,7 +353,7 @@ mod tests {
     fn key(kind: &'static str, query_id: i64, severity: Severity) -> FindingKey {
         FindingKey {
             kind,
-            query_id: Some(query_id),
+            query_id: Some(QueryId(query_id)),
             severity,
         }
     }
@@ -488,7 +489,7 @@ mod tests {
         assert_eq!(kept.len(), MAX_PER_INSTANCE);
         assert_eq!(kept.iter().filter(|f| f.kind == "phase_dominance").count(), 19);
         assert_eq!(
-            kept.last().map(|f| (f.kind, f.query_ids[0])),
+            kept.last().map(|f| (f.kind, f.query_ids[0].0)),
             Some(("top_cpu", 100))
         );
 
@@ -496,7 +497,10 @@ mod tests {
             .map(|q| finding("top_cpu", q, Severity::Info))
             .chain((200..205).map(|q| finding("top_wait", q, Severity::Info)))
             .collect();
-        let kept: Vec<(&str, i64)> = bounded(&tops).iter().map(|f| (f.kind, f.query_ids[0])).collect();
+        let kept: Vec<(&str, i64)> = bounded(&tops)
+            .iter()
+            .map(|f| (f.kind, f.query_ids[0].0))
+            .collect();
         assert_eq!(
             kept,
             vec![

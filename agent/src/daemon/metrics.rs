@@ -7,6 +7,7 @@ use super::probes::ProbeMetrics;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::model::QueryId;
 use exporters::pyroscope::SenderStats;
 
 /// What the main loop publishes.
@@ -287,7 +288,7 @@ fn render_findings(out: &mut Text, findings: &FindingsSnapshot) {
                     ("instance", instance),
                     ("kind", key.kind),
                     ("severity", key.severity.name()),
-                    ("queryid", &query_id),
+                    (QueryId::LABEL, &query_id),
                 ],
                 1,
             );
@@ -409,7 +410,7 @@ mod tests {
             vec![
                 FindingKey {
                     kind: "top_cpu",
-                    query_id: Some(-42),
+                    query_id: Some(QueryId(-42)),
                     severity: Severity::Info,
                 },
                 FindingKey {

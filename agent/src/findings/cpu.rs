@@ -1,11 +1,10 @@
 //! Rules over on-CPU stacks per queryid: where each statement's CPU goes by phase and through
 //! which Postgres functions.
 
-use std::collections::{BTreeMap, HashMap};
-
-use exporters::{Frame, FrameKind, Profile};
+use std::collections::BTreeMap;
 
 use super::{percent, Finding, Severity};
+use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
 
 /// A query needs this many samples before a share of them means anything.
@@ -13,10 +12,10 @@ pub(super) const MIN_SAMPLES: u64 = 20;
 
 /// Queries a per-statement rule can speak of: queryid 0 is not a statement but "not computed
 /// yet" — every statement's parsing runs before its queryid is set.
-pub(super) fn statements(queries: &[QueryCpu]) -> impl Iterator<Item = &QueryCpu> {
+pub(super) fn statements(queries: &[StatementCpu]) -> impl Iterator<Item = &StatementCpu> {
     queries
         .iter()
-        .filter(|q| q.query_id != 0 && q.samples >= MIN_SAMPLES)
+        .filter(|q| q.query_id.is_statement() && q.samples >= MIN_SAMPLES)
 }
 /// Top CPU consumers named, always (those with at least `TOP_MIN_SHARE` of the samples).
 const TOP: usize = 3;
@@ -31,115 +30,14 @@ const SPIN_CRITICAL: f64 = 0.20;
 const PLAN_LOCKS_WARN: f64 = 0.20;
 const PLAN_LOCKS_CRITICAL: f64 = 0.50;
 
-/// One queryid's on-CPU samples.
-#[derive(Clone, Debug, Default)]
-pub struct QueryCpu {
-    pub query_id: i64,
-    pub samples: u64,
-    /// Samples per phase, in [`Phase::ALL`] order.
-    pub by_phase: [u64; Phase::ALL.len()],
-    /// Samples in s_lock, per caller (the frame above it).
-    pub spinning: BTreeMap<String, u64>,
-    /// Samples locking a relation (LockRelationOid) under GetCachedPlan.
-    pub plan_locking: u64,
-    /// Samples in the planner itself (`planner`, `standard_planner`): the plan phase also
-    /// covers a cached plan's revalidation and locking, which is not planning.
-    pub planner: u64,
-    /// Samples starting B-tree index scans: `_bt_first` (descending from the root to the first
-    /// leaf and reading it) and the rescan that precedes it when a scan is restarted
-    /// (`btrescan`).
-    pub index_descents: u64,
-    /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
-    /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
-    pub deferred_to_commit: u64,
-}
-
-fn user_names(frames: &[Frame]) -> Vec<&str> {
-    frames
-        .iter()
-        .filter(|f| f.kind == FrameKind::User)
-        .map(|f| &*f.name)
-        .collect()
-}
-
-impl QueryCpu {
-    /// Per queryid, most samples first; samples without a queryid are left out.
-    pub fn from_profile(profile: &Profile) -> Vec<QueryCpu> {
-        let mut queries: HashMap<i64, QueryCpu> = HashMap::new();
-        for sample in &profile.samples {
-            let Some(query_id) = sample.label("queryid").and_then(|v| v.parse().ok()) else {
-                continue;
-            };
-            let query = queries.entry(query_id).or_insert_with(|| QueryCpu {
-                query_id,
-                ..Default::default()
-            });
-            query.samples += sample.count;
-            if let Some(index) = sample
-                .label("phase")
-                .and_then(|phase| Phase::ALL.iter().position(|p| p.label() == phase))
-            {
-                query.by_phase[index] += sample.count;
-            }
-            // Root first: a function's callers come before it.
-            let names = user_names(&sample.frames);
-            if let Some(at) = names.iter().position(|n| *n == "s_lock") {
-                let caller = at.checked_sub(1).map_or("?", |c| names[c]);
-                *query.spinning.entry(caller.to_string()).or_insert(0) += sample.count;
-            }
-            if names.iter().any(|n| *n == "planner" || *n == "standard_planner") {
-                query.planner += sample.count;
-            }
-            if names
-                .iter()
-                .any(|n| matches!(*n, "_bt_first" | "_bt_search" | "_bt_getroot" | "btrescan"))
-            {
-                query.index_descents += sample.count;
-            }
-            if names.iter().any(|n| {
-                matches!(
-                    *n,
-                    "AfterTriggerFireDeferred"
-                        | "PreCommit_on_commit_actions"
-                        | "PreCommit_Notify"
-                        | "smgrDoPendingDeletes"
-                )
-            }) {
-                query.deferred_to_commit += sample.count;
-            }
-            if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
-                if names[plan..].contains(&"LockRelationOid") {
-                    query.plan_locking += sample.count;
-                }
-            }
-        }
-        let mut out: Vec<QueryCpu> = queries.into_values().collect();
-        out.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.query_id.cmp(&b.query_id)));
-        out
-    }
-
-    pub(super) fn phase(&self, phase: Phase) -> u64 {
-        Phase::ALL
-            .iter()
-            .position(|p| *p == phase)
-            .map_or(0, |i| self.by_phase[i])
-    }
-
-    /// The phase with most samples, and its share of the query's samples.
-    fn dominant_phase(&self) -> Option<(Phase, f64)> {
-        let (index, &samples) = self.by_phase.iter().enumerate().max_by_key(|(_, &n)| n)?;
-        (samples > 0).then(|| (Phase::ALL[index], samples as f64 / self.samples as f64))
-    }
-}
-
 /// The queries that use the most CPU, with the phase most of it is in: always reported.
-pub fn top_consumers(queries: &[QueryCpu], total: u64) -> Vec<Finding> {
+pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
     if total == 0 {
         return Vec::new();
     }
     queries
         .iter()
-        .filter(|q| q.query_id != 0 && q.samples as f64 / total as f64 >= TOP_MIN_SHARE)
+        .filter(|q| q.query_id.is_statement() && q.samples as f64 / total as f64 >= TOP_MIN_SHARE)
         .take(TOP)
         .map(|q| {
             let share = q.samples as f64 / total as f64;
@@ -171,7 +69,7 @@ pub fn top_consumers(queries: &[QueryCpu], total: u64) -> Vec<Finding> {
 
 /// Statements whose CPU goes mostly to parse, analysis and planning: pg_stat_statements times
 /// execution only (planning with track_planning, off by default; parsing never).
-pub fn planning_dominated(queries: &[QueryCpu]) -> Vec<Finding> {
+pub fn planning_dominated(queries: &[StatementCpu]) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let parse = q.phase(Phase::Parse) + q.phase(Phase::Analyze);
@@ -204,8 +102,7 @@ pub fn planning_dominated(queries: &[QueryCpu]) -> Vec<Finding> {
 
 /// Time spinning on spinlocks, per query and over all: many backends want the same short
 /// critical section at once. The caller of s_lock names the lock.
-pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
-    let total = profile.total_count();
+pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
     let mut callers: BTreeMap<String, u64> = BTreeMap::new();
     let mut spinning_queries = Vec::new();
     for q in queries {
@@ -213,7 +110,10 @@ pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
         for (caller, n) in &q.spinning {
             *callers.entry(caller.clone()).or_insert(0) += n;
         }
-        if q.query_id != 0 && q.samples >= MIN_SAMPLES && spun as f64 / q.samples as f64 >= SPIN_WARN {
+        if q.query_id.is_statement()
+            && q.samples >= MIN_SAMPLES
+            && spun as f64 / q.samples as f64 >= SPIN_WARN
+        {
             spinning_queries.push((q.query_id, spun));
         }
     }
@@ -266,7 +166,7 @@ pub fn spinning(queries: &[QueryCpu], profile: &Profile) -> Vec<Finding> {
 /// Cached generic plans that spend the statement's time locking relations: GetCachedPlan
 /// locks every relation a generic plan references before run-time pruning, every partition
 /// of a partitioned table included.
-pub fn generic_plan_locking(queries: &[QueryCpu]) -> Vec<Finding> {
+pub fn generic_plan_locking(queries: &[StatementCpu]) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let share = q.plan_locking as f64 / q.samples as f64;
@@ -299,34 +199,11 @@ pub fn generic_plan_locking(queries: &[QueryCpu]) -> Vec<Finding> {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
-    use exporters::{ProfileMeta, StackSample};
-    use std::sync::Arc;
-
-    pub fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
-        StackSample {
-            frames: frames
-                .iter()
-                .map(|name| Frame {
-                    name: Arc::from(*name),
-                    kind: FrameKind::User,
-                })
-                .collect(),
-            labels: vec![
-                ("phase".into(), phase.into()),
-                ("queryid".into(), query_id.to_string()),
-            ],
-            count,
-        }
-    }
-
-    pub fn profile(samples: Vec<StackSample>) -> Profile {
-        Profile {
-            meta: ProfileMeta::cpu(99, 0, 1),
-            samples,
-        }
-    }
+    use crate::model::statements::statements as table;
+    use crate::model::statements::tests::{profile, sample};
+    use crate::model::QueryId;
 
     #[test]
     fn planning_is_named_when_it_dominates_a_statement_and_not_otherwise() {
@@ -350,16 +227,16 @@ pub(super) mod tests {
             ),
             sample(9, "run", &["PostgresMain", "PortalRun"], 40),
         ]);
-        let found = planning_dominated(&QueryCpu::from_profile(&p));
+        let found = planning_dominated(&table(&p));
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
         // Too few samples to say anything.
         let few = profile(vec![sample(9, "plan", &["pg_plan_queries", "planner"], 5)]);
-        assert!(planning_dominated(&QueryCpu::from_profile(&few)).is_empty());
+        assert!(planning_dominated(&table(&few)).is_empty());
         // Queryid 0: parsing before any queryid is known, not a statement.
         let unknown = profile(vec![sample(0, "parse", &["pg_parse_query", "raw_parser"], 100)]);
-        assert!(planning_dominated(&QueryCpu::from_profile(&unknown)).is_empty());
+        assert!(planning_dominated(&table(&unknown)).is_empty());
     }
 
     #[test]
@@ -368,7 +245,7 @@ pub(super) mod tests {
             sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 30),
             sample(7, "run", &["PostgresMain", "PortalRun"], 70),
         ]);
-        let found = spinning(&QueryCpu::from_profile(&p), &p);
+        let found = spinning(&table(&p), p.total_count());
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].severity, Severity::Critical);
         assert_eq!(found[0].frames, vec!["pgss_store → s_lock".to_string()]);
@@ -376,7 +253,7 @@ pub(super) mod tests {
             sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 2),
             sample(7, "run", &["PostgresMain", "PortalRun"], 98),
         ]);
-        assert!(spinning(&QueryCpu::from_profile(&calm), &calm).is_empty());
+        assert!(spinning(&table(&calm), calm.total_count()).is_empty());
     }
 
     #[test]
@@ -398,9 +275,9 @@ pub(super) mod tests {
             sample(8, "run", &["PortalRun", "ExecInitNode", "LockRelationOid"], 60),
             sample(8, "run", &["PortalRun", "ExecScan"], 40),
         ]);
-        let found = generic_plan_locking(&QueryCpu::from_profile(&p));
+        let found = generic_plan_locking(&table(&p));
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
     }
 
     #[test]
@@ -412,10 +289,10 @@ pub(super) mod tests {
             // Under 1% of the samples: noise, not a consumer.
             sample(9, "run", &["PortalRun"], 0),
         ]);
-        let found = top_consumers(&QueryCpu::from_profile(&p), p.total_count());
+        let found = top_consumers(&table(&p), p.total_count());
         assert_eq!(
             found.iter().map(|f| f.query_ids[0]).collect::<Vec<_>>(),
-            vec![7, 8]
+            vec![QueryId(7), QueryId(8)]
         );
         assert!(found[0]
             .numbers

@@ -60,6 +60,7 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
 mod tests {
     use super::*;
     use crate::findings::Severity;
+    use crate::model::QueryId;
 
     fn finding(kind: &'static str, frames: &[&str]) -> Finding {
         Finding {
@@ -67,7 +68,7 @@ mod tests {
             severity: Severity::Warning,
             title: String::new(),
             numbers: Vec::new(),
-            query_ids: vec![7],
+            query_ids: vec![QueryId(7)],
             frames: frames.iter().map(|f| f.to_string()).collect(),
             action: "act".into(),
         }

@@ -9,12 +9,14 @@
 //! would look like most of a statement it is a small part of. Its share is then read from the
 //! samples instead: of the statement's on-CPU samples, those with the function on the stack.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use exporters::Profile;
 
-use super::{percent, Finding, ProbeRow, Severity};
+use super::{percent, Finding, Severity};
 use crate::bpf::abi::Function;
+use crate::model::statements::share_with_frame;
+use crate::model::{ProbeRow, QueryId, StatementTime};
 
 /// A function this share of a statement's time dominates it.
 const DOMINANT: f64 = 0.50;
@@ -64,9 +66,6 @@ fn mechanism(function: Function) -> Option<(&'static str, &'static str)> {
     })
 }
 
-/// Statement time per queryid: on-CPU and blocked, in nanoseconds.
-pub type StatementTime = HashMap<i64, u64>;
-
 /// What a function's share of a statement is measured against.
 #[derive(Clone, Copy)]
 pub enum ShareOf<'a> {
@@ -76,35 +75,14 @@ pub enum ShareOf<'a> {
     CpuSamples(&'a Profile),
 }
 
-/// Of `query_id`'s on-CPU samples, the share with `function` on the stack.
-fn sampled_share(profile: &Profile, query_id: i64, function: &str) -> f64 {
-    let wanted = query_id.to_string();
-    let (mut with, mut all) = (0u64, 0u64);
-    for sample in profile
-        .samples
-        .iter()
-        .filter(|s| s.label("queryid") == Some(wanted.as_str()))
-    {
-        all += sample.count;
-        if sample.frames.iter().any(|f| &*f.name == function) {
-            with += sample.count;
-        }
-    }
-    if all == 0 {
-        0.0
-    } else {
-        with as f64 / all as f64
-    }
-}
-
 pub fn dominating(
     rows: &[ProbeRow],
     statement_time: &StatementTime,
     min_statement_ns: u64,
     share_of: ShareOf,
 ) -> Vec<Finding> {
-    let mut per_call: BTreeMap<(i64, Function), (u64, u64)> = BTreeMap::new();
-    for row in rows.iter().filter(|r| r.query_id != 0) {
+    let mut per_call: BTreeMap<(QueryId, Function), (u64, u64)> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r.query_id.is_statement()) {
         let entry = per_call.entry((row.query_id, row.function)).or_default();
         entry.0 += row.calls;
         entry.1 += row.total_ns;
@@ -122,7 +100,9 @@ pub fn dominating(
         }
         let (share, of) = match share_of {
             ShareOf::Time => (ns as f64 / statement_ns as f64, "time"),
-            ShareOf::CpuSamples(profile) => (sampled_share(profile, query_id, function.name()), "CPU time"),
+            ShareOf::CpuSamples(profile) => {
+                (share_with_frame(profile, query_id, function.name()), "CPU time")
+            }
         };
         if share < DOMINANT {
             continue;
@@ -174,7 +154,7 @@ mod tests {
 
     fn row(query_id: i64, function: Function, calls: u64, total_ns: u64) -> ProbeRow {
         ProbeRow {
-            query_id,
+            query_id: QueryId(query_id),
             function,
             calls,
             total_ns,
@@ -183,7 +163,7 @@ mod tests {
 
     #[test]
     fn a_function_with_most_of_a_statements_time_is_named_one_with_little_is_not() {
-        let time = StatementTime::from([(7, 1_000_000_000), (8, 1_000_000_000)]);
+        let time = StatementTime::from([(QueryId(7), 1_000_000_000), (QueryId(8), 1_000_000_000)]);
         let rows = vec![
             row(7, Function::VacUpdateDatfrozenxid, 20, 900_000_000),
             row(8, Function::LockRelationOid, 3000, 30_000_000),
@@ -192,7 +172,7 @@ mod tests {
         ];
         let found = dominating(&rows, &time, 1, ShareOf::Time);
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
         assert!(found[0]
             .title
@@ -201,7 +181,7 @@ mod tests {
 
     #[test]
     fn pgss_store_kinds_add_up_and_small_evidence_says_nothing() {
-        let time = StatementTime::from([(7, 100_000_000)]);
+        let time = StatementTime::from([(QueryId(7), 100_000_000)]);
         // pgss_store(exec) and pgss_store(plan) come as two rows of one function.
         let rows = vec![
             row(7, Function::PgssStore, 500, 30_000_000),
@@ -220,7 +200,7 @@ mod tests {
         let unknown = vec![row(0, Function::PgssStore, 500, 90_000_000)];
         assert!(dominating(
             &unknown,
-            &StatementTime::from([(0, 100_000_000)]),
+            &StatementTime::from([(QueryId(0), 100_000_000)]),
             1,
             ShareOf::Time
         )
@@ -229,10 +209,10 @@ mod tests {
 
     #[test]
     fn without_blocked_time_the_share_comes_from_the_samples() {
-        use crate::findings::cpu::tests::{profile, sample};
+        use crate::model::statements::tests::{profile, sample};
         // Preempted on a busy host, the calls' wall time is 90% of the statement's CPU time;
         // the samples show the function on the stack in one sample of ten.
-        let time = StatementTime::from([(7, 1_000_000_000)]);
+        let time = StatementTime::from([(QueryId(7), 1_000_000_000)]);
         let rows = vec![row(7, Function::VacUpdateDatfrozenxid, 500, 900_000_000)];
         let small = profile(vec![
             sample(7, "executor", &["exec_simple_query", "vacuum"], 9),

@@ -4,8 +4,9 @@
 //! the descent for every outer row, on the same few pages, which many backends then pin and
 //! lock at once.
 
-use super::cpu::{statements, QueryCpu};
+use super::cpu::statements;
 use super::{percent, Finding, Severity};
+use crate::model::StatementCpu;
 
 /// Starting index scans this share of a statement's CPU: a prepared primary-key lookup, whose
 /// whole execution is one index scan, spends 17% there (pgbench -S -M prepared, measured
@@ -13,7 +14,7 @@ use super::{percent, Finding, Severity};
 const DESCENTS_WARN: f64 = 0.35;
 const DESCENTS_CRITICAL: f64 = 0.60;
 
-pub fn repeated_descents(queries: &[QueryCpu]) -> Vec<Finding> {
+pub fn repeated_descents(queries: &[StatementCpu]) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let share = q.index_descents as f64 / q.samples as f64;
@@ -48,7 +49,9 @@ pub fn repeated_descents(queries: &[QueryCpu]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::findings::cpu::tests::{profile, sample};
+    use crate::model::statements::statements as table;
+    use crate::model::statements::tests::{profile, sample};
+    use crate::model::QueryId;
 
     #[test]
     fn a_statement_mostly_descending_indexes_is_named_a_point_lookup_is_not() {
@@ -82,9 +85,9 @@ mod tests {
             sample(8, "parse", &["pg_parse_query", "raw_parser"], 45),
             sample(8, "run", &["PortalRun", "ExecIndexScan", "index_fetch_heap"], 50),
         ]);
-        let found = repeated_descents(&QueryCpu::from_profile(&p));
+        let found = repeated_descents(&table(&p));
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
     }
 }

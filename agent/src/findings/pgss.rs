@@ -2,19 +2,8 @@
 //! distinct statements a workload runs, every new statement evicts others under the
 //! extension's lock held exclusively, and every backend finishing a statement queues on it.
 
-use exporters::Profile;
-
-use super::{is_client_time, percent, Finding, Severity};
-
-/// The eviction counter over the measurement.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PgssEvidence {
-    /// `pg_stat_statements_info.dealloc` at the end less at the start.
-    pub evictions: i64,
-    /// `pg_stat_statements.max`.
-    pub max: i64,
-    pub seconds: f64,
-}
+use super::{percent, Finding, Severity};
+use crate::model::{PgssEvidence, WaitTables};
 
 /// The wait event of pg_stat_statements' LWLock (its tranche, named by the extension).
 const PGSS_LOCK: &str = "LWLock:pg_stat_statements";
@@ -28,23 +17,13 @@ const LOCK_CRITICAL: f64 = 0.20;
 /// Share of the statements' blocked time in pg_stat_statements' LWLock: waits for the client
 /// (idle, or inside a transaction) are the client's time and left out, as the top-waiters
 /// rule leaves them out.
-fn lock_share(off_cpu: &Profile) -> Option<f64> {
-    let mut total = 0u64;
-    let mut lock = 0u64;
-    for sample in &off_cpu.samples {
-        if is_client_time(sample) {
-            continue;
-        }
-        total += sample.count;
-        if sample.label("wait_event") == Some(PGSS_LOCK) {
-            lock += sample.count;
-        }
-    }
-    (total > 0).then(|| lock as f64 / total as f64)
+fn lock_share(waits: &WaitTables) -> Option<f64> {
+    let total = waits.blocked_ns();
+    (total > 0).then(|| waits.blocked_in(PGSS_LOCK) as f64 / total as f64)
 }
 
-pub fn evictions(pgss: Option<&PgssEvidence>, off_cpu: Option<&Profile>) -> Vec<Finding> {
-    let share = off_cpu.and_then(lock_share);
+pub fn evictions(pgss: Option<&PgssEvidence>, waits: Option<&WaitTables>) -> Vec<Finding> {
+    let share = waits.and_then(lock_share);
     let rate = pgss.map(|p| p.evictions as f64 / p.seconds.max(1e-3));
     let evicting = pgss.is_some_and(|p| p.evictions > 0);
     let by_rate = rate.map_or(Severity::Info, |r| match r {
@@ -104,7 +83,7 @@ pub fn evictions(pgss: Option<&PgssEvidence>, off_cpu: Option<&Profile>) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use exporters::{Frame, FrameKind, ProfileMeta, StackSample};
+    use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
     use std::sync::Arc;
 
     fn wait(wait_event: &str, class: &str, ns: u64) -> StackSample {
@@ -121,11 +100,11 @@ mod tests {
         }
     }
 
-    fn off_cpu(samples: Vec<StackSample>) -> Profile {
-        Profile {
+    fn off_cpu(samples: Vec<StackSample>) -> WaitTables {
+        WaitTables::from_profile(&Profile {
             meta: ProfileMeta::off_cpu(0, 1),
             samples,
-        }
+        })
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //! also work pg_stat_statements times elsewhere or not at all. The commit's own work (flushing
 //! WAL: a COMMIT statement is all commit) is not unusual, so only deferred work counts there.
 
-use super::cpu::{statements, QueryCpu};
+use super::cpu::statements;
 use super::{percent, Finding, Severity};
+use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
 
 /// A phase this share of a statement's CPU dominates it.
@@ -18,7 +19,7 @@ const CRITICAL: f64 = 0.70;
 struct Unusual {
     phase: Phase,
     /// The samples of the phase that count: the whole phase, or a part of it.
-    counted: fn(&QueryCpu) -> u64,
+    counted: fn(&StatementCpu) -> u64,
     what: &'static str,
     frames: &'static [&'static str],
     action: &'static str,
@@ -71,7 +72,7 @@ const UNUSUAL: [Unusual; 3] = [
 ];
 
 /// Statements dominated by executor start, finish or commit.
-pub fn unusual_phase(queries: &[QueryCpu]) -> Vec<Finding> {
+pub fn unusual_phase(queries: &[StatementCpu]) -> Vec<Finding> {
     let mut findings = Vec::new();
     for q in statements(queries) {
         for unusual in &UNUSUAL {
@@ -113,7 +114,9 @@ pub fn unusual_phase(queries: &[QueryCpu]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::findings::cpu::tests::{profile, sample};
+    use crate::model::statements::statements as table;
+    use crate::model::statements::tests::{profile, sample};
+    use crate::model::QueryId;
 
     #[test]
     fn a_statement_mostly_committing_is_named_and_one_mostly_running_is_not() {
@@ -137,11 +140,11 @@ mod tests {
             sample(9, "executor_start", &["PortalStart", "InitPlan"], 45),
             sample(9, "run", &["PortalRun"], 55),
         ]);
-        let found = unusual_phase(&QueryCpu::from_profile(&p));
-        let named: Vec<(i64, Severity)> = found.iter().map(|f| (f.query_ids[0], f.severity)).collect();
+        let found = unusual_phase(&table(&p));
+        let named: Vec<(QueryId, Severity)> = found.iter().map(|f| (f.query_ids[0], f.severity)).collect();
         assert_eq!(
             named,
-            vec![(7, Severity::Critical), (9, Severity::Warning)],
+            vec![(QueryId(7), Severity::Critical), (QueryId(9), Severity::Warning)],
             "{found:?}"
         );
         assert!(found[0].title.contains("in commit"), "{}", found[0].title);
@@ -150,8 +153,8 @@ mod tests {
     #[test]
     fn too_few_samples_or_queryid_0_say_nothing() {
         let few = profile(vec![sample(7, "commit", &["CommitTransactionCommand"], 10)]);
-        assert!(unusual_phase(&QueryCpu::from_profile(&few)).is_empty());
+        assert!(unusual_phase(&table(&few)).is_empty());
         let unknown = profile(vec![sample(0, "finish", &["PortalDrop"], 100)]);
-        assert!(unusual_phase(&QueryCpu::from_profile(&unknown)).is_empty());
+        assert!(unusual_phase(&table(&unknown)).is_empty());
     }
 }

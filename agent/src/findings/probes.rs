@@ -4,15 +4,7 @@ use std::collections::BTreeMap;
 
 use super::{Finding, Severity};
 use crate::bpf::abi::Function;
-
-/// One probed function's calls for one queryid (estimated when duty-cycled).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProbeRow {
-    pub query_id: i64,
-    pub function: Function,
-    pub calls: u64,
-    pub total_ns: u64,
-}
+use crate::model::{ProbeRow, QueryId};
 
 /// Executions needed before a per-execution count means anything.
 const MIN_EXECUTIONS: u64 = 10;
@@ -25,8 +17,8 @@ const LOCKS_CRITICAL: f64 = 256.0;
 /// Statements that take many relation locks per execution of a cached plan (GetCachedPlan
 /// once per execution, LockRelationOid once per relation locked).
 pub fn locks_per_execution(rows: &[ProbeRow]) -> Vec<Finding> {
-    let mut per_query: BTreeMap<i64, (u64, u64, u64)> = BTreeMap::new();
-    for row in rows.iter().filter(|r| r.query_id != 0) {
+    let mut per_query: BTreeMap<QueryId, (u64, u64, u64)> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r.query_id.is_statement()) {
         let entry = per_query.entry(row.query_id).or_default();
         match row.function {
             Function::GetCachedPlan => {
@@ -78,7 +70,7 @@ mod tests {
 
     fn row(query_id: i64, function: Function, calls: u64) -> ProbeRow {
         ProbeRow {
-            query_id,
+            query_id: QueryId(query_id),
             function,
             calls,
             total_ns: calls * 1000,
@@ -98,7 +90,7 @@ mod tests {
         ];
         let found = locks_per_execution(&rows);
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![7]);
+        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
         assert!(found[0].title.contains("2049"), "{}", found[0].title);
     }

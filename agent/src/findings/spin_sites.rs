@@ -6,24 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
-use super::functions::StatementTime;
-use super::{percent, Finding, ProbeRow, Severity};
+use super::{percent, Finding, Severity};
 use crate::bpf::abi::Function;
-
-/// One call site's spins for one queryid.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SpinSiteRow {
-    pub query_id: i64,
-    /// `__FILE__`, `__LINE__` and `__func__` of the acquisition.
-    pub file: String,
-    pub line: u32,
-    pub function: String,
-    /// Acquisitions that had to spin, and the time until they got the lock.
-    pub calls: u64,
-    pub total_ns: u64,
-}
+use crate::model::{ProbeRow, QueryId, SpinSiteRow, StatementTime};
 
 /// Spinning this share of a statement's time.
 const SPIN_WARN: f64 = 0.05;
@@ -76,15 +61,15 @@ pub fn spinning_sites(
     statement_time: &StatementTime,
     seconds: f64,
 ) -> Vec<Finding> {
-    let mut merged: BTreeMap<(i64, &str, u32, &str), (u64, u64)> = BTreeMap::new();
-    for site in sites.iter().filter(|s| s.query_id != 0 && s.calls > 0) {
+    let mut merged: BTreeMap<(QueryId, &str, u32, &str), (u64, u64)> = BTreeMap::new();
+    for site in sites.iter().filter(|s| s.query_id.is_statement() && s.calls > 0) {
         let entry = merged
             .entry((site.query_id, &site.file, site.line, &site.function))
             .or_default();
         entry.0 += site.calls;
         entry.1 += site.total_ns;
     }
-    let entry_updates = |query_id: i64| -> u64 {
+    let entry_updates = |query_id: QueryId| -> u64 {
         probes
             .iter()
             .filter(|p| p.query_id == query_id && p.function == Function::PgssStore)
@@ -147,7 +132,7 @@ mod tests {
 
     fn site(query_id: i64, file: &str, calls: u64, total_ns: u64) -> SpinSiteRow {
         SpinSiteRow {
-            query_id,
+            query_id: QueryId(query_id),
             file: file.into(),
             line: 1347,
             function: "pgss_store".into(),
@@ -158,7 +143,7 @@ mod tests {
 
     #[test]
     fn spinning_is_named_by_call_site_with_its_share_and_severity() {
-        let time = StatementTime::from([(7, 1_000_000_000), (8, 1_000_000_000)]);
+        let time = StatementTime::from([(QueryId(7), 1_000_000_000), (QueryId(8), 1_000_000_000)]);
         let pgss = "contrib/pg_stat_statements/pg_stat_statements.c";
         let sites = vec![
             site(7, pgss, 300, 250_000_000),
@@ -167,7 +152,7 @@ mod tests {
             site(0, pgss, 10, 900_000_000),
         ];
         let probes = vec![ProbeRow {
-            query_id: 7,
+            query_id: QueryId(7),
             function: Function::PgssStore,
             calls: 30_000,
             total_ns: 0,
@@ -176,7 +161,7 @@ mod tests {
         assert_eq!(found.len(), 2, "{found:?}");
         assert_eq!(
             (found[0].query_ids[0], found[0].severity),
-            (7, Severity::Critical)
+            (QueryId(7), Severity::Critical)
         );
         assert!(found[0]
             .title
@@ -189,7 +174,10 @@ mod tests {
             .numbers
             .iter()
             .any(|(k, v)| k == "entry updates per second" && v == "3000"));
-        assert_eq!((found[1].query_ids[0], found[1].severity), (8, Severity::Info));
+        assert_eq!(
+            (found[1].query_ids[0], found[1].severity),
+            (QueryId(8), Severity::Info)
+        );
         assert!(spinning_sites(&[], &probes, &time, 10.0).is_empty());
     }
 }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::instance_names::InstanceNames;
 use super::VersionTable;
 use crate::bpf::abi::{SampleHeader, ATTR_BACKEND_TYPE, ATTR_DATABASE, ATTR_STATUS, ATTR_WAIT_EVENT};
+use crate::model::labels as label;
 
 /// A backend's state at one sample. Part of the aggregation key, so it stays small and hashable.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -59,23 +60,23 @@ impl Attribution {
     /// otherwise.
     pub fn push_labels(&self, labels: &mut Vec<(String, String)>, database_names: &HashMap<u32, String>) {
         if let Some(backend_type) = &self.backend_type {
-            labels.push(("backend_type".into(), backend_type.to_string()));
+            labels.push((label::BACKEND_TYPE.into(), backend_type.to_string()));
         }
         if let Some(oid) = self.database_oid.filter(|&oid| oid != 0) {
             let name = database_names
                 .get(&oid)
                 .cloned()
                 .unwrap_or_else(|| oid.to_string());
-            labels.push(("database".into(), name));
+            labels.push((label::DATABASE.into(), name));
         }
         if let Some(state) = self.state {
-            labels.push(("state".into(), state.into()));
+            labels.push((label::STATE.into(), state.into()));
         }
         if let Some(query_id) = self.query_id {
-            labels.push(("queryid".into(), query_id.to_string()));
+            labels.push((label::QUERY_ID.into(), query_id.to_string()));
         }
         if let Some((kind, name)) = &self.wait_event {
-            labels.push(("wait_event".into(), format!("{kind}:{name}")));
+            labels.push((label::WAIT_EVENT.into(), format!("{kind}:{name}")));
         }
     }
 }

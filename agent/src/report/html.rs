@@ -11,6 +11,7 @@ use exporters::{Profile, SvgOptions};
 use super::queries::{query_rows, QueryRow};
 use super::recording::Recording;
 use crate::findings::Finding;
+use crate::model::Analysis;
 use crate::postgres::phase::Phase;
 
 /// Inferno's flamegraph scripts look their elements up by id in their own document, so each
@@ -59,8 +60,8 @@ td.text { min-width: 260px; max-width: 420px; overflow-wrap: anywhere; font-fami
 code { font-family: ui-monospace, monospace; font-size: 12px; }
 "#;
 
-/// The page for `recording` and its findings.
-pub fn render(recording: &Recording, findings: &[Finding]) -> Result<String> {
+/// The page for `recording`, its analysis and its findings.
+pub fn render(recording: &Recording, analysis: &Analysis, findings: &[Finding]) -> Result<String> {
     let mut page = String::new();
     let title = format!("pgscope report: {}", recording.target);
     let _ = write!(
@@ -109,7 +110,7 @@ pub fn render(recording: &Recording, findings: &[Finding]) -> Result<String> {
         off_cpu_graph,
         &recording.target,
     )?;
-    queries_section(&mut page, recording, off_cpu.as_ref());
+    queries_section(&mut page, recording, analysis);
     let _ = write!(page, "<script>{SIZE_FRAMES}</script>\n</body>\n</html>\n");
     Ok(page)
 }
@@ -227,8 +228,8 @@ fn flamegraph_section(
     Ok(())
 }
 
-fn queries_section(page: &mut String, recording: &Recording, off_cpu: Option<&Profile>) {
-    let rows = query_rows(recording, off_cpu);
+fn queries_section(page: &mut String, recording: &Recording, analysis: &Analysis) {
+    let rows = query_rows(recording, analysis);
     let _ = writeln!(
         page,
         "<section id=\"queries\">\n<h2>Queries ({})</h2>\n\

@@ -13,12 +13,19 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::findings::Finding;
+use crate::model::Analysis;
 use crate::output_file::{self, OutputMode, Planned};
 pub use recording::{RecordedProbe, Recording};
 
-/// Writes the report of `recording` with its `findings` to `out`.
-pub fn write(recording: &Recording, findings: &[Finding], out: &Path, mode: OutputMode) -> Result<()> {
-    let page = html::render(recording, findings)?;
+/// Writes the report of `recording`, its `analysis` and `findings`, to `out`.
+pub fn write(
+    recording: &Recording,
+    analysis: &Analysis,
+    findings: &[Finding],
+    out: &Path,
+    mode: OutputMode,
+) -> Result<()> {
+    let page = html::render(recording, analysis, findings)?;
     output_file::write(out, mode, page.as_bytes())
         .with_context(|| format!("cannot write the report to `{}`", out.display()))
 }
@@ -27,15 +34,17 @@ pub fn write(recording: &Recording, findings: &[Finding], out: &Path, mode: Outp
 pub fn run(from: &Path, out: &Path, mode: OutputMode) -> Result<()> {
     output_file::check_all(&[Planned::new("--out", out)])?;
     let recording = Recording::load(from)?;
-    let findings = recording.findings();
-    out!("{} · {:.1} s", recording.target, recording.duration_seconds);
-    if findings.is_empty() {
-        out!("findings: none");
-    } else {
-        out!("findings:");
-        out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
-    }
-    write(&recording, &findings, out, mode)?;
+    recording.with_analysis(|analysis| {
+        let findings = crate::findings::evaluate(analysis);
+        out!("{} · {:.1} s", recording.target, recording.duration_seconds);
+        if findings.is_empty() {
+            out!("findings: none");
+        } else {
+            out!("findings:");
+            out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
+        }
+        write(&recording, analysis, &findings, out, mode)
+    })?;
     out!("wrote the report to {}", out.display());
     Ok(())
 }

@@ -3,20 +3,17 @@
 
 use std::collections::BTreeMap;
 
-use exporters::Profile;
-
 use super::recording::Recording;
-use crate::findings::ProbeRow;
-use crate::trace::queries::{summarize, QuerySummary};
+use crate::model::{Analysis, ProbeRow, QueryId, StatementCpu};
 
 /// Rows the table shows at most: the busiest queries; the rest are in the flamegraphs.
 const MAX_ROWS: usize = 100;
 
 pub struct QueryRow {
-    pub query_id: i64,
+    pub query_id: QueryId,
     pub text: Option<String>,
     /// Its on-CPU samples, when it had any.
-    pub cpu: Option<QuerySummary>,
+    pub cpu: Option<StatementCpu>,
     /// Off-CPU nanoseconds (idle client waits left out).
     pub off_cpu_ns: u64,
     /// Its longest wait: `LWLock:pg_stat_statements (futex) 12.3 ms`.
@@ -26,23 +23,32 @@ pub struct QueryRow {
 }
 
 /// Every query seen on CPU, off CPU or by a probe, busiest on CPU first, then longest off CPU.
-pub fn query_rows(recording: &Recording, off_cpu: Option<&Profile>) -> Vec<QueryRow> {
-    let mut rows: BTreeMap<i64, QueryRow> = BTreeMap::new();
-    for summary in summarize(&recording.on_cpu) {
-        let query_id = summary.query_id;
-        row(&mut rows, recording, query_id).cpu = Some(summary);
+pub fn query_rows(recording: &Recording, analysis: &Analysis) -> Vec<QueryRow> {
+    let mut rows: BTreeMap<QueryId, QueryRow> = BTreeMap::new();
+    for statement in &analysis.statements {
+        row(&mut rows, recording, statement.query_id).cpu = Some(statement.clone());
     }
-    if let Some(profile) = off_cpu {
-        for (query_id, waits) in crate::trace::off_cpu::by_query(profile) {
-            let entry = row(&mut rows, recording, query_id);
-            entry.off_cpu_ns = waits.iter().map(|w| w.ns).sum();
-            entry.longest_wait = waits
-                .first()
-                .map(|w| format!("{} ({}) {:.1} ms", w.wait, w.class, w.ns as f64 / 1e6));
-        }
+    let waiting = analysis.waits.iter().flat_map(|waits| &waits.by_query);
+    for query in waiting.filter(|query| query.query_id.is_statement()) {
+        // Idle client waits are the client's think time, left out as in the off-CPU flamegraph.
+        let mut not_idle = query.not_idle().peekable();
+        let Some(longest) = not_idle.peek() else {
+            continue;
+        };
+        let longest_wait = format!(
+            "{} ({}) {:.1} ms",
+            longest.wait,
+            longest.class,
+            longest.ns as f64 / 1e6
+        );
+        let entry = row(&mut rows, recording, query.query_id);
+        entry.longest_wait = Some(longest_wait);
+        entry.off_cpu_ns = not_idle.map(|w| w.ns).sum();
     }
-    for probe in recording.probe_rows() {
-        row(&mut rows, recording, probe.query_id).probes.push(probe);
+    for probe in analysis.measured.probes {
+        row(&mut rows, recording, probe.query_id)
+            .probes
+            .push(probe.clone());
     }
     let mut rows: Vec<QueryRow> = rows.into_values().collect();
     for row in &mut rows {
@@ -60,7 +66,11 @@ pub fn query_rows(recording: &Recording, off_cpu: Option<&Profile>) -> Vec<Query
 }
 
 /// The row of `query_id`, made empty the first time.
-fn row<'a>(rows: &'a mut BTreeMap<i64, QueryRow>, recording: &Recording, query_id: i64) -> &'a mut QueryRow {
+fn row<'a>(
+    rows: &'a mut BTreeMap<QueryId, QueryRow>,
+    recording: &Recording,
+    query_id: QueryId,
+) -> &'a mut QueryRow {
     rows.entry(query_id).or_insert_with(|| QueryRow {
         query_id,
         text: recording.query_text(query_id).map(str::to_string),

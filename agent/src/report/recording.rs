@@ -10,7 +10,7 @@ use exporters::Profile;
 use serde::{Deserialize, Serialize};
 
 use crate::bpf::abi::Function;
-use crate::findings::{Evidence, Finding, PgssEvidence, ProbeRow, SpinSiteRow};
+use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow};
 use crate::postgres::sql::InstanceFacts;
 
 pub const SCHEMA: &str = "pgscope.recording/v1";
@@ -152,21 +152,23 @@ impl Recording {
         self.probes.iter().filter_map(RecordedProbe::row).collect()
     }
 
-    /// The findings over what was recorded.
-    pub fn findings(&self) -> Vec<Finding> {
+    /// Runs `view` over the analysis of what was recorded: the same model a live trace's
+    /// views read.
+    pub fn with_analysis<R>(&self, view: impl FnOnce(&Analysis) -> R) -> R {
         let probes = self.probe_rows();
-        crate::findings::evaluate(&Evidence {
+        let analysis = Analysis::new(Measurements {
             on_cpu: &self.on_cpu,
-            probes: &probes,
             off_cpu: self.off_cpu.as_ref(),
+            probes: &probes,
+            spin_sites: &self.spin_sites,
             pgss: self.pgss,
             instance: self.instance.as_ref(),
-            spin_sites: &self.spin_sites,
-        })
+        });
+        view(&analysis)
     }
 
     /// The normalized text of a query, when known.
-    pub fn query_text(&self, query_id: i64) -> Option<&str> {
+    pub fn query_text(&self, query_id: QueryId) -> Option<&str> {
         self.query_texts.get(&query_id.to_string()).map(String::as_str)
     }
 }
@@ -201,7 +203,7 @@ mod tests {
             off_cpu: None,
             probes: vec![
                 RecordedProbe::new(&ProbeRow {
-                    query_id: -42,
+                    query_id: QueryId(-42),
                     function: Function::LockRelationOid,
                     calls: 7,
                     total_ns: 70,
@@ -230,11 +232,11 @@ mod tests {
         let loaded = Recording::load(&path).expect("load");
         assert_eq!(loaded.on_cpu.samples, recording().on_cpu.samples);
         assert_eq!(loaded.probes, recording().probes);
-        assert_eq!(loaded.query_text(-42), Some("SELECT 1"));
+        assert_eq!(loaded.query_text(QueryId(-42)), Some("SELECT 1"));
         assert_eq!(
             loaded.probe_rows(),
             vec![ProbeRow {
-                query_id: -42,
+                query_id: QueryId(-42),
                 function: Function::LockRelationOid,
                 calls: 7,
                 total_ns: 70,

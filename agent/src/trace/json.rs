@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
-use super::off_cpu;
 use super::probes::{lock_mode_name, ProbeResults};
-use super::queries::QuerySummary;
 use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::abi::{CallStats, Function};
 use crate::bpf::Counters;
 use crate::collect::probes::Extrapolation;
+use crate::model::labels;
+use crate::model::{StatementCpu, WaitTables};
 use crate::postgres::phase::Phase;
 use crate::target::Target;
 
@@ -221,11 +221,11 @@ pub struct SummaryInputs<'a> {
     pub filtered_out: u64,
     pub profile: &'a Profile,
     pub functions: &'a [FunctionShare],
-    pub queries: &'a [QuerySummary],
+    pub queries: &'a [StatementCpu],
     pub probes: &'a ProbeResults,
     pub query_texts: &'a std::collections::HashMap<i64, String>,
-    /// The off-CPU profile (idle waits included) and its stack threshold in ns.
-    pub off_cpu: Option<(&'a Profile, u64)>,
+    /// The off-CPU tables (idle waits included) and the stack threshold in ns.
+    pub off_cpu: Option<(&'a WaitTables, u64)>,
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -285,7 +285,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     queryid: q.query_id.to_string(),
                     samples: q.samples,
                     share_pct: pct(q.samples),
-                    query: inputs.query_texts.get(&q.query_id).cloned(),
+                    query: inputs.query_texts.get(&q.query_id.0).cloned(),
                     phases,
                     hottest_function: q.hottest_function.clone(),
                 }
@@ -350,34 +350,38 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .collect(),
         off_cpu: inputs
             .off_cpu
-            .map(|(profile, min_stack_ns)| off_cpu_json(profile, min_stack_ns)),
+            .map(|(waits, min_stack_ns)| off_cpu_json(waits, min_stack_ns)),
     }
 }
 
-fn off_cpu_json(profile: &Profile, min_stack_ns: u64) -> OffCpuJson {
+fn off_cpu_json(waits: &WaitTables, min_stack_ns: u64) -> OffCpuJson {
     OffCpuJson {
         min_stack_ns,
-        total_ns: profile.samples.iter().map(|s| s.count).sum(),
-        by_wait: off_cpu::by_wait(profile)
-            .into_iter()
+        total_ns: waits.total_ns,
+        by_wait: waits
+            .by_wait
+            .iter()
             .map(|row| OffCpuWaitJson {
-                backend_type: row.backend_type,
-                wait_event: row.wait,
-                off_cpu: row.class,
+                backend_type: row.backend_type.clone(),
+                wait_event: row.wait.clone(),
+                off_cpu: row.class.clone(),
                 ns: row.ns,
             })
             .collect(),
-        by_query: off_cpu::by_query(profile)
-            .into_iter()
-            .map(|(query_id, rows)| OffCpuQueryJson {
-                queryid: query_id.to_string(),
-                waits: rows
-                    .into_iter()
+        by_query: waits
+            .by_query
+            .iter()
+            .filter(|query| query.query_id.is_statement())
+            .map(|query| OffCpuQueryJson {
+                queryid: query.query_id.to_string(),
+                waits: query
+                    .waits
+                    .iter()
                     .map(|row| OffCpuQueryWaitJson {
-                        wait_event: row.wait,
-                        off_cpu: row.class,
+                        wait_event: row.wait.clone(),
+                        off_cpu: row.class.clone(),
                         ns: row.ns,
-                        stack: row.stack,
+                        stack: row.stack.clone(),
                     })
                     .collect(),
             })
@@ -395,13 +399,13 @@ fn processes(profile: &Profile) -> Vec<ProcessJson> {
                 .find(|(k, _)| k == key)
                 .map(|(_, v)| v.clone())
         };
-        let Some(pid) = label("pid").and_then(|p| p.parse().ok()) else {
+        let Some(pid) = label(labels::PID).and_then(|p| p.parse().ok()) else {
             continue;
         };
         let entry = by_pid.entry(pid).or_insert((None, 0));
         entry.1 += sample.count;
         if entry.0.is_none() {
-            entry.0 = label("backend_type");
+            entry.0 = label(labels::BACKEND_TYPE);
         }
     }
     let mut processes: Vec<ProcessJson> = by_pid

@@ -11,6 +11,7 @@ use symbolizer::KernelSymbols;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
+use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu};
 use crate::output_file::{self, OutputMode};
 use crate::report::{RecordedProbe, Recording};
 use crate::target::Target;
@@ -66,18 +67,57 @@ pub(super) fn finish(
     );
     print_losses(&counters, session.malformed);
     print_missing_symbols(&session);
-    let total = profile.total_count();
+    let off_cpu_profile = session.off_cpu_measured.then(|| {
+        let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
+        session.profile(true, kernel.as_ref(), meta, &database_names)
+    });
+    let probe_rows: Vec<ProbeRow> = probe_results
+        .by_query()
+        .into_iter()
+        .map(|((query_id, call), stats)| ProbeRow {
+            query_id: QueryId(query_id),
+            function: call.function,
+            calls: stats.calls,
+            total_ns: stats.total_ns,
+        })
+        .collect();
+    let pgss = pgss_start.zip(pgss_end).map(|(start, end)| PgssEvidence {
+        evictions: end.dealloc - start.dealloc,
+        max: end.max,
+        seconds: elapsed.as_secs_f64(),
+    });
+    let spin_sites: Vec<SpinSiteRow> = probe_results
+        .spin_sites
+        .iter()
+        .map(|site| SpinSiteRow {
+            query_id: QueryId(site.query_id),
+            file: site.file.clone(),
+            line: site.line,
+            function: site.function.clone(),
+            calls: site.stats.calls,
+            total_ns: site.stats.total_ns,
+        })
+        .collect();
+    let analysis = Analysis::new(Measurements {
+        on_cpu: &profile,
+        off_cpu: off_cpu_profile.as_ref(),
+        probes: &probe_rows,
+        spin_sites: &spin_sites,
+        pgss,
+        instance: instance.as_ref(),
+    });
+    let total = analysis.cpu_samples();
     let shares = exporters::top_functions(&profile, options.top);
-    let queries = super::queries::summarize(&profile);
+    let queries = &analysis.statements;
     if total == 0 {
         out!("no samples: the target was idle (off CPU) for the whole trace");
     } else {
         out!("{}", exporters::render_top_table(&shares, total));
         if !queries.is_empty() {
             out!("by query (phases in % of the query's samples):");
-            out!("{}", super::queries::render(&queries, total, options.top));
-            print_query_texts(&queries, &query_texts, options.top);
-            if queries.iter().all(|q| q.query_id == 0) {
+            out!("{}", super::queries::render(queries, total, options.top));
+            print_query_texts(queries, &query_texts, options.top);
+            if queries.iter().all(|q| !q.query_id.is_statement()) {
                 out!(
                     "note: every queryid is 0: queryids are not computed; set compute_query_id = on \
                      (or load pg_stat_statements, which turns `auto` on)"
@@ -92,14 +132,10 @@ pub(super) fn finish(
             super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)
         );
     }
-    let off_cpu_profile = session.off_cpu_measured.then(|| {
-        let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
-        session.profile(true, kernel.as_ref(), meta, &database_names)
-    });
-    if let Some(off_cpu) = &off_cpu_profile {
+    if let Some(waits) = &analysis.waits {
         out!(
             "{}",
-            super::off_cpu::render(off_cpu, options.off_cpu_min_stack, options.top)
+            super::off_cpu::render(waits, options.off_cpu_min_stack, options.top)
         );
     }
     // What the off-CPU files show: idle client waits only on request.
@@ -110,43 +146,7 @@ pub(super) fn finish(
             crate::collect::off_cpu::without_idle(profile)
         }
     });
-    let probe_rows: Vec<crate::findings::ProbeRow> = probe_results
-        .by_query()
-        .into_iter()
-        .map(|((query_id, call), stats)| crate::findings::ProbeRow {
-            query_id,
-            function: call.function,
-            calls: stats.calls,
-            total_ns: stats.total_ns,
-        })
-        .collect();
-    let pgss = pgss_start
-        .zip(pgss_end)
-        .map(|(start, end)| crate::findings::PgssEvidence {
-            evictions: end.dealloc - start.dealloc,
-            max: end.max,
-            seconds: elapsed.as_secs_f64(),
-        });
-    let spin_sites: Vec<crate::findings::SpinSiteRow> = probe_results
-        .spin_sites
-        .iter()
-        .map(|site| crate::findings::SpinSiteRow {
-            query_id: site.query_id,
-            file: site.file.clone(),
-            line: site.line,
-            function: site.function.clone(),
-            calls: site.stats.calls,
-            total_ns: site.stats.total_ns,
-        })
-        .collect();
-    let findings = crate::findings::evaluate(&crate::findings::Evidence {
-        on_cpu: &profile,
-        probes: &probe_rows,
-        off_cpu: off_cpu_profile.as_ref(),
-        pgss,
-        instance: instance.as_ref(),
-        spin_sites: &spin_sites,
-    });
+    let findings = crate::findings::evaluate(&analysis);
     if !findings.is_empty() {
         out!("findings:");
         out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
@@ -181,7 +181,7 @@ pub(super) fn finish(
             });
         }
         if let Some(path) = &options.report {
-            let written = crate::report::write(&recording, &findings, path, mode);
+            let written = crate::report::write(&recording, &analysis, &findings, path, mode);
             writes.attempt(path, written, || out!("wrote the report to {}", path.display()));
         }
     }
@@ -270,12 +270,13 @@ pub(super) fn finish(
             filtered_out: session.filtered_out,
             profile: &profile,
             functions: &shares,
-            queries: &queries,
+            queries,
             probes: &probe_results,
             query_texts: &query_texts,
-            off_cpu: off_cpu_profile
+            off_cpu: analysis
+                .waits
                 .as_ref()
-                .map(|p| (p, options.off_cpu_min_stack.as_nanos() as u64)),
+                .map(|waits| (waits, options.off_cpu_min_stack.as_nanos() as u64)),
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));
         writes.attempt(path, written, || {
@@ -326,11 +327,11 @@ impl Writes {
 }
 
 /// The normalized text of each query in the table, one line each, cut to fit a terminal.
-fn print_query_texts(queries: &[super::queries::QuerySummary], texts: &HashMap<i64, String>, limit: usize) {
+fn print_query_texts(queries: &[StatementCpu], texts: &HashMap<i64, String>, limit: usize) {
     let named: Vec<_> = queries
         .iter()
         .take(limit)
-        .filter_map(|q| texts.get(&q.query_id).map(|t| (q.query_id, t)))
+        .filter_map(|q| texts.get(&q.query_id.0).map(|t| (q.query_id, t)))
         .collect();
     if named.is_empty() {
         return;

@@ -14,9 +14,11 @@ use crate::fuzzing::{config, corpus, mutate, mutation};
 fn report(bytes: &[u8]) -> Result<(), TestCaseError> {
     match Recording::parse(bytes, Path::new("fuzzed.json")) {
         Ok(recording) => {
-            let findings = recording.findings();
-            let _ = crate::findings::render(&findings);
-            let page = crate::report::html::render(&recording, &findings);
+            let page = recording.with_analysis(|analysis| {
+                let findings = crate::findings::evaluate(analysis);
+                let _ = crate::findings::render(&findings);
+                crate::report::html::render(&recording, analysis, &findings)
+            });
             prop_assert!(page.is_ok(), "a parsed recording has no page: {:?}", page.err());
         }
         Err(error) => {
@@ -77,8 +79,11 @@ fn every_seed_is_a_recording_with_a_report() {
     for (path, bytes) in corpus("recording") {
         let recording =
             Recording::parse(&bytes, &path).unwrap_or_else(|e| panic!("`{}`: {e:#}", path.display()));
-        let findings = recording.findings();
-        crate::report::html::render(&recording, &findings)
+        recording
+            .with_analysis(|analysis| {
+                let findings = crate::findings::evaluate(analysis);
+                crate::report::html::render(&recording, analysis, &findings)
+            })
             .unwrap_or_else(|e| panic!("`{}`: {e:#}", path.display()));
     }
 }

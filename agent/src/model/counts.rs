@@ -1,0 +1,40 @@
+//! What pgscope counted besides samples: function-probe calls and time per queryid, spinlock
+//! call sites that spun, and pg_stat_statements' eviction counter. Filled by the front ends
+//! from the probes and SQL; read by the rules and the views, and kept in recordings.
+
+use serde::{Deserialize, Serialize};
+
+use super::QueryId;
+use crate::bpf::abi::Function;
+
+/// One probed function's calls for one queryid (estimated when duty-cycled).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeRow {
+    pub query_id: QueryId,
+    pub function: Function,
+    pub calls: u64,
+    pub total_ns: u64,
+}
+
+/// One call site's spins for one queryid (`--probes s_lock`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SpinSiteRow {
+    pub query_id: QueryId,
+    /// `__FILE__`, `__LINE__` and `__func__` of the acquisition.
+    pub file: String,
+    pub line: u32,
+    pub function: String,
+    /// Acquisitions that had to spin, and the time until they got the lock.
+    pub calls: u64,
+    pub total_ns: u64,
+}
+
+/// pg_stat_statements' eviction counter over the measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PgssEvidence {
+    /// `pg_stat_statements_info.dealloc` at the end less at the start.
+    pub evictions: i64,
+    /// `pg_stat_statements.max`.
+    pub max: i64,
+    pub seconds: f64,
+}

@@ -1,0 +1,147 @@
+//! The one model of a measurement. The front ends (`trace`, the agent) gather
+//! [`Measurements`] — the on-CPU and off-CPU profiles, probe counts, spin sites, the
+//! pg_stat_statements counter, the instance's settings — and [`Analysis::new`] computes the
+//! tables every view reads, once: per statement (its CPU by phase and by costly function), per
+//! wait and per statement's waits, and each statement's time on and off CPU. The console
+//! summary, `--json`, the HTML report, the findings and the agent's exports are views of it;
+//! none recomputes an analysis and none imports another view.
+
+pub mod counts;
+pub mod labels;
+mod query_id;
+pub mod statements;
+pub mod waits;
+
+use std::collections::HashMap;
+
+use exporters::Profile;
+
+pub use counts::{PgssEvidence, ProbeRow, SpinSiteRow};
+pub use query_id::QueryId;
+pub use statements::StatementCpu;
+pub use waits::WaitTables;
+
+use crate::postgres::sql::InstanceFacts;
+use labels::SampleLabels;
+
+/// What one trace (or one agent interval) measured.
+#[derive(Clone, Copy)]
+pub struct Measurements<'a> {
+    /// On-CPU samples with `queryid` and `phase` labels.
+    pub on_cpu: &'a Profile,
+    /// Off-CPU time with `wait_event` and `off_cpu` labels, when measured.
+    pub off_cpu: Option<&'a Profile>,
+    /// Function-probe counts per (queryid, function), estimates where duty-cycled.
+    pub probes: &'a [ProbeRow],
+    /// Spinlock acquisitions that spun, per call site and queryid (`--probes s_lock`).
+    pub spin_sites: &'a [SpinSiteRow],
+    /// pg_stat_statements' eviction counter over the measurement, when it could be read.
+    pub pgss: Option<PgssEvidence>,
+    /// Settings and sizes read over SQL, when pgscope could connect.
+    pub instance: Option<&'a InstanceFacts>,
+}
+
+/// Each statement's time, on CPU (samples × period) and blocked (off CPU without the client's
+/// time), in nanoseconds.
+pub type StatementTime = HashMap<QueryId, u64>;
+
+/// The tables of one measurement, computed once.
+pub struct Analysis<'a> {
+    pub measured: Measurements<'a>,
+    /// Per queryid, most on-CPU samples first.
+    pub statements: Vec<StatementCpu>,
+    /// The off-CPU tables, when off-CPU time was measured.
+    pub waits: Option<WaitTables>,
+    /// Per queryid, its time on and off CPU.
+    pub statement_time: StatementTime,
+}
+
+impl<'a> Analysis<'a> {
+    pub fn new(measured: Measurements<'a>) -> Self {
+        let statements = statements::statements(measured.on_cpu);
+        let waits = measured.off_cpu.map(WaitTables::from_profile);
+        let statement_time = statement_time(&statements, measured.on_cpu.meta.period, measured.off_cpu);
+        Self {
+            measured,
+            statements,
+            waits,
+            statement_time,
+        }
+    }
+
+    /// On-CPU samples in all.
+    pub fn cpu_samples(&self) -> u64 {
+        self.measured.on_cpu.total_count()
+    }
+
+    /// The on-CPU sampling period in nanoseconds.
+    pub fn period_ns(&self) -> u64 {
+        self.measured.on_cpu.meta.period
+    }
+
+    /// Seconds measured.
+    pub fn seconds(&self) -> f64 {
+        self.measured.on_cpu.meta.duration_nanos as f64 / 1e9
+    }
+}
+
+fn statement_time(statements: &[StatementCpu], period_ns: u64, off_cpu: Option<&Profile>) -> StatementTime {
+    let mut time: StatementTime = statements
+        .iter()
+        .map(|s| (s.query_id, s.samples * period_ns))
+        .collect();
+    for sample in off_cpu.iter().flat_map(|p| &p.samples) {
+        if sample.is_client_time() {
+            continue;
+        }
+        if let Some(query_id) = sample.query_id() {
+            *time.entry(query_id).or_insert(0) += sample.count;
+        }
+    }
+    time
+}
+
+#[cfg(test)]
+mod tests {
+    use super::statements::tests::{profile, sample};
+    use super::*;
+    use exporters::{ProfileMeta, StackSample};
+
+    #[test]
+    fn statement_time_adds_blocked_time_to_cpu_time_without_the_clients() {
+        let on_cpu = profile(vec![sample(7, "run", &["PortalRun"], 10)]);
+        let wait = |query_id: &str, wait_event: &str, class: &str, ns: u64| StackSample {
+            frames: Vec::new(),
+            labels: vec![
+                (labels::OFF_CPU.into(), class.into()),
+                (labels::QUERY_ID.into(), query_id.into()),
+                (labels::WAIT_EVENT.into(), wait_event.into()),
+            ],
+            count: ns,
+        };
+        let off_cpu = Profile {
+            meta: ProfileMeta::off_cpu(0, 1),
+            samples: vec![
+                wait("7", "IO:DataFileRead", "io", 1_000),
+                wait("7", "Client:ClientRead", "latch", 50_000),
+                wait("8", "Lock:transactionid", "latch", 3_000),
+            ],
+        };
+        let analysis = Analysis::new(Measurements {
+            on_cpu: &on_cpu,
+            off_cpu: Some(&off_cpu),
+            probes: &[],
+            spin_sites: &[],
+            pgss: None,
+            instance: None,
+        });
+        let period = on_cpu.meta.period;
+        assert_eq!(
+            analysis.statement_time.get(&QueryId(7)),
+            Some(&(10 * period + 1_000))
+        );
+        assert_eq!(analysis.statement_time.get(&QueryId(8)), Some(&3_000));
+        assert_eq!(analysis.statements[0].samples, 10);
+        assert!(analysis.waits.is_some());
+    }
+}

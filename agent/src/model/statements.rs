@@ -1,0 +1,252 @@
+//! The per-statement table of on-CPU time: for each queryid, its samples, how they split over
+//! statement phases, its hottest function, and the samples under the Postgres functions whose
+//! cost has a known mechanism (spinning, locking for a cached plan, planning, index descents,
+//! work deferred to commit). Computed once from the on-CPU profile's labels and frames.
+
+use std::collections::{BTreeMap, HashMap};
+
+use exporters::{Frame, FrameKind, Profile};
+
+use super::labels::SampleLabels;
+use super::QueryId;
+use crate::postgres::phase::Phase;
+
+/// One queryid's on-CPU samples.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StatementCpu {
+    pub query_id: QueryId,
+    pub samples: u64,
+    /// Samples per phase, in [`Phase::ALL`] order.
+    pub by_phase: [u64; Phase::ALL.len()],
+    /// The function most samples of this query were in (self time).
+    pub hottest_function: Option<String>,
+    /// Samples in s_lock, per caller (the frame above it).
+    pub spinning: BTreeMap<String, u64>,
+    /// Samples locking a relation (LockRelationOid) under GetCachedPlan.
+    pub plan_locking: u64,
+    /// Samples in the planner itself (`planner`, `standard_planner`): the plan phase also
+    /// covers a cached plan's revalidation and locking, which is not planning.
+    pub planner: u64,
+    /// Samples starting B-tree index scans: `_bt_first` (descending from the root to the first
+    /// leaf and reading it) and the rescan that precedes it when a scan is restarted
+    /// (`btrescan`).
+    pub index_descents: u64,
+    /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
+    /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
+    pub deferred_to_commit: u64,
+}
+
+impl StatementCpu {
+    /// Samples in `phase`.
+    pub fn phase(&self, phase: Phase) -> u64 {
+        Phase::ALL
+            .iter()
+            .position(|p| *p == phase)
+            .map_or(0, |i| self.by_phase[i])
+    }
+
+    /// Samples outside every phase function (e.g. protocol handling around the statement).
+    pub fn other(&self) -> u64 {
+        self.samples - self.by_phase.iter().sum::<u64>()
+    }
+
+    /// The phase with most samples, and its share of the query's samples.
+    pub fn dominant_phase(&self) -> Option<(Phase, f64)> {
+        let (index, &samples) = self.by_phase.iter().enumerate().max_by_key(|(_, &n)| n)?;
+        (samples > 0).then(|| (Phase::ALL[index], samples as f64 / self.samples as f64))
+    }
+
+    /// Adds one sample's weight: its phase, its leaf, and the functions on its stack.
+    fn add(&mut self, phase: Option<Phase>, names: &[&str], count: u64, leaves: &mut HashMap<String, u64>) {
+        self.samples += count;
+        if let Some(index) = phase.and_then(|phase| Phase::ALL.iter().position(|p| *p == phase)) {
+            self.by_phase[index] += count;
+        }
+        if let Some(leaf) = names.last() {
+            *leaves.entry(leaf.to_string()).or_insert(0) += count;
+        }
+        // Root first: a function's callers come before it.
+        if let Some(at) = names.iter().position(|n| *n == "s_lock") {
+            let caller = at.checked_sub(1).map_or("?", |c| names[c]);
+            *self.spinning.entry(caller.to_string()).or_insert(0) += count;
+        }
+        if names.iter().any(|n| *n == "planner" || *n == "standard_planner") {
+            self.planner += count;
+        }
+        if names
+            .iter()
+            .any(|n| matches!(*n, "_bt_first" | "_bt_search" | "_bt_getroot" | "btrescan"))
+        {
+            self.index_descents += count;
+        }
+        if names.iter().any(|n| {
+            matches!(
+                *n,
+                "AfterTriggerFireDeferred"
+                    | "PreCommit_on_commit_actions"
+                    | "PreCommit_Notify"
+                    | "smgrDoPendingDeletes"
+            )
+        }) {
+            self.deferred_to_commit += count;
+        }
+        if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
+            if names[plan..].contains(&"LockRelationOid") {
+                self.plan_locking += count;
+            }
+        }
+    }
+}
+
+/// User frames' names, root first.
+fn user_names(frames: &[Frame]) -> Vec<&str> {
+    frames
+        .iter()
+        .filter(|f| f.kind == FrameKind::User)
+        .map(|f| &*f.name)
+        .collect()
+}
+
+/// Per queryid, most samples first (ties: lower queryid first). Samples without a queryid label
+/// (processes with no status entry, or no attribution) are left out; queryid 0 is kept (what
+/// runs before a statement's queryid is known), for the rules to leave out.
+pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
+    let mut queries: HashMap<QueryId, (StatementCpu, HashMap<String, u64>)> = HashMap::new();
+    for sample in &profile.samples {
+        let Some(query_id) = sample.query_id() else {
+            continue;
+        };
+        let (statement, leaves) = queries.entry(query_id).or_insert_with(|| {
+            (
+                StatementCpu {
+                    query_id,
+                    ..StatementCpu::default()
+                },
+                HashMap::new(),
+            )
+        });
+        statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
+    }
+    let mut out: Vec<StatementCpu> = queries
+        .into_values()
+        .map(|(mut statement, leaves)| {
+            statement.hottest_function = leaves
+                .into_iter()
+                .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
+                .map(|(name, _)| name);
+            statement
+        })
+        .collect();
+    out.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.query_id.cmp(&b.query_id)));
+    out
+}
+
+/// Of `query_id`'s on-CPU samples, the share with `function` anywhere on the stack.
+pub fn share_with_frame(profile: &Profile, query_id: QueryId, function: &str) -> f64 {
+    let (mut with, mut all) = (0u64, 0u64);
+    for sample in profile.samples.iter().filter(|s| s.query_id() == Some(query_id)) {
+        all += sample.count;
+        if sample.frames.iter().any(|f| &*f.name == function) {
+            with += sample.count;
+        }
+    }
+    if all == 0 {
+        0.0
+    } else {
+        with as f64 / all as f64
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::labels;
+    use exporters::{ProfileMeta, StackSample};
+    use std::sync::Arc;
+
+    /// A user-frames-only on-CPU sample of `query_id` in `phase`, frames root first.
+    pub fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
+        StackSample {
+            frames: frames
+                .iter()
+                .map(|name| Frame {
+                    name: Arc::from(*name),
+                    kind: FrameKind::User,
+                })
+                .collect(),
+            labels: vec![
+                (labels::PHASE.into(), phase.into()),
+                (labels::QUERY_ID.into(), query_id.to_string()),
+            ],
+            count,
+        }
+    }
+
+    pub fn profile(samples: Vec<StackSample>) -> Profile {
+        Profile {
+            meta: ProfileMeta::cpu(99, 0, 1),
+            samples,
+        }
+    }
+
+    #[test]
+    fn groups_by_query_and_phase_with_the_hottest_leaf() {
+        let mut client_read = sample(7, "run", &["main", "pq_getbyte"], 1);
+        client_read.labels.retain(|(k, _)| k != labels::PHASE);
+        let mut kernel = sample(7, "run", &["main", "ExecScan"], 6);
+        kernel.frames.push(Frame {
+            name: Arc::from("do_syscall_64"),
+            kind: FrameKind::Kernel,
+        });
+        let mut unlabelled = sample(9, "run", &["main"], 50);
+        unlabelled.labels.clear();
+        let p = profile(vec![
+            sample(7, "plan", &["main", "standard_planner"], 3),
+            kernel,
+            client_read,
+            sample(-5, "parse", &["main", "base_yyparse"], 2),
+            unlabelled,
+        ]);
+        let found = statements(&p);
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].query_id, QueryId(7));
+        assert_eq!(found[0].samples, 10);
+        assert_eq!(found[0].phase(Phase::Plan), 3);
+        assert_eq!(found[0].phase(Phase::Run), 6);
+        assert_eq!(found[0].other(), 1);
+        assert_eq!(found[0].planner, 3);
+        // The leaf is the innermost user frame, kernel frames aside.
+        assert_eq!(found[0].hottest_function.as_deref(), Some("ExecScan"));
+        assert_eq!(found[0].dominant_phase().map(|(p, _)| p), Some(Phase::Run));
+        assert_eq!(found[1].query_id, QueryId(-5));
+    }
+
+    #[test]
+    fn functions_with_a_known_cost_are_counted_where_they_sit_on_the_stack() {
+        let p = profile(vec![
+            sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 30),
+            sample(
+                7,
+                "run",
+                &[
+                    "PortalStart",
+                    "GetCachedPlan",
+                    "AcquireExecutorLocks",
+                    "LockRelationOid",
+                ],
+                20,
+            ),
+            // Locks the executor takes itself are not the plan's.
+            sample(7, "run", &["PortalRun", "ExecInitNode", "LockRelationOid"], 5),
+            sample(7, "run", &["PortalRun", "btrescan"], 4),
+            sample(7, "commit", &["CommitTransaction", "AfterTriggerFireDeferred"], 2),
+        ]);
+        let found = &statements(&p)[0];
+        assert_eq!(found.spinning.get("pgss_store"), Some(&30));
+        assert_eq!(found.plan_locking, 20);
+        assert_eq!(found.index_descents, 4);
+        assert_eq!(found.deferred_to_commit, 2);
+        assert!((share_with_frame(&p, QueryId(7), "LockRelationOid") - 25.0 / 61.0).abs() < 1e-9);
+        assert_eq!(share_with_frame(&p, QueryId(8), "LockRelationOid"), 0.0);
+    }
+}

@@ -1,0 +1,302 @@
+//! The off-CPU tables: time off CPU per (backend type, wait event, class) over everything, and
+//! per queryid per (wait event, class) with where in Postgres its longest stack waited. Each
+//! row knows whether it is the client's time (idle, or `Client:*` inside a transaction), so
+//! that views and rules leave the same time out. Computed once from the off-CPU profile.
+
+use std::collections::BTreeMap;
+
+use exporters::{Frame, FrameKind, Profile};
+
+use super::labels::{self, SampleLabels};
+use super::QueryId;
+use crate::bpf::abi::OffCpuClass;
+use crate::collect::off_cpu::SHORT_WAITS_FRAME;
+
+/// The wait column of samples that carry no wait event.
+pub const NO_WAIT_EVENT: &str = "(no wait event)";
+
+/// Off-CPU time of one (backend type, wait event, class) over the whole profile.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WaitRow {
+    pub backend_type: String,
+    /// `Type:Name`, or [`NO_WAIT_EVENT`].
+    pub wait: String,
+    pub class: String,
+    pub ns: u64,
+}
+
+impl WaitRow {
+    /// Whether this is the client's time rather than a statement's.
+    pub fn is_client_time(&self) -> bool {
+        labels::is_client_time(Some(&self.class), Some(&self.wait))
+    }
+}
+
+/// One wait of one query: its total, and where in Postgres its longest stack waited.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueryWait {
+    pub wait: String,
+    pub class: String,
+    pub ns: u64,
+    /// Innermost user frames of its longest stack, innermost first.
+    pub stack: String,
+    /// Weight of that longest stack.
+    longest: u64,
+}
+
+impl QueryWait {
+    pub fn is_client_time(&self) -> bool {
+        labels::is_client_time(Some(&self.class), Some(&self.wait))
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.class == OffCpuClass::Idle.name()
+    }
+}
+
+/// One queryid's waits, longest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueryWaits {
+    pub query_id: QueryId,
+    pub waits: Vec<QueryWait>,
+}
+
+impl QueryWaits {
+    /// Every nanosecond of it off CPU, idle and client time included.
+    pub fn total_ns(&self) -> u64 {
+        self.waits.iter().map(|w| w.ns).sum()
+    }
+
+    /// Its blocked time: off CPU, the client's time left out.
+    pub fn blocked_ns(&self) -> u64 {
+        self.blocked().map(|w| w.ns).sum()
+    }
+
+    /// Its waits without the client's time, longest first.
+    pub fn blocked(&self) -> impl Iterator<Item = &QueryWait> {
+        self.waits.iter().filter(|w| !w.is_client_time())
+    }
+
+    /// Its waits without idle time (client waits inside a transaction kept), longest first.
+    pub fn not_idle(&self) -> impl Iterator<Item = &QueryWait> {
+        self.waits.iter().filter(|w| !w.is_idle())
+    }
+}
+
+/// The off-CPU profile's tables.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WaitTables {
+    /// Every nanosecond off CPU, idle waits included.
+    pub total_ns: u64,
+    /// Of it, waits shorter than the stack threshold, counted without a stack.
+    pub short_waits_ns: u64,
+    /// Per (backend type, wait event, class), longest first.
+    pub by_wait: Vec<WaitRow>,
+    /// Per queryid (samples without one left out), most off-CPU time first.
+    pub by_query: Vec<QueryWaits>,
+}
+
+impl WaitTables {
+    pub fn from_profile(profile: &Profile) -> Self {
+        Self {
+            total_ns: profile.samples.iter().map(|s| s.count).sum(),
+            short_waits_ns: profile
+                .samples
+                .iter()
+                .filter(|s| s.frames.first().is_some_and(|f| &*f.name == SHORT_WAITS_FRAME))
+                .map(|s| s.count)
+                .sum(),
+            by_wait: by_wait(profile),
+            by_query: by_query(profile),
+        }
+    }
+
+    /// The time statements were blocked: off CPU, the client's time left out.
+    pub fn blocked_ns(&self) -> u64 {
+        self.by_wait
+            .iter()
+            .filter(|row| !row.is_client_time())
+            .map(|row| row.ns)
+            .sum()
+    }
+
+    /// Of the blocked time, the part in wait event `wait`.
+    pub fn blocked_in(&self, wait: &str) -> u64 {
+        self.by_wait
+            .iter()
+            .filter(|row| !row.is_client_time() && row.wait == wait)
+            .map(|row| row.ns)
+            .sum()
+    }
+}
+
+fn wait_of(sample: &exporters::StackSample) -> (String, String) {
+    (
+        sample.wait_event().unwrap_or(NO_WAIT_EVENT).to_string(),
+        sample.off_cpu_class().unwrap_or("?").to_string(),
+    )
+}
+
+fn by_wait(profile: &Profile) -> Vec<WaitRow> {
+    let mut rows: BTreeMap<(String, String, String), u64> = BTreeMap::new();
+    for sample in &profile.samples {
+        let backend_type = sample.label(labels::BACKEND_TYPE).unwrap_or("?").to_string();
+        let (wait, class) = wait_of(sample);
+        *rows.entry((backend_type, wait, class)).or_insert(0) += sample.count;
+    }
+    let mut rows: Vec<WaitRow> = rows
+        .into_iter()
+        .map(|((backend_type, wait, class), ns)| WaitRow {
+            backend_type,
+            wait,
+            class,
+            ns,
+        })
+        .collect();
+    rows.sort_by(|a, b| b.ns.cmp(&a.ns).then(a.wait.cmp(&b.wait)));
+    rows
+}
+
+fn by_query(profile: &Profile) -> Vec<QueryWaits> {
+    let mut per_query: BTreeMap<QueryId, BTreeMap<(String, String), QueryWait>> = BTreeMap::new();
+    for sample in &profile.samples {
+        let Some(query_id) = sample.query_id() else {
+            continue;
+        };
+        let (wait, class) = wait_of(sample);
+        let entry = per_query
+            .entry(query_id)
+            .or_default()
+            .entry((wait.clone(), class.clone()))
+            .or_insert_with(|| QueryWait {
+                wait,
+                class,
+                ..QueryWait::default()
+            });
+        entry.ns += sample.count;
+        if sample.count > entry.longest {
+            entry.longest = sample.count;
+            entry.stack = where_it_waits(&sample.frames);
+        }
+    }
+    let mut out: Vec<QueryWaits> = per_query
+        .into_iter()
+        .map(|(query_id, waits)| {
+            let mut waits: Vec<QueryWait> = waits.into_values().collect();
+            // Stable: equal waits stay in (wait event, class) order.
+            waits.sort_by_key(|row| std::cmp::Reverse(row.ns));
+            QueryWaits { query_id, waits }
+        })
+        .collect();
+    out.sort_by_key(|query| std::cmp::Reverse(query.total_ns()));
+    out
+}
+
+/// The four innermost user frames of a stack, innermost first: `sem_wait ← PGSemaphoreLock ←
+/// LWLockAcquire ← pgss_store`.
+fn where_it_waits(frames: &[Frame]) -> String {
+    frames
+        .iter()
+        .rev()
+        .filter(|f| f.kind == FrameKind::User)
+        .take(4)
+        .map(|f| f.name.to_string())
+        .collect::<Vec<_>>()
+        .join(" ← ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exporters::{ProfileMeta, StackSample};
+    use std::sync::Arc;
+
+    fn sample(frames: &[&str], labels: &[(&str, &str)], ns: u64) -> StackSample {
+        StackSample {
+            frames: frames
+                .iter()
+                .map(|name| Frame {
+                    name: Arc::from(*name),
+                    kind: FrameKind::User,
+                })
+                .collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            count: ns,
+        }
+    }
+
+    #[test]
+    fn waits_are_summed_per_event_and_per_query_with_where_they_wait() {
+        let lwlock = [
+            ("queryid", "7"),
+            ("wait_event", "LWLock:pg_stat_statements"),
+            ("off_cpu", "futex"),
+        ];
+        let profile = Profile {
+            meta: ProfileMeta::off_cpu(0, 1),
+            samples: vec![
+                sample(
+                    &[
+                        "main",
+                        "pgss_store",
+                        "LWLockAcquire",
+                        "PGSemaphoreLock",
+                        "sem_wait",
+                    ],
+                    &lwlock,
+                    3_000_000,
+                ),
+                sample(&[SHORT_WAITS_FRAME], &lwlock, 1_000_000),
+                sample(
+                    &["[idle]"],
+                    &[
+                        ("queryid", "7"),
+                        ("wait_event", "Client:ClientRead"),
+                        ("off_cpu", "idle"),
+                    ],
+                    9_000_000,
+                ),
+                sample(
+                    &["[client]"],
+                    &[
+                        ("queryid", "8"),
+                        ("wait_event", "Client:ClientRead"),
+                        ("off_cpu", "latch"),
+                    ],
+                    2_000_000,
+                ),
+                sample(
+                    &["x"],
+                    &[("wait_event", "IO:DataFileRead"), ("off_cpu", "io")],
+                    500,
+                ),
+            ],
+        };
+        let tables = WaitTables::from_profile(&profile);
+        assert_eq!(tables.total_ns, 15_000_500);
+        assert_eq!(tables.short_waits_ns, 1_000_000);
+        assert_eq!(tables.by_wait[0].wait, "Client:ClientRead");
+        assert_eq!(tables.by_wait[0].backend_type, "?");
+        assert_eq!(tables.blocked_ns(), 4_000_500);
+        assert_eq!(tables.blocked_in("LWLock:pg_stat_statements"), 4_000_000);
+        let q7 = &tables.by_query[0];
+        assert_eq!(q7.query_id, QueryId(7));
+        assert_eq!(q7.total_ns(), 13_000_000);
+        assert_eq!(q7.blocked_ns(), 4_000_000);
+        let lwlock_row = q7.blocked().next().expect("a blocked wait");
+        assert_eq!(lwlock_row.ns, 4_000_000);
+        assert_eq!(
+            lwlock_row.stack,
+            "sem_wait ← PGSemaphoreLock ← LWLockAcquire ← pgss_store"
+        );
+        assert_eq!(q7.not_idle().count(), 1);
+        // Client waits inside a transaction are not blocked time, but they are not idle either.
+        let q8 = &tables.by_query[1];
+        assert_eq!((q8.blocked_ns(), q8.not_idle().count()), (0, 1));
+        // Samples without a queryid are in the totals, not in a query's row.
+        assert_eq!(tables.by_query.len(), 2);
+    }
+}
