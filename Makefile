@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint fuzz clean
+.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint fuzz docs-check clean
 
 all: build
 
@@ -60,7 +60,12 @@ integration-test: build pg-nofp pyroscope-server
 chart-test: build
 	PGSCOPE_BIN=$(PGSCOPE_BIN) scripts/chart-tools.sh test
 
-test: unit-test chart-test integration-test
+# Every command, flag, path and agent config key README.md and docs/ show, checked against this
+# Makefile, the repository and the built binary (scripts/docs-check.py; seconds, no root).
+docs-check: build
+	scripts/docs-check.py --bin "$(PGSCOPE_BIN)"
+
+test: unit-test docs-check chart-test integration-test
 
 clean:
 	$(CARGO) clean
