@@ -95,7 +95,7 @@ struct TraceArgs {
     /// Write folded stacks (Brendan Gregg's format, root first) here.
     #[arg(long, value_name = "FILE")]
     folded: Option<PathBuf>,
-    /// Write the summary as JSON here (schema `pgscope.trace.summary/v1`, see the README).
+    /// Write the summary as JSON here (schema `pgscope.trace.summary/v1`, see docs/trace.md).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Save the trace as a recording here (JSON, schema `pgscope.recording/v1`):
@@ -166,7 +166,7 @@ struct TraceArgs {
 
 #[derive(Args)]
 struct AgentArgs {
-    /// Configuration file (TOML; see the README). Environment variables PGSCOPE_* override
+    /// Configuration file (TOML; see docs/agent.md). Environment variables PGSCOPE_* override
     /// it, flags override both.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,

@@ -1,6 +1,6 @@
 //! `--json FILE`: the trace summary for scripts, in a versioned schema. Fields are only ever
-//! added within a version; a rename or a change of meaning bumps `schema`. Documented in the
-//! README ("JSON summary").
+//! added within a version; a rename or a change of meaning bumps `schema`. Documented in
+//! `docs/trace.md` ("JSON summary").
 
 use std::collections::BTreeMap;
 
