@@ -201,8 +201,9 @@ pub fn generic_plan_locking(queries: &[StatementCpu]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::findings::tests::named;
+    use crate::model::fixtures::{profile, sample};
     use crate::model::statements::statements as table;
-    use crate::model::statements::tests::{profile, sample};
     use crate::model::QueryId;
 
     #[test]
@@ -257,27 +258,16 @@ mod tests {
     }
 
     #[test]
-    fn plan_locking_counts_only_locks_taken_inside_get_cached_plan() {
-        let p = profile(vec![
-            sample(
-                7,
-                "run",
-                &[
-                    "PortalStart",
-                    "GetCachedPlan",
-                    "AcquireExecutorLocks",
-                    "LockRelationOid",
-                ],
-                60,
-            ),
-            sample(7, "run", &["PortalRun", "ExecScan"], 40),
-            // Locks the executor takes itself are not the plan's.
-            sample(8, "run", &["PortalRun", "ExecInitNode", "LockRelationOid"], 60),
-            sample(8, "run", &["PortalRun", "ExecScan"], 40),
-        ]);
-        let found = generic_plan_locking(&table(&p));
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].query_ids, vec![QueryId(7)]);
+    fn plan_locking_is_named_from_its_share_of_the_statement() {
+        let statement = |query_id, plan_locking| StatementCpu {
+            query_id: QueryId(query_id),
+            samples: 100,
+            plan_locking,
+            ..StatementCpu::default()
+        };
+        let found = generic_plan_locking(&[statement(7, 60), statement(8, 10), statement(0, 90)]);
+        assert_eq!(named(&found), vec![QueryId(7)]);
+        assert_eq!(found[0].severity, Severity::Critical);
     }
 
     #[test]
@@ -290,10 +280,7 @@ mod tests {
             sample(9, "run", &["PortalRun"], 0),
         ]);
         let found = top_consumers(&table(&p), p.total_count());
-        assert_eq!(
-            found.iter().map(|f| f.query_ids[0]).collect::<Vec<_>>(),
-            vec![QueryId(7), QueryId(8)]
-        );
+        assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(found[0]
             .numbers
             .iter()

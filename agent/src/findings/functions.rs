@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn without_blocked_time_the_share_comes_from_the_samples() {
-        use crate::model::statements::tests::{profile, sample};
+        use crate::model::fixtures::{profile, sample};
         // Preempted on a busy host, the calls' wall time is 90% of the statement's CPU time;
         // the samples show the function on the stack in one sample of ten.
         let time = StatementTime::from([(QueryId(7), 1_000_000_000)]);

@@ -49,8 +49,8 @@ pub fn repeated_descents(queries: &[StatementCpu]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::fixtures::{profile, sample};
     use crate::model::statements::statements as table;
-    use crate::model::statements::tests::{profile, sample};
     use crate::model::QueryId;
 
     #[test]

@@ -112,3 +112,16 @@ pub fn render(findings: &[Finding]) -> String {
 fn percent(share: f64) -> String {
     format!("{:.1}%", share * 100.0)
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// The first queryid each finding names, in order.
+    pub fn named(found: &[Finding]) -> Vec<QueryId> {
+        found
+            .iter()
+            .filter_map(|f| f.query_ids.first().copied())
+            .collect()
+    }
+}

@@ -114,8 +114,8 @@ pub fn unusual_phase(queries: &[StatementCpu]) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::fixtures::{profile, sample};
     use crate::model::statements::statements as table;
-    use crate::model::statements::tests::{profile, sample};
     use crate::model::QueryId;
 
     #[test]

@@ -65,40 +65,33 @@ pub fn top_waiters(waits: Option<&WaitTables>) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::findings::tests::named;
+    use crate::model::fixtures::{labelled, off_cpu};
     use crate::model::QueryId;
-    use exporters::{Profile, ProfileMeta, StackSample};
 
-    fn wait(query_id: i64, wait_event: &str, class: &str, ns: u64) -> StackSample {
-        StackSample {
-            frames: Vec::new(),
-            labels: vec![
-                ("off_cpu".into(), class.into()),
-                ("queryid".into(), query_id.to_string()),
-                ("wait_event".into(), wait_event.into()),
-            ],
-            count: ns,
-        }
+    fn wait(query_id: i64, wait_event: &str, class: &str, ns: u64) -> exporters::StackSample {
+        let query_id = query_id.to_string();
+        let labels = [
+            ("off_cpu", class),
+            ("queryid", &query_id),
+            ("wait_event", wait_event),
+        ];
+        labelled(&[], &labels, ns)
     }
 
     #[test]
     fn the_longest_waiters_are_named_with_their_main_wait_and_idle_time_is_not_waiting() {
-        let profile = Profile {
-            meta: ProfileMeta::off_cpu(0, 1),
-            samples: vec![
-                wait(7, "LWLock:pg_stat_statements", "futex", 600),
-                wait(7, "IO:WALSync", "io", 100),
-                wait(8, "Lock:transactionid", "latch", 300),
-                // Client time, idle or in a transaction, is the client's, not the statement's.
-                wait(9, "Client:ClientRead", "idle", 100_000),
-                wait(9, "Client:ClientRead", "latch", 100_000),
-                wait(0, "IO:DataFileRead", "io", 5),
-            ],
-        };
+        let profile = off_cpu(vec![
+            wait(7, "LWLock:pg_stat_statements", "futex", 600),
+            wait(7, "IO:WALSync", "io", 100),
+            wait(8, "Lock:transactionid", "latch", 300),
+            // Client time, idle or in a transaction, is the client's, not the statement's.
+            wait(9, "Client:ClientRead", "idle", 100_000),
+            wait(9, "Client:ClientRead", "latch", 100_000),
+            wait(0, "IO:DataFileRead", "io", 5),
+        ]);
         let found = top_waiters(Some(&WaitTables::from_profile(&profile)));
-        assert_eq!(
-            found.iter().map(|f| f.query_ids[0]).collect::<Vec<_>>(),
-            vec![QueryId(7), QueryId(8)]
-        );
+        assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(found[0]
             .numbers
             .iter()

@@ -7,6 +7,8 @@
 //! none recomputes an analysis and none imports another view.
 
 pub mod counts;
+#[cfg(test)]
+pub mod fixtures;
 pub mod labels;
 mod query_id;
 pub mod statements;
@@ -103,30 +105,25 @@ fn statement_time(statements: &[StatementCpu], period_ns: u64, off_cpu: Option<&
 
 #[cfg(test)]
 mod tests {
-    use super::statements::tests::{profile, sample};
+    use super::fixtures::{labelled, off_cpu, profile, sample};
     use super::*;
-    use exporters::{ProfileMeta, StackSample};
 
     #[test]
     fn statement_time_adds_blocked_time_to_cpu_time_without_the_clients() {
         let on_cpu = profile(vec![sample(7, "run", &["PortalRun"], 10)]);
-        let wait = |query_id: &str, wait_event: &str, class: &str, ns: u64| StackSample {
-            frames: Vec::new(),
-            labels: vec![
-                (labels::OFF_CPU.into(), class.into()),
-                (labels::QUERY_ID.into(), query_id.into()),
-                (labels::WAIT_EVENT.into(), wait_event.into()),
-            ],
-            count: ns,
+        let wait = |query_id: &str, wait_event: &str, class: &str, ns: u64| {
+            let labels = [
+                (labels::OFF_CPU, class),
+                (labels::QUERY_ID, query_id),
+                (labels::WAIT_EVENT, wait_event),
+            ];
+            labelled(&[], &labels, ns)
         };
-        let off_cpu = Profile {
-            meta: ProfileMeta::off_cpu(0, 1),
-            samples: vec![
-                wait("7", "IO:DataFileRead", "io", 1_000),
-                wait("7", "Client:ClientRead", "latch", 50_000),
-                wait("8", "Lock:transactionid", "latch", 3_000),
-            ],
-        };
+        let off_cpu = off_cpu(vec![
+            wait("7", "IO:DataFileRead", "io", 1_000),
+            wait("7", "Client:ClientRead", "latch", 50_000),
+            wait("8", "Lock:transactionid", "latch", 3_000),
+        ]);
         let analysis = Analysis::new(Measurements {
             on_cpu: &on_cpu,
             off_cpu: Some(&off_cpu),

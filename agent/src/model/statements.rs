@@ -158,36 +158,11 @@ pub fn share_with_frame(profile: &Profile, query_id: QueryId, function: &str) ->
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::model::fixtures::{profile, sample};
     use crate::model::labels;
-    use exporters::{ProfileMeta, StackSample};
     use std::sync::Arc;
-
-    /// A user-frames-only on-CPU sample of `query_id` in `phase`, frames root first.
-    pub fn sample(query_id: i64, phase: &str, frames: &[&str], count: u64) -> StackSample {
-        StackSample {
-            frames: frames
-                .iter()
-                .map(|name| Frame {
-                    name: Arc::from(*name),
-                    kind: FrameKind::User,
-                })
-                .collect(),
-            labels: vec![
-                (labels::PHASE.into(), phase.into()),
-                (labels::QUERY_ID.into(), query_id.to_string()),
-            ],
-            count,
-        }
-    }
-
-    pub fn profile(samples: Vec<StackSample>) -> Profile {
-        Profile {
-            meta: ProfileMeta::cpu(99, 0, 1),
-            samples,
-        }
-    }
 
     #[test]
     fn groups_by_query_and_phase_with_the_hottest_leaf() {

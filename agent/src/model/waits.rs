@@ -208,25 +208,7 @@ fn where_it_waits(frames: &[Frame]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use exporters::{ProfileMeta, StackSample};
-    use std::sync::Arc;
-
-    fn sample(frames: &[&str], labels: &[(&str, &str)], ns: u64) -> StackSample {
-        StackSample {
-            frames: frames
-                .iter()
-                .map(|name| Frame {
-                    name: Arc::from(*name),
-                    kind: FrameKind::User,
-                })
-                .collect(),
-            labels: labels
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            count: ns,
-        }
-    }
+    use crate::model::fixtures::{labelled as sample, off_cpu};
 
     #[test]
     fn waits_are_summed_per_event_and_per_query_with_where_they_wait() {
@@ -235,46 +217,43 @@ mod tests {
             ("wait_event", "LWLock:pg_stat_statements"),
             ("off_cpu", "futex"),
         ];
-        let profile = Profile {
-            meta: ProfileMeta::off_cpu(0, 1),
-            samples: vec![
-                sample(
-                    &[
-                        "main",
-                        "pgss_store",
-                        "LWLockAcquire",
-                        "PGSemaphoreLock",
-                        "sem_wait",
-                    ],
-                    &lwlock,
-                    3_000_000,
-                ),
-                sample(&[SHORT_WAITS_FRAME], &lwlock, 1_000_000),
-                sample(
-                    &["[idle]"],
-                    &[
-                        ("queryid", "7"),
-                        ("wait_event", "Client:ClientRead"),
-                        ("off_cpu", "idle"),
-                    ],
-                    9_000_000,
-                ),
-                sample(
-                    &["[client]"],
-                    &[
-                        ("queryid", "8"),
-                        ("wait_event", "Client:ClientRead"),
-                        ("off_cpu", "latch"),
-                    ],
-                    2_000_000,
-                ),
-                sample(
-                    &["x"],
-                    &[("wait_event", "IO:DataFileRead"), ("off_cpu", "io")],
-                    500,
-                ),
-            ],
-        };
+        let profile = off_cpu(vec![
+            sample(
+                &[
+                    "main",
+                    "pgss_store",
+                    "LWLockAcquire",
+                    "PGSemaphoreLock",
+                    "sem_wait",
+                ],
+                &lwlock,
+                3_000_000,
+            ),
+            sample(&[SHORT_WAITS_FRAME], &lwlock, 1_000_000),
+            sample(
+                &["[idle]"],
+                &[
+                    ("queryid", "7"),
+                    ("wait_event", "Client:ClientRead"),
+                    ("off_cpu", "idle"),
+                ],
+                9_000_000,
+            ),
+            sample(
+                &["[client]"],
+                &[
+                    ("queryid", "8"),
+                    ("wait_event", "Client:ClientRead"),
+                    ("off_cpu", "latch"),
+                ],
+                2_000_000,
+            ),
+            sample(
+                &["x"],
+                &[("wait_event", "IO:DataFileRead"), ("off_cpu", "io")],
+                500,
+            ),
+        ]);
         let tables = WaitTables::from_profile(&profile);
         assert_eq!(tables.total_ns, 15_000_500);
         assert_eq!(tables.short_waits_ns, 1_000_000);

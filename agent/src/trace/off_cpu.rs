@@ -91,8 +91,7 @@ pub fn render(waits: &WaitTables, min_stack: Duration, limit: usize) -> String {
 mod tests {
     use super::*;
     use crate::collect::off_cpu::{without_idle, IDLE_FRAME, SHORT_WAITS_FRAME};
-    use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
-    use std::sync::Arc;
+    use crate::model::fixtures::{labelled as sample, off_cpu};
 
     #[test]
     fn off_cpu_files_go_beside_the_on_cpu_ones() {
@@ -114,36 +113,19 @@ mod tests {
             ("wait_event", "LWLock:pg_stat_statements"),
             ("off_cpu", "futex"),
         ];
-        let sample = |frames: &[&str], labels: &[(&str, &str)], ns: u64| StackSample {
-            frames: frames
-                .iter()
-                .map(|name| Frame {
-                    name: Arc::from(*name),
-                    kind: FrameKind::User,
-                })
-                .collect(),
-            labels: labels
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            count: ns,
-        };
-        let profile = Profile {
-            meta: ProfileMeta::off_cpu(0, 1),
-            samples: vec![
-                sample(&["main", "pgss_store", "LWLockAcquire"], &lwlock, 3_000_000),
-                sample(&[SHORT_WAITS_FRAME], &lwlock, 1_000_000),
-                sample(
-                    &[IDLE_FRAME],
-                    &[
-                        ("queryid", "7"),
-                        ("wait_event", "Client:ClientRead"),
-                        ("off_cpu", "idle"),
-                    ],
-                    9_000_000,
-                ),
-            ],
-        };
+        let profile = off_cpu(vec![
+            sample(&["main", "pgss_store", "LWLockAcquire"], &lwlock, 3_000_000),
+            sample(&[SHORT_WAITS_FRAME], &lwlock, 1_000_000),
+            sample(
+                &[IDLE_FRAME],
+                &[
+                    ("queryid", "7"),
+                    ("wait_event", "Client:ClientRead"),
+                    ("off_cpu", "idle"),
+                ],
+                9_000_000,
+            ),
+        ]);
         assert_eq!(without_idle(&profile).samples.len(), 2);
         let text = render(
             &WaitTables::from_profile(&profile),

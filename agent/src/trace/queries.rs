@@ -64,8 +64,8 @@ fn short(phase: Phase) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::fixtures::{profile, sample};
     use crate::model::statements::statements;
-    use crate::model::statements::tests::{profile, sample};
 
     #[test]
     fn a_row_per_query_with_its_share_phases_and_hottest_function() {
