@@ -83,12 +83,37 @@ impl Connection<'_> {
     /// Runs one statement and returns its output (unaligned, tuples only) without the trailing
     /// newline. An error in the statement ends psql (`ON_ERROR_STOP`) and is returned.
     pub fn query(&mut self, sql: &str) -> Result<String> {
+        self.run(sql, &terminated(sql))
+    }
+
+    /// Runs `sql`, which must fail (e.g. `BEGIN; SELECT 1/0`), and returns its SQLSTATE. Unlike
+    /// [`Connection::query`], psql goes on: the backend stays, in an aborted transaction when
+    /// the error came inside one. Fails if `sql` succeeded.
+    pub fn query_expecting_error(&mut self, sql: &str) -> Result<String> {
+        // psql sets ERROR and LAST_ERROR_SQLSTATE after each statement.
+        let script = format!(
+            "\\set ON_ERROR_STOP off\n{}\\echo {ERROR_REPORT} :ERROR :LAST_ERROR_SQLSTATE\n\\set ON_ERROR_STOP on\n",
+            terminated(sql)
+        );
+        let output = self.run(sql, &script)?;
+        let report = output.lines().last().unwrap_or_default();
+        let words: Vec<&str> = report
+            .strip_prefix(ERROR_REPORT)
+            .map(|rest| rest.split_whitespace().collect())
+            .unwrap_or_default();
+        match words.as_slice() {
+            ["true", sqlstate] => Ok((*sqlstate).to_owned()),
+            _ => bail!("`{sql}` was expected to fail; psql printed:\n{output}"),
+        }
+    }
+
+    /// Sends `script` (the statement `sql` with psql commands around it) and returns what it
+    /// printed before the marker that follows it.
+    fn run(&mut self, sql: &str, script: &str) -> Result<String> {
         self.statements += 1;
         let marker = format!("pgscope-statement-{}-done", self.statements);
         let sql = sql.trim_end();
-        // A statement without its `;` would stay in psql's buffer and the marker never come.
-        let terminator = if sql.ends_with(';') { "" } else { ";" };
-        let script = format!("{sql}{terminator}\n\\echo {marker}\n");
+        let script = format!("{script}\\echo {marker}\n");
         let stdin = self.stdin.as_mut().context("the connection is closed")?;
         if let Err(e) = stdin.write_all(script.as_bytes()).and_then(|()| stdin.flush()) {
             return Err(self.failure(sql, &format!("cannot write to psql: {e}")));
@@ -135,6 +160,17 @@ impl Connection<'_> {
             tail.join("\n")
         )
     }
+}
+
+/// Starts the line [`Connection::query_expecting_error`] reads psql's error variables from.
+const ERROR_REPORT: &str = "pgscope-error-report";
+
+/// `sql` ending in `;` and a newline: a statement without its `;` would stay in psql's buffer
+/// and the marker after it never come.
+fn terminated(sql: &str) -> String {
+    let sql = sql.trim_end();
+    let terminator = if sql.ends_with(';') { "" } else { ";" };
+    format!("{sql}{terminator}\n")
 }
 
 impl Drop for Connection<'_> {

@@ -27,6 +27,20 @@ fn cluster_runs_queries_and_sessions() -> Result<()> {
             "postmaster plus auxiliary processes"
         );
 
+        let mut connection = cluster.connect()?;
+        assert_eq!(connection.query_expecting_error("BEGIN; SELECT 1/0")?, "22012");
+        connection.query("ROLLBACK")?;
+        assert!(
+            connection.query_expecting_error("SELECT 1").is_err(),
+            "a statement that succeeds is not an expected error"
+        );
+        assert_eq!(
+            connection.query("SELECT 6 * 7")?,
+            "42",
+            "the connection goes on after errors"
+        );
+        drop(connection);
+
         let session = cluster.spawn_session(CPU_BOUND)?;
         assert!(session.is_active()?);
         assert!(
