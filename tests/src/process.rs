@@ -5,7 +5,7 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 /// How often [`wait_for`] re-checks its condition.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -131,4 +131,28 @@ pub fn parent_of(pid: u32) -> Option<u32> {
     // The command name is in parentheses and may itself contain spaces and parentheses.
     let after_comm = &stat[stat.rfind(')')? + 1..];
     after_comm.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// CPU time (user + system) `pid` has used so far, from `/proc/PID/stat`: what the kernel
+/// accounted to it, whatever share of the machine it was given.
+pub fn cpu_time(pid: u32) -> Result<Duration> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("cannot read `{path}`"))?;
+    // Fields from the state (field 3) on: the command name before them may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // utime and stime, fields 14 and 15, in clock ticks.
+    let ticks = |field: usize| -> Result<u64> {
+        fields
+            .get(field - 3)
+            .and_then(|f| f.parse().ok())
+            .with_context(|| format!("`{path}` has no number in field {field}: `{stat}`"))
+    };
+    let ticks = ticks(14)? + ticks(15)?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) returned {per_second}");
+    Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
 }

@@ -90,6 +90,37 @@ impl TraceSummary {
             .context("the summary has no number `samples.user_stacks_complete_pct`")
     }
 
+    /// `samples.filtered_out`: samples of other queries left out by `--queryid`.
+    pub fn samples_filtered_out(&self) -> Result<u64> {
+        self.json
+            .pointer("/samples/filtered_out")
+            .and_then(Value::as_u64)
+            .context("the summary has no number `samples.filtered_out`")
+    }
+
+    /// `samples.taken_in_kernel`: samples of the target processes the BPF side took.
+    pub fn samples_taken_in_kernel(&self) -> Result<u64> {
+        self.json
+            .pointer("/samples/taken_in_kernel")
+            .and_then(Value::as_u64)
+            .context("the summary has no number `samples.taken_in_kernel`")
+    }
+
+    /// The sum of `samples.lost`: samples taken but never delivered, whatever the reason.
+    pub fn samples_lost(&self) -> Result<u64> {
+        let lost = self
+            .json
+            .pointer("/samples/lost")
+            .and_then(Value::as_object)
+            .context("the summary has no object `samples.lost`")?;
+        lost.iter()
+            .map(|(reason, n)| {
+                n.as_u64()
+                    .with_context(|| format!("`samples.lost.{reason}` is not a count: {n}"))
+            })
+            .sum()
+    }
+
     /// `samples.profiled`: samples kept in the profile.
     pub fn samples_profiled(&self) -> Result<u64> {
         self.json
