@@ -11,6 +11,7 @@
 #[path = "../../agent/src/postgres/v15/names.rs"]
 mod names;
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::fs::{self, File};
@@ -23,7 +24,7 @@ use anyhow::{ensure, Context, Result};
 use names::c_constants;
 use pgscope_tests::activity::Activity;
 use pgscope_tests::install::DISTRO_BINDIR;
-use pgscope_tests::process::run_checked;
+use pgscope_tests::process::{pid_exists, run_checked};
 use pgscope_tests::{wait_for, PgCluster, PgInstall};
 
 const SERVER_INCLUDE: &str = "/usr/include/postgresql/15/server";
@@ -265,19 +266,22 @@ fn live_backends_decode_to_what_pg_stat_activity_shows() -> Result<()> {
         "a round of pg_stat_activity in which no process's memory changed",
         Duration::from_secs(30),
         || {
-            let before = Activity::read(&cluster, others)?
-                .iter()
-                .map(|row| (row.pid, reader.raw(row.pid, &offsets)))
-                .collect::<HashMap<_, _>>();
+            let mut before = HashMap::new();
+            for row in Activity::read(&cluster, others)? {
+                before.insert(row.pid, reader.raw(row.pid, &offsets)?);
+            }
             let rows = Activity::read(&cluster, others)?;
             let mut problems = Vec::new();
             let mut unstable = 0;
             for row in &rows {
-                let raw = reader.raw(row.pid, &offsets);
-                if before.get(&row.pid) != Some(&raw) {
-                    unstable += 1;
-                    continue;
-                }
+                // A process that exited or changed around the query is compared next round.
+                let raw = match (reader.raw(row.pid, &offsets)?, before.get(&row.pid)) {
+                    (Some(raw), Some(Some(earlier))) if raw == *earlier => raw,
+                    _ => {
+                        unstable += 1;
+                        continue;
+                    }
+                };
                 if let Some(problem) = disagreement(row, &raw) {
                     problems.push(problem);
                 }
@@ -438,45 +442,66 @@ struct MemoryReader {
 }
 
 impl MemoryReader {
-    fn raw(&mut self, pid: u32, offsets: &Offsets) -> Raw {
+    /// The process's memory now; `None` when it exited meanwhile (an autovacuum worker may).
+    fn raw(&mut self, pid: u32, offsets: &Offsets) -> Result<Option<Raw>> {
+        match self.read(pid, offsets) {
+            Err(_) if !pid_exists(pid) => Ok(None),
+            result => result.map(Some),
+        }
+    }
+
+    fn read(&mut self, pid: u32, offsets: &Offsets) -> Result<Raw> {
         const GLOBALS: [&str; 4] = [
             "MyBackendType",
             "MyBEEntry",
             "my_wait_event_info",
             "MyBgworkerEntry",
         ];
-        let globals = self.globals.entry(pid).or_insert_with(|| {
-            symbolizer::executable_globals(pid, &GLOBALS)
-                .unwrap_or_else(|e| panic!("symbols of PID {pid}: {e}"))
-        });
-        let mem = File::open(format!("/proc/{pid}/mem")).unwrap_or_else(|e| panic!("/proc/{pid}/mem: {e}"));
-        let read = |addr: u64, len: usize| {
-            let mut buf = vec![0; len];
-            mem.read_exact_at(&mut buf, addr)
-                .unwrap_or_else(|e| panic!("PID {pid} at {addr:#x}: {e}"));
-            buf
+        let globals = match self.globals.entry(pid) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => entry.insert(
+                symbolizer::executable_globals(pid, &GLOBALS)
+                    .with_context(|| format!("symbols of PID {pid}"))?,
+            ),
         };
-        let u32_at = |addr: u64| u32::from_ne_bytes(read(addr, 4).try_into().unwrap());
-        let ptr_at = |addr: u64| u64::from_ne_bytes(read(addr, 8).try_into().unwrap());
+        let mem = File::open(format!("/proc/{pid}/mem")).with_context(|| format!("/proc/{pid}/mem"))?;
+        let read = |addr: u64, buf: &mut [u8]| {
+            mem.read_exact_at(buf, addr)
+                .with_context(|| format!("PID {pid} at {addr:#x}"))
+        };
+        let u32_at = |addr: u64| -> Result<u32> {
+            let mut buf = [0; 4];
+            read(addr, &mut buf)?;
+            Ok(u32::from_ne_bytes(buf))
+        };
+        let ptr_at = |addr: u64| -> Result<u64> {
+            let mut buf = [0; 8];
+            read(addr, &mut buf)?;
+            Ok(u64::from_ne_bytes(buf))
+        };
         let global = |name: &str| {
-            *globals
+            globals
                 .get(name)
-                .unwrap_or_else(|| panic!("PID {pid} exports no `{name}`"))
+                .copied()
+                .with_context(|| format!("PID {pid} exports no `{name}`"))
         };
-        let backend_type = u32_at(global("MyBackendType"));
-        let be_entry = ptr_at(global("MyBEEntry"));
-        assert_ne!(be_entry, 0, "PID {pid} has no MyBEEntry");
-        let bgw_type = (backend_type == offsets.b_bg_worker).then(|| {
-            let entry = ptr_at(global("MyBgworkerEntry"));
-            let bytes = read(entry + offsets.bgw_type, offsets.bgw_type_len);
+        let backend_type = u32_at(global("MyBackendType")?)?;
+        let be_entry = ptr_at(global("MyBEEntry")?)?;
+        ensure!(be_entry != 0, "PID {pid} has no MyBEEntry");
+        let bgw_type = if backend_type == offsets.b_bg_worker {
+            let entry = ptr_at(global("MyBgworkerEntry")?)?;
+            let mut bytes = vec![0; offsets.bgw_type_len];
+            read(entry + offsets.bgw_type, &mut bytes)?;
             let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-            String::from_utf8_lossy(&bytes[..end]).into_owned()
-        });
-        Raw {
+            Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+        } else {
+            None
+        };
+        Ok(Raw {
             backend_type,
-            state: u32_at(be_entry + offsets.st_state),
-            wait_event_info: u32_at(ptr_at(global("my_wait_event_info"))),
+            state: u32_at(be_entry + offsets.st_state)?,
+            wait_event_info: u32_at(ptr_at(global("my_wait_event_info")?)?)?,
             bgw_type,
-        }
+        })
     }
 }
