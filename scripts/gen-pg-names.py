@@ -30,7 +30,7 @@ DEFAULT_OUTPUT = os.path.join(REPO, "agent", "src", "postgres", "v15", "names.rs
 # these values and decoding them everywhere is safe. Each entry was checked against the
 # installed 15.20 headers (utils/wait_event.h has the constant as the enum's last member) and
 # the installed 15.20 `postgres` binary (the display string is among the IPC event strings).
-# agent/tests/pg15_names.rs fails when the installed headers have a constant missing here.
+# tests/tests/pg15_names.rs fails when the installed headers have a constant missing here.
 LATER_MINOR_ADDITIONS = {
     "WaitEventIPC": [
         # In 15.20 (not in 15.18): the walreceiver waiting for the upstream server to catch up.
@@ -456,7 +456,7 @@ def render(t, version):
     names_table("`LockTagType` → `LockTagTypeNames`.", "LOCK_TAG_TYPES", t["lock_tags"])
 
     # Test-only: each entry with the C expression it comes from. Not rustfmt'ed: one entry a line.
-    w("/// Every table entry with the C expression it stands for, for `agent/tests/pg15_names.rs`: it")
+    w("/// Every table entry with the C expression it stands for, for `tests/tests/pg15_names.rs`: it")
     w("/// evaluates each expression against the installed PG15 headers and decodes each value.")
     w("/// `LWLOCK_NUMBER(lock)` is the index of an individual lock (an lwlocknames.h macro) in")
     w("/// `MainLWLockArray`; the test defines it.")

@@ -5,7 +5,7 @@
 //! connections churn, the agent gets SIGHUP and finally SIGTERM.
 //!
 //! It asserts that Postgres never restarted but when the test restarted it, that the agent left
-//! no BPF object and no uprobe behind, that its memory stayed within the README's bounds, that
+//! no BPF object and no uprobe behind, that its memory stayed within the bounds of docs/benchmarks.md, that
 //! every push that failed and every batch that was never delivered is counted on `/metrics`,
 //! and that profiles of the instance arrive again after each fault.
 //!
@@ -38,11 +38,11 @@ const RESUME: Duration = Duration::from_secs(45);
 /// agent gives its last push until 1.2 s after the signal and exits, probes already detached.
 const STOP_BOUND: Duration = Duration::from_secs(2);
 /// The agent's own memory (`RssAnon`: heap, stacks, copies of BPF data) must stay under this.
-/// The README measured 47-63 MiB of peak RSS over a minute of `pgbench -S -C` (connection
+/// docs/benchmarks.md records 47-63 MiB of peak RSS over a minute of `pgbench -S -C` (connection
 /// churn) across builds and VMs, with the release binary, and that figure includes the pages
 /// of the executable. The tests run the debug binary, whose file pages alone are ~56 MiB (a
-/// 340 MB executable with debug info), so the drill holds the anonymous part to the README's
-/// highest peak plus the 1 MiB queue: the margin is the executable pages the README counts.
+/// 340 MB executable with debug info), so the drill holds the anonymous part to the
+/// highest peak plus the 1 MiB queue: the margin is the executable pages those figures count.
 const ANON_BOUND: u64 = 64 << 20;
 /// The upload queue's cap (the smallest the agent allows), so that the outage fills it.
 const QUEUE_BYTES: u64 = 1 << 20;

@@ -1,4 +1,4 @@
-//! Off-CPU time (on by default in `pgscope trace`): where backends wait, weighted by blocked time,
+//! Off-CPU time (`pgscope trace --off-cpu`): where backends wait, weighted by blocked time,
 //! labelled with the wait event in force when they blocked, checked against waits the tests
 //! cause and time themselves.
 

@@ -1,7 +1,7 @@
 //! PostgreSQL 15. Offsets, sizes and constants come from the server headers
 //! (`postgresql-server-dev-15`: `utils/backend_status.h`, `postmaster/bgworker.h`,
 //! `storage/lwlock.h`, `utils/wait_event.h`): `tests::offsets_match_the_server_headers`
-//! recomputes them with a C program, `agent/tests/pg15_names.rs` decodes live backends' memory against
+//! recomputes them with a C program, `tests/tests/pg15_names.rs` decodes live backends' memory against
 //! `pg_stat_activity`, and `tests/tests/attribution.rs` checks the sample labels end to end.
 
 pub mod names;

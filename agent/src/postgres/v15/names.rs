@@ -386,7 +386,7 @@ static LOCK_TAG_TYPES: [&str; 11] = [
     "advisory",      // LOCKTAG_ADVISORY
 ];
 
-/// Every table entry with the C expression it stands for, for `agent/tests/pg15_names.rs`: it
+/// Every table entry with the C expression it stands for, for `tests/tests/pg15_names.rs`: it
 /// evaluates each expression against the installed PG15 headers and decodes each value.
 /// `LWLOCK_NUMBER(lock)` is the index of an individual lock (an lwlocknames.h macro) in
 /// `MainLWLockArray`; the test defines it.
