@@ -346,7 +346,9 @@ fn container_labels(context: &InstanceContext) -> Vec<(String, String)> {
 fn without_pid(mut profile: Profile, keep: bool) -> Profile {
     if !keep {
         for sample in &mut profile.samples {
-            sample.labels.retain(|(name, _)| name != "pid");
+            sample
+                .labels
+                .retain(|(name, _)| name != crate::model::labels::PID);
         }
     }
     profile

@@ -55,7 +55,7 @@ pub(super) fn finish(
     let stats = session.on_cpu().map(|stacks| stacks.stats()).unwrap_or_default();
     let root_labels = match target {
         Target::Backend(_) => Vec::new(),
-        Target::Instance { .. } => vec!["pid".to_string()],
+        Target::Instance { .. } => vec![crate::model::labels::PID.to_string()],
     };
 
     out!(
