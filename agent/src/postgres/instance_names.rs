@@ -10,13 +10,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use super::memory::{read_c_string, read_i32, read_u64};
 use super::VersionTable;
 
-/// Exported globals of the postgres executable the names are read through.
-const GLOBALS: [&str; 3] = [
-    "NamedLWLockTrancheArray",
-    "NamedLWLockTrancheRequests",
-    "MyBgworkerEntry",
-];
-
 /// Far more named tranches than any instance requests: a larger count is a misread.
 const MAX_NAMED_TRANCHES: i32 = 10_000;
 
@@ -47,16 +40,18 @@ impl InstanceNames {
     /// postmaster: its children inherit the array) and where background workers keep their
     /// entry.
     pub fn resolve(pid: u32, table: &VersionTable) -> Result<Self> {
-        let globals = super::ExportedGlobals::resolve(pid, &GLOBALS)?;
+        // Exported globals of the postgres executable, named by the major's table.
+        let names = &table.instance_name_globals;
+        let globals = super::ExportedGlobals::resolve(pid, &names.names())?;
         let tranches = read_named_tranches(
             pid,
-            globals.address("NamedLWLockTrancheArray")?,
-            globals.address("NamedLWLockTrancheRequests")?,
+            globals.address(names.named_tranche_array)?,
+            globals.address(names.named_tranche_requests)?,
             table,
         )?;
         Ok(Self {
             tranches,
-            my_bgworker_entry: Some(globals.address("MyBgworkerEntry")?),
+            my_bgworker_entry: Some(globals.address(names.my_bgworker_entry)?),
             worker_types: HashMap::new(),
         })
     }

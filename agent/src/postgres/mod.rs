@@ -1,6 +1,8 @@
 //! What pgscope knows about Postgres itself: which major a process runs, where a backend keeps
 //! the state `pg_stat_activity` shows, and how to decode it. Everything that differs between
-//! majors lives in one module per major (`v15`); this module picks one or refuses.
+//! majors (offsets, enum values, the names of the globals read) lives in one table per major
+//! (`v15`); this module picks one or refuses, and code asks the table rather than comparing
+//! majors.
 
 pub mod attribution;
 pub mod instance_names;
@@ -19,10 +21,17 @@ use crate::bpf::abi::PgLayout;
 /// Decodes a `wait_event_info` value to `(wait_event_type, wait_event)`.
 pub type WaitEventDecoder = fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>;
 
-/// Per-major knowledge used at sample time.
-#[derive(Debug)]
+/// Per-major knowledge: what the sampler, the statement clock and the instance names need to
+/// know of one major.
+#[derive(Clone, Copy, Debug)]
 pub struct VersionTable {
     pub major: u32,
+    /// The exported globals a sample reads.
+    pub sample_globals: SampleGlobals,
+    /// The exported globals that place a process in the shared status array.
+    pub status_slot_globals: StatusSlotGlobals,
+    /// The exported globals the instance's own names are read through (`instance_names`).
+    pub instance_name_globals: InstanceNameGlobals,
     /// `offsetof(PgBackendStatus, st_changecount)`: bumped by every write of the backend's
     /// status (each statement's start and end), so its growth counts statements.
     pub st_changecount_offset: u32,
@@ -57,14 +66,74 @@ pub struct VersionTable {
     pub wait_event_name: WaitEventDecoder,
 }
 
-/// Majors whose offsets and enums are checked by the test suite against a live server.
-pub const SUPPORTED_MAJORS: &[u32] = &[15];
+/// Names of the exported globals a sample reads: the addresses of [`PgLayout`].
+#[derive(Clone, Copy, Debug)]
+pub struct SampleGlobals {
+    /// `PgBackendStatus *`: the process's own status entry.
+    pub my_be_entry: &'static str,
+    /// `uint32 *`: the current wait event.
+    pub my_wait_event_info: &'static str,
+    /// `BackendType`.
+    pub my_backend_type: &'static str,
+    /// `Oid`.
+    pub my_database_id: &'static str,
+}
+
+impl SampleGlobals {
+    fn names(&self) -> [&'static str; 4] {
+        [
+            self.my_be_entry,
+            self.my_wait_event_info,
+            self.my_backend_type,
+            self.my_database_id,
+        ]
+    }
+}
+
+/// Names of the exported globals that place a process in the shared status array: a backend's
+/// slot is `backend_id - 1`, an auxiliary process's `max_backends + aux_proc_type` (see
+/// `collect::probes::statement_clock`). 17 renames `MyBackendId` to `MyProcNumber`.
+#[derive(Clone, Copy, Debug)]
+pub struct StatusSlotGlobals {
+    pub backend_id: &'static str,
+    pub aux_proc_type: &'static str,
+    pub max_backends: &'static str,
+}
+
+/// Names of the exported globals `instance_names` reads: the named LWLock tranches extensions
+/// requested, and a background worker's own entry.
+#[derive(Clone, Copy, Debug)]
+pub struct InstanceNameGlobals {
+    /// `NamedLWLockTranche *`.
+    pub named_tranche_array: &'static str,
+    /// `int`: the array's length.
+    pub named_tranche_requests: &'static str,
+    /// `BackgroundWorker *`.
+    pub my_bgworker_entry: &'static str,
+}
+
+impl InstanceNameGlobals {
+    pub fn names(&self) -> [&'static str; 3] {
+        [
+            self.named_tranche_array,
+            self.named_tranche_requests,
+            self.my_bgworker_entry,
+        ]
+    }
+}
+
+/// Every major's table.
+const TABLES: [&VersionTable; 1] = [&v15::TABLE];
+
+/// Majors whose offsets and enums are checked by the test suite against a live server: those
+/// with a table.
+pub const SUPPORTED_MAJORS: &[u32] = &[v15::MAJOR];
 
 /// The table for `major`, or an error saying what is supported.
 pub fn table_for(major: u32) -> Result<&'static VersionTable> {
-    match major {
-        15 => Ok(&v15::TABLE),
-        _ => bail!(
+    match TABLES.into_iter().find(|table| table.major == major) {
+        Some(table) => Ok(table),
+        None => bail!(
             "PostgreSQL {major} is not supported for query and wait-event attribution yet (supported: \
              {SUPPORTED_MAJORS:?}); stacks are still profiled, without those labels"
         ),
@@ -130,31 +199,57 @@ impl ExportedGlobals {
     }
 }
 
-/// Exported globals a sample reads, in the executable of every Postgres process.
-const GLOBALS: [&str; 4] = ["MyBEEntry", "my_wait_event_info", "MyBackendType", "MyDatabaseId"];
-
 /// Where process `pid` keeps its pg_stat_activity state, and the table to decode it.
 pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
     let table = table_for(detect_major(pid)?)?;
-    let globals = ExportedGlobals::resolve(pid, &GLOBALS)?;
+    let names = &table.sample_globals;
+    let globals = ExportedGlobals::resolve(pid, &names.names())?;
     let layout = PgLayout {
-        my_be_entry: globals.address("MyBEEntry")?,
-        my_wait_event_info: globals.address("my_wait_event_info")?,
-        my_backend_type: globals.address("MyBackendType")?,
-        my_database_id: globals.address("MyDatabaseId")?,
+        my_be_entry: globals.address(names.my_be_entry)?,
+        my_wait_event_info: globals.address(names.my_wait_event_info)?,
+        my_backend_type: globals.address(names.my_backend_type)?,
+        my_database_id: globals.address(names.my_database_id)?,
         st_state_offset: table.st_state_offset,
         st_query_id_offset: table.st_query_id_offset,
     };
     Ok((layout, table))
 }
 
-/// Addresses of the exported globals that locate a process's slot in the shared status array:
-/// `(MyBackendId, MyAuxProcType, MaxBackends)`.
-pub fn status_slot_globals(pid: u32) -> Result<(u64, u64, u64)> {
-    let globals = ExportedGlobals::resolve(pid, &["MyBackendId", "MyAuxProcType", "MaxBackends"])?;
+/// Addresses of the exported globals that locate a process's slot in the shared status array,
+/// as `table` names them: `(backend id, auxiliary process type, MaxBackends)`.
+pub fn status_slot_globals(pid: u32, table: &VersionTable) -> Result<(u64, u64, u64)> {
+    let names = &table.status_slot_globals;
+    let globals =
+        ExportedGlobals::resolve(pid, &[names.backend_id, names.aux_proc_type, names.max_backends])?;
     Ok((
-        globals.address("MyBackendId")?,
-        globals.address("MyAuxProcType")?,
-        globals.address("MaxBackends")?,
+        globals.address(names.backend_id)?,
+        globals.address(names.aux_proc_type)?,
+        globals.address(names.max_backends)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_supported_major_has_its_table_and_no_other() {
+        for major in 0..100 {
+            match table_for(major) {
+                Ok(table) => {
+                    assert_eq!(table.major, major);
+                    assert!(SUPPORTED_MAJORS.contains(&major), "{major} has a table");
+                }
+                Err(error) => {
+                    assert!(!SUPPORTED_MAJORS.contains(&major), "{major}: {error:#}");
+                    let message = format!("{error:#}");
+                    assert!(
+                        message.contains(&format!("PostgreSQL {major} is not supported")),
+                        "{message}"
+                    );
+                }
+            }
+        }
+        assert_eq!(SUPPORTED_MAJORS.len(), TABLES.len());
+    }
 }

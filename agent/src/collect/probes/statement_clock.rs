@@ -20,7 +20,9 @@ use crate::postgres::memory::read_u64;
 use crate::postgres::VersionTable;
 
 /// Where the status array is, from the exported globals of the postmaster's executable (every
-/// process of an instance maps it at the same address) and the version table.
+/// process of an instance maps it at the same address) and the version table. The globals'
+/// names are the major's (`VersionTable::status_slot_globals`); the fields below say what they
+/// hold in the majors that have a table.
 #[derive(Clone, Copy, Debug)]
 pub struct CounterLayout {
     /// `&MyBEEntry`: a process's own slot.
@@ -44,7 +46,8 @@ impl CounterLayout {
     /// The layout of the instance `pid` belongs to: the attribution layout's `MyBEEntry`, the
     /// exported globals that place a process in the array, and the version's sizes.
     pub fn for_process(pid: u32, layout: &PgLayout, table: &VersionTable) -> anyhow::Result<Self> {
-        let (my_backend_id, my_aux_proc_type, max_backends) = crate::postgres::status_slot_globals(pid)?;
+        let (my_backend_id, my_aux_proc_type, max_backends) =
+            crate::postgres::status_slot_globals(pid, table)?;
         Ok(Self {
             my_be_entry: layout.my_be_entry,
             my_backend_id,

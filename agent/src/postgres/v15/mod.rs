@@ -6,10 +6,33 @@
 
 pub mod names;
 
-use super::VersionTable;
+use super::{InstanceNameGlobals, SampleGlobals, StatusSlotGlobals, VersionTable};
+
+/// The major this module describes.
+pub const MAJOR: u32 = 15;
+
+/// Where Debian's `postgresql-server-dev-15` puts the server headers the tests check against.
+#[cfg(test)]
+const SERVER_INCLUDE: &str = "/usr/include/postgresql/15/server";
 
 pub static TABLE: VersionTable = VersionTable {
-    major: 15,
+    major: MAJOR,
+    sample_globals: SampleGlobals {
+        my_be_entry: "MyBEEntry",
+        my_wait_event_info: "my_wait_event_info",
+        my_backend_type: "MyBackendType",
+        my_database_id: "MyDatabaseId",
+    },
+    status_slot_globals: StatusSlotGlobals {
+        backend_id: "MyBackendId",
+        aux_proc_type: "MyAuxProcType",
+        max_backends: "MaxBackends",
+    },
+    instance_name_globals: InstanceNameGlobals {
+        named_tranche_array: "NamedLWLockTrancheArray",
+        named_tranche_requests: "NamedLWLockTrancheRequests",
+        my_bgworker_entry: "MyBgworkerEntry",
+    },
     st_changecount_offset: 0,
     status_entry_size: 432,
     aux_proc_types: 6,
@@ -33,10 +56,7 @@ mod tests {
     use std::path::{Path, PathBuf};
     use std::process::Command;
 
-    use super::TABLE;
-
-    /// Where Debian's `postgresql-server-dev-15` puts the server headers.
-    const SERVER_INCLUDE: &str = "/usr/include/postgresql/15/server";
+    use super::{SERVER_INCLUDE, TABLE};
 
     /// Prints the offsets pgscope reads, as the C compiler lays the struct out.
     const OFFSETS_C: &str = r#"
