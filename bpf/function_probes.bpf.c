@@ -10,7 +10,8 @@
 
 /*
  * Function probes: uprobe + uretprobe on a handful of Postgres functions, the attach cookie
- * naming the function. Calls, time and a log2 latency histogram are aggregated per CPU per
+ * naming the function (lower half) and the attachment's slot (upper half: its gate and where
+ * its arguments are, which depends on the Postgres major). Calls, time and a log2 latency histogram are aggregated per CPU per
  * (backend, queryid, function) in the kernel: no event per call crosses to user space.
  */
 
@@ -59,10 +60,19 @@ struct {
  * space counts the probe as attached. Returns are not counted while it is 0. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1024);
+	__uint(max_entries, PGSCOPE_PROBE_SLOTS);
 	__type(key, __u32);
 	__type(value, __u32);
 } function_gates SEC(".maps");
+
+/* Per attachment, like function_gates: which arguments hold the values the entry program reads,
+ * written by user space before it attaches. Slot 0 stays zero: nothing is read. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, PGSCOPE_PROBE_SLOTS);
+	__type(key, __u32);
+	__type(value, struct pgscope_probe_args);
+} probe_args SEC(".maps");
 
 /* Entries per function, for the duty cycle's hit-rate measurement (user space reads deltas). */
 struct {
@@ -109,13 +119,35 @@ static __always_inline __u32 log2_u64(__u64 v)
 	return r;
 }
 
-static __always_inline void count_relation_lock(struct pt_regs *ctx, __u32 tgid, __u64 query_id)
+/* libbpf 1.1 stops at PT_REGS_PARM5; x86-64 passes the sixth integer argument in r9. */
+#ifndef PT_REGS_PARM6
+#define PT_REGS_PARM6(x) (((const struct pt_regs *)(x))->r9)
+#endif
+
+/* Integer-class argument `position` (1-based, see struct pgscope_probe_args) of the probed
+ * call; 0 when the position is 0 (not read). The registers are loaded first and the index picks
+ * among the values: a switch over the loads could be merged by the compiler into one load at a
+ * computed context offset, which the verifier refuses. */
+static __always_inline __u64 probe_arg(struct pt_regs *ctx, __u8 position)
+{
+	__u64 regs[PGSCOPE_ARG_REGISTERS] = {
+		PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx),
+		PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx),
+	};
+
+	if (position == 0 || position > PGSCOPE_ARG_REGISTERS)
+		return 0;
+	return regs[position - 1];
+}
+
+static __always_inline void count_relation_lock(struct pt_regs *ctx, const struct pgscope_probe_args *args,
+						__u32 tgid, __u64 query_id)
 {
 	struct pgscope_relation_lock_key key = {
 		.tgid = tgid,
-		.relid = (__u32)PT_REGS_PARM1(ctx),
+		.relid = (__u32)probe_arg(ctx, args->relid),
 		.query_id = query_id,
-		.lockmode = (__u32)PT_REGS_PARM2(ctx),
+		.lockmode = (__u32)probe_arg(ctx, args->lockmode),
 	};
 	__u64 one = 1, *value = bpf_map_lookup_elem(&relation_locks, &key);
 
@@ -154,7 +186,9 @@ int on_function_entry(struct pt_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
 	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-	__u32 function = (__u32)bpf_get_attach_cookie(ctx);
+	__u64 cookie = bpf_get_attach_cookie(ctx);
+	__u32 function = (__u32)cookie;
+	__u32 slot = cookie >> 32;
 	__u64 *hits;
 
 	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE)) {
@@ -167,25 +201,34 @@ int on_function_entry(struct pt_regs *ctx)
 	if (hits)
 		*hits += 1;
 	struct call_entry entry = {};
+	/* Only the functions whose arguments are read look their positions up. User space
+	 * attaches them only with a slot whose positions it filled. */
+	struct pgscope_probe_args *args = NULL;
 
-	if (function == PGSCOPE_FN_PGSS_STORE) {
-		/* pgss_store(query, queryId, location, len, kind, …): the queryid it stores is the
-		 * statement's own (also for nested statements), the kind tells text/plan/exec apart.
-		 * PG14-17 (PG18 changes the queryid's type, not its register). */
-		entry.query_id = PT_REGS_PARM2(ctx);
-		entry.detail = (__u32)((int)PT_REGS_PARM5(ctx) + 2) & 0xff;
+	if (function == PGSCOPE_FN_PGSS_STORE || function == PGSCOPE_FN_LOCK_RELATION_OID ||
+	    function == PGSCOPE_FN_S_LOCK) {
+		args = bpf_map_lookup_elem(&probe_args, &slot);
+		if (!args)
+			return 0;
+	}
+
+	if (function == PGSCOPE_FN_PGSS_STORE && args) {
+		/* pgss_store's queryId and kind: the queryid it stores is the statement's own (also
+		 * for nested statements), the kind tells text/plan/exec apart. */
+		entry.query_id = probe_arg(ctx, args->query_id);
+		entry.detail = (__u32)((int)probe_arg(ctx, args->pgss_kind) + 2) & 0xff;
 	} else {
 		entry.query_id = current_query_id(tgid);
 	}
-	if (function == PGSCOPE_FN_LOCK_RELATION_OID)
-		count_relation_lock(ctx, tgid, entry.query_id);
-	if (function == PGSCOPE_FN_S_LOCK) {
-		/* s_lock(lock, file, line, func): only the pointers are kept; reading the strings
-		 * here would cost every spin. The site goes in the return's key, not the call key,
-		 * so that s_lock's own statistics stay one row per queryid. */
-		entry.file = PT_REGS_PARM2(ctx);
-		entry.detail = (__u32)PT_REGS_PARM3(ctx);
-		entry.func = PT_REGS_PARM4(ctx);
+	if (function == PGSCOPE_FN_LOCK_RELATION_OID && args)
+		count_relation_lock(ctx, args, tgid, entry.query_id);
+	if (function == PGSCOPE_FN_S_LOCK && args) {
+		/* s_lock's call site (file, line, func): only the pointers are kept; reading the
+		 * strings here would cost every spin. The site goes in the return's key, not the
+		 * call key, so that s_lock's own statistics stay one row per queryid. */
+		entry.file = probe_arg(ctx, args->spin_file);
+		entry.detail = (__u32)probe_arg(ctx, args->spin_line);
+		entry.func = probe_arg(ctx, args->spin_func);
 	}
 	__u64 key = (pid_tgid << 32) | function;
 	entry.start_ns = bpf_ktime_get_ns();

@@ -63,6 +63,33 @@ enum pgscope_function {
 	PGSCOPE_FN_MAX = 7,
 };
 
+/* Slots of the per-attachment maps (function_gates, probe_args): the upper half of a function
+ * probe's attach cookie names its slot; slot 0 means none (ungated, reads no argument). */
+#define PGSCOPE_PROBE_SLOTS 1024
+
+/* Integer-class argument registers a probe can read: x86-64 passes the first six integer and
+ * pointer arguments in rdi, rsi, rdx, rcx, r8, r9 (PT_REGS_PARM1..6); floating-point ones go
+ * to xmm registers and do not count. */
+#define PGSCOPE_ARG_REGISTERS 6
+
+/* Where the values a function probe reads are among the probed function's arguments, per
+ * attachment (slot in probe_args): 1..PGSCOPE_ARG_REGISTERS names the integer-class argument,
+ * 0 that the value is not read. Signatures change between Postgres majors, so user space fills
+ * it from the instance's major's table (agent/src/postgres/) rather than the program assuming
+ * one layout. */
+struct pgscope_probe_args {
+	__u8 relid;	/* LockRelationOid: Oid relid */
+	__u8 lockmode;	/* LockRelationOid: LOCKMODE lockmode */
+	__u8 query_id;	/* pgss_store: uint64 queryId */
+	__u8 pgss_kind; /* pgss_store: pgssStoreKind kind */
+	__u8 spin_file; /* s_lock: const char *file */
+	__u8 spin_line; /* s_lock: int line */
+	__u8 spin_func; /* s_lock: const char *func */
+	__u8 _pad;
+};
+
+_Static_assert(sizeof(struct pgscope_probe_args) == 8, "read by agent/src/bpf/abi.rs");
+
 /* Buckets of the per-function latency histogram: bucket i counts calls of [2^i, 2^(i+1)) ns,
  * bucket 0 also [0, 1) ns; the last bucket holds everything longer (2^39 ns ≈ 9 min). */
 #define PGSCOPE_HIST_BUCKETS 40

@@ -502,6 +502,91 @@ impl Function {
     }
 }
 
+/// `PGSCOPE_PROBE_SLOTS`: slots of the per-attachment maps (`function_gates`, `probe_args`);
+/// slot 0 means none.
+pub const PROBE_SLOTS: u32 = c::PGSCOPE_PROBE_SLOTS;
+
+/// `PGSCOPE_ARG_REGISTERS`: the integer-class arguments a probe can read (x86-64 passes the
+/// first six in registers).
+pub const ARG_REGISTERS: u8 = c::PGSCOPE_ARG_REGISTERS as u8;
+
+/// `struct pgscope_probe_args`: where the values an attachment's entry program reads are among
+/// the probed function's arguments (1-based integer-class position; 0: not read).
+pub type ProbeArgs = c::pgscope_probe_args;
+
+// SAFETY: a repr(C) struct of bytes, its size asserted by the header.
+unsafe impl aya::Pod for ProbeArgs {}
+
+/// A value the entry program reads from a probed call's arguments: one field of [`ProbeArgs`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ArgField {
+    RelId,
+    LockMode,
+    QueryId,
+    PgssKind,
+    SpinFile,
+    SpinLine,
+    SpinFunc,
+}
+
+// Every field of the struct but its `_pad` is named: a field added to the header fails the
+// build until it is.
+const _: () = assert!(size_of::<ProbeArgs>() == ArgField::ALL.len() + 1);
+
+impl ArgField {
+    pub const ALL: [ArgField; 7] = [
+        ArgField::RelId,
+        ArgField::LockMode,
+        ArgField::QueryId,
+        ArgField::PgssKind,
+        ArgField::SpinFile,
+        ArgField::SpinLine,
+        ArgField::SpinFunc,
+    ];
+
+    /// The parameter's name in the Postgres source, as the per-major tables' prototypes name it.
+    pub fn parameter(self) -> &'static str {
+        match self {
+            ArgField::RelId => "relid",
+            ArgField::LockMode => "lockmode",
+            ArgField::QueryId => "queryId",
+            ArgField::PgssKind => "kind",
+            ArgField::SpinFile => "file",
+            ArgField::SpinLine => "line",
+            ArgField::SpinFunc => "func",
+        }
+    }
+
+    /// Its byte in [`ProbeArgs`].
+    pub fn position_in(self, args: &mut ProbeArgs) -> &mut u8 {
+        match self {
+            ArgField::RelId => &mut args.relid,
+            ArgField::LockMode => &mut args.lockmode,
+            ArgField::QueryId => &mut args.query_id,
+            ArgField::PgssKind => &mut args.pgss_kind,
+            ArgField::SpinFile => &mut args.spin_file,
+            ArgField::SpinLine => &mut args.spin_line,
+            ArgField::SpinFunc => &mut args.spin_func,
+        }
+    }
+}
+
+impl Function {
+    /// The argument values the entry program reads for this function
+    /// (`bpf/function_probes.bpf.c`); the others read none.
+    pub fn argument_fields(self) -> &'static [ArgField] {
+        match self {
+            Function::PgssStore => &[ArgField::QueryId, ArgField::PgssKind],
+            Function::SLock => &[ArgField::SpinFile, ArgField::SpinLine, ArgField::SpinFunc],
+            Function::LockRelationOid => &[ArgField::RelId, ArgField::LockMode],
+            Function::GetCachedPlan
+            | Function::PortalStart
+            | Function::VacUpdateDatfrozenxid
+            | Function::BtGetroot => &[],
+        }
+    }
+}
+
 /// `PGSCOPE_CALL_DETAIL_SHIFT`: `CallKey::function` holds the function in its low byte and a
 /// detail above it (for pgss_store its pgssStoreKind + 2: 1 text only, 2 plan, 3 exec).
 const CALL_DETAIL_SHIFT: u32 = c::PGSCOPE_CALL_DETAIL_SHIFT;

@@ -20,8 +20,8 @@ use aya::Btf;
 use aya::Ebpf;
 
 use abi::{
-    CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, RelationLockKey, SpinSiteKey,
-    SpinSiteStats,
+    CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, ProbeArgs, RelationLockKey,
+    SpinSiteKey, SpinSiteStats, PROBE_SLOTS,
 };
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
@@ -40,12 +40,10 @@ const CALIBRATION_COOKIE: u64 = Function::ALL.len() as u64;
 pub struct FunctionLinks {
     entry: UProbeLinkId,
     exit: UProbeLinkId,
-    /// Its slot in `function_gates` (0: none, it always counts).
+    /// Its slot in `function_gates` and `probe_args` (0: none, it always counts and reads no
+    /// argument).
     gate: u32,
 }
-
-/// Slots of `function_gates` (bpf/function_probes.bpf.c); slot 0 means ungated.
-const GATE_SLOTS: u32 = 1024;
 
 /// The loaded on-CPU profiler programs and their maps.
 pub struct OnCpuProbes {
@@ -229,11 +227,13 @@ impl OnCpuProbes {
 
     /// Attaches the entry and return probes of `function`, whose first instruction is at
     /// `file_offset` in the ELF file `target`, for every process that maps the file: the target
-    /// map keeps the others out. The links can be detached and the probe attached again (the
-    /// duty cycle does).
+    /// map keeps the others out. `args` says where its values are among its arguments, in the
+    /// major of the Postgres that file belongs to (`VersionTable::probe_args`). The links can be
+    /// detached and the probe attached again (the duty cycle does).
     pub fn attach_function(
         &mut self,
         function: Function,
+        args: ProbeArgs,
         target: &Path,
         file_offset: u64,
     ) -> Result<FunctionLinks> {
@@ -242,17 +242,54 @@ impl OnCpuProbes {
         // while the duty cycle already credits the time as detached.
         let gate = match self.free_gates.pop() {
             Some(gate) => gate,
-            None if self.next_gate < GATE_SLOTS => {
+            None if self.next_gate < PROBE_SLOTS => {
                 self.next_gate += 1;
                 self.next_gate - 1
             }
             None => 0,
         };
-        let cookie = function as u64 | (u64::from(gate) << 32);
-        let mut links = self.attach_with_cookie(cookie, function.name(), target, file_offset)?;
+        // Slot 0 reads no argument: a function that needs some is not attached without a slot.
+        if gate == 0 && !function.argument_fields().is_empty() {
+            anyhow::bail!(
+                "all {} probe slots are taken (probes attached and not detached), and `{}` needs \
+                 one for where its arguments are",
+                PROBE_SLOTS - 1,
+                function.name()
+            );
+        }
+        let attached = self.set_probe_args(gate, args).and_then(|()| {
+            self.attach_with_cookie(
+                function as u64 | (u64::from(gate) << 32),
+                function.name(),
+                target,
+                file_offset,
+            )
+        });
+        let mut links = match attached {
+            Ok(links) => links,
+            Err(error) => {
+                if gate != 0 {
+                    self.free_gates.push(gate);
+                }
+                return Err(error);
+            }
+        };
         links.gate = gate;
         self.set_gate(gate, true)?;
         Ok(links)
+    }
+
+    /// Where the entry program of the attachment in `slot` reads its values; written before it
+    /// is attached, so that its first call reads them where this major has them.
+    fn set_probe_args(&mut self, slot: u32, args: ProbeArgs) -> Result<()> {
+        if slot == 0 {
+            return Ok(());
+        }
+        let mut positions: aya::maps::Array<_, ProbeArgs> =
+            aya::maps::Array::try_from(self.map_mut("probe_args")?)?;
+        positions
+            .set(slot, args, 0)
+            .context("setting where a function probe reads its arguments")
     }
 
     fn set_gate(&mut self, gate: u32, open: bool) -> Result<()> {

@@ -191,14 +191,18 @@ impl AgentProbes {
         if !self.enabled() {
             return;
         }
-        if let Err(error) = postgres::detect_major(root).and_then(postgres::table_for) {
-            warn!(
-                postmaster = root,
-                "function probes not attached to this instance: {error:#}; probes are tested on PostgreSQL {:?}",
-                postgres::SUPPORTED_MAJORS
-            );
-            return;
-        }
+        // The table of the instance's major places the arguments the probes read.
+        let table = match postgres::detect_major(root).and_then(postgres::table_for) {
+            Ok(table) => table,
+            Err(error) => {
+                warn!(
+                    postmaster = root,
+                    "function probes not attached to this instance: {error:#}; probes are tested on PostgreSQL {:?}",
+                    postgres::SUPPORTED_MAJORS
+                );
+                return;
+            }
+        };
         let exe = format!("/proc/{root}/exe");
         let file = match std::fs::metadata(&exe) {
             Ok(meta) => (meta.dev(), meta.ino()),
@@ -240,6 +244,7 @@ impl AgentProbes {
             &self.functions,
             &[],
             root,
+            table,
             self.budget,
             ns_per_hit,
         ) {

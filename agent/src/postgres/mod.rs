@@ -1,14 +1,15 @@
 //! What pgscope knows about Postgres itself: which major a process runs, where a backend keeps
 //! the state `pg_stat_activity` shows, and how to decode it. Everything that differs between
-//! majors (offsets, enum values, the names of the globals read) lives in one table per major
-//! (`v15`); this module picks one or refuses, and code asks the table rather than comparing
-//! majors.
+//! majors (offsets, enum values, the names of the globals read, probed functions' signatures)
+//! lives in one table per major (`v15`); this module picks one or refuses, and code asks the
+//! table rather than comparing majors.
 
 pub mod attribution;
 pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;
 pub mod phase;
+pub mod signatures;
 pub mod sql;
 pub mod v15;
 
@@ -16,13 +17,14 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::bpf::abi::PgLayout;
+use crate::bpf::abi::{Function, PgLayout, ProbeArgs};
+pub use signatures::{ProbeSignature, SignatureError};
 
 /// Decodes a `wait_event_info` value to `(wait_event_type, wait_event)`.
 pub type WaitEventDecoder = fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>;
 
-/// Per-major knowledge: what the sampler, the statement clock and the instance names need to
-/// know of one major.
+/// Per-major knowledge: what the sampler, the statement clock, the instance names and the
+/// function probes need to know of one major.
 #[derive(Clone, Copy, Debug)]
 pub struct VersionTable {
     pub major: u32,
@@ -32,6 +34,9 @@ pub struct VersionTable {
     pub status_slot_globals: StatusSlotGlobals,
     /// The exported globals the instance's own names are read through (`instance_names`).
     pub instance_name_globals: InstanceNameGlobals,
+    /// The signature of each probeable function in this major; None where pgscope does not
+    /// know it (the function is then not probed). Ask [`VersionTable::probe_args`].
+    pub probe_signature: fn(Function) -> Option<ProbeSignature>,
     /// `offsetof(PgBackendStatus, st_changecount)`: bumped by every write of the backend's
     /// status (each statement's start and end), so its growth counts statements.
     pub st_changecount_offset: u32,
@@ -64,6 +69,17 @@ pub struct VersionTable {
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,
+}
+
+impl VersionTable {
+    /// Where `function`'s probe reads its values in this major, or why it cannot be probed here.
+    pub fn probe_args(&self, function: Function) -> Result<ProbeArgs, SignatureError> {
+        let signature = (self.probe_signature)(function).ok_or(SignatureError::Unknown {
+            function: function.name(),
+            major: self.major,
+        })?;
+        signature.probe_args(function, self.major)
+    }
 }
 
 /// Names of the exported globals a sample reads: the addresses of [`PgLayout`].

@@ -151,23 +151,23 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     functions.extend(options.explicit_probes.iter().map(|p| p.function));
     functions.sort();
     functions.dedup();
-    if !functions.is_empty() {
-        // Probes read arguments whose types and registers are checked per major (e.g.
-        // pgss_store's queryid is int64 in 18, _bt_getroot gained an argument in 16).
+    // Probes read arguments where the table of the instance's major places them (e.g.
+    // _bt_getroot gained an argument in 16); without a table none is attached.
+    let probe_table = if functions.is_empty() {
+        None
+    } else {
         match postgres::detect_major(layout_source).and_then(postgres::table_for) {
-            Ok(_) => {}
+            Ok(table) => Some(table),
             Err(error) => {
                 note!(
                     "pgscope: function probes not attached: {error:#}; probes are tested on PostgreSQL {:?}",
                     postgres::SUPPORTED_MAJORS
                 );
-                functions.clear();
+                None
             }
         }
-    }
-    let mut probe_set = if functions.is_empty() {
-        ProbeSet::attach(&mut probes, &mut symbolizer, &[], &[], layout_source, None, 0.0)?
-    } else {
+    };
+    let mut probe_set = if let Some(table) = probe_table {
         let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
             Ok(ns) => ns,
             Err(error) => {
@@ -192,9 +192,12 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             &functions,
             &options.explicit_probes,
             layout_source,
+            table,
             options.probe_budget,
             ns_per_hit,
         )?
+    } else {
+        ProbeSet::empty()
     };
     if let Some((layout, table)) = &version_table {
         match statement_clock::CounterLayout::for_process(layout_source, layout, table) {

@@ -13,9 +13,9 @@ use tracing::warn;
 use super::duty::{plan_shared_duty, DutyCycle};
 use super::statement_clock::{CounterLayout, StatementClock};
 use super::{ExplicitProbe, Extrapolation};
-use crate::bpf::abi::Function;
+use crate::bpf::abi::{Function, ProbeArgs};
 use crate::bpf::{FunctionLinks, OnCpuProbes};
-use crate::postgres::pgss_hooks;
+use crate::postgres::{pgss_hooks, VersionTable};
 
 /// The file a function lives in: pg_stat_statements' functions in its library, the others in
 /// the postgres executable.
@@ -26,16 +26,16 @@ fn module_of(function: Function, executable: &str) -> String {
     }
 }
 
-/// What to do when a function cannot be found, in one sentence.
-fn explain(function: Function, error: &FindFunctionError) -> String {
+/// What to do when a function cannot be found in an instance of major `major`, in one sentence.
+fn explain(function: Function, major: u32, error: &FindFunctionError) -> String {
     match (function, error) {
         (Function::PgssStore, FindFunctionError::ModuleNotMapped { .. }) => {
             "pg_stat_statements is not loaded in this instance (add it to shared_preload_libraries)".into()
         }
         (Function::PgssStore, FindFunctionError::NoSymbol { path, .. }) => format!(
             "pgss_store is a static function of `{}`, which is stripped, and no debug file was found: \
-             install the debug package (postgresql-15-dbgsym from the debian-debug archive) or pass \
-             --debug-dir with a .build-id tree that holds it",
+             install the debug package (postgresql-{major}-dbgsym from the debian-debug archive) or \
+             pass --debug-dir with a .build-id tree that holds it",
             path.display()
         ),
         (_, error) => error.to_string(),
@@ -96,6 +96,7 @@ fn locate(
     function: Function,
     pid: u32,
     executable: &str,
+    major: u32,
     explicit: &[ExplicitProbe],
 ) -> Result<FunctionLocation, String> {
     if let Some(given) = explicit.iter().find(|p| p.function == function) {
@@ -111,7 +112,7 @@ fn locate(
         (function, &error),
         (Function::PgssStore, FindFunctionError::NoSymbol { .. })
     ) {
-        return Err(explain(function, &error));
+        return Err(explain(function, major, &error));
     }
     match pgss_hooks::find_pgss_store(symbolizer, pid) {
         Ok(location) => {
@@ -124,7 +125,7 @@ fn locate(
         }
         Err(hooks_error) => Err(format!(
             "{}; nor could it be found through pg_stat_statements' hook functions: {hooks_error:#}",
-            explain(function, &error)
+            explain(function, major, &error)
         )),
     }
 }
@@ -136,6 +137,8 @@ pub type PidsByRoot = BTreeMap<u32, Vec<u32>>;
 /// One probed function, attached or between duty-cycle windows.
 struct ActiveProbe {
     function: Function,
+    /// Where its values are among its arguments, in the instance's major.
+    args: ProbeArgs,
     path: PathBuf,
     file_offset: u64,
     links: Option<FunctionLinks>,
@@ -248,20 +251,13 @@ const REPLAN_EVERY: Duration = Duration::from_secs(1);
 const FIRST_PLAN_AFTER: Duration = Duration::from_millis(250);
 
 impl ProbeSet {
-    /// Attaches what can be attached and says, per function, what could not and why; the
-    /// trace goes on with the others. Functions are found with the symbolizer's symbol tables,
-    /// so static functions of stripped files count when their debug file is installed;
-    /// `pgss_store` without one is found through pg_stat_statements' hook functions.
-    pub fn attach(
-        probes: &mut OnCpuProbes,
-        symbolizer: &mut Symbolizer,
-        functions: &[Function],
-        explicit: &[ExplicitProbe],
-        pid: u32,
-        budget: Option<f64>,
-        ns_per_hit: f64,
-    ) -> Result<ProbeSet> {
-        let mut set = ProbeSet {
+    /// No probed function (none asked for, or the instance's major has no table).
+    pub fn empty() -> ProbeSet {
+        Self::new(None, 0.0)
+    }
+
+    fn new(budget: Option<f64>, ns_per_hit: f64) -> ProbeSet {
+        ProbeSet {
             probes: Vec::new(),
             budget,
             ns_per_hit,
@@ -280,7 +276,27 @@ impl ProbeSet {
             counting_at_mark: BTreeSet::new(),
             uncounted_attached: BTreeSet::new(),
             mark: Instant::now(),
-        };
+        }
+    }
+
+    /// Attaches what can be attached and says, per function, what could not and why; the
+    /// trace goes on with the others. Each function's arguments are read where `table`, the
+    /// table of the major process `pid` runs, places them; a function it has no signature for
+    /// is not attached. Functions are found with the symbolizer's symbol tables, so static
+    /// functions of stripped files count when their debug file is installed; `pgss_store`
+    /// without one is found through pg_stat_statements' hook functions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach(
+        probes: &mut OnCpuProbes,
+        symbolizer: &mut Symbolizer,
+        functions: &[Function],
+        explicit: &[ExplicitProbe],
+        pid: u32,
+        table: &VersionTable,
+        budget: Option<f64>,
+        ns_per_hit: f64,
+    ) -> Result<ProbeSet> {
+        let mut set = Self::new(budget, ns_per_hit);
         if functions.is_empty() {
             return Ok(set);
         }
@@ -295,16 +311,24 @@ impl ProbeSet {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         for &function in functions {
-            let location = match locate(symbolizer, function, pid, &executable, explicit) {
+            let args = match table.probe_args(function) {
+                Ok(args) => args,
+                Err(reason) => {
+                    note!("pgscope: probe {} not attached: {reason}", function.name());
+                    continue;
+                }
+            };
+            let location = match locate(symbolizer, function, pid, &executable, table.major, explicit) {
                 Ok(location) => location,
                 Err(reason) => {
                     note!("pgscope: probe {} not attached: {reason}", function.name());
                     continue;
                 }
             };
-            match probes.attach_function(function, &location.path, location.file_offset) {
+            match probes.attach_function(function, args, &location.path, location.file_offset) {
                 Ok(links) => set.probes.push(ActiveProbe {
                     function,
+                    args,
                     path: location.path,
                     file_offset: location.file_offset,
                     links: Some(links),
@@ -584,17 +608,19 @@ impl ProbeSet {
                     }
                     probes.detach_function(links)
                 }
-                None => match probes.attach_function(probe.function, &probe.path, probe.file_offset) {
-                    Ok(links) => {
-                        // The attach itself counts as detached time.
-                        self.account_statements(pids);
-                        let probe = &mut self.probes[index];
-                        probe.links = Some(links);
-                        probe.attached_since = Some(Instant::now());
-                        Ok(())
+                None => {
+                    match probes.attach_function(probe.function, probe.args, &probe.path, probe.file_offset) {
+                        Ok(links) => {
+                            // The attach itself counts as detached time.
+                            self.account_statements(pids);
+                            let probe = &mut self.probes[index];
+                            probe.links = Some(links);
+                            probe.attached_since = Some(Instant::now());
+                            Ok(())
+                        }
+                        Err(error) => Err(error),
                     }
-                    Err(error) => Err(error),
-                },
+                }
             };
             if let Err(error) = result {
                 warn!(

@@ -5,6 +5,7 @@
 //! `pg_stat_activity`, and `tests/tests/attribution.rs` checks the sample labels end to end.
 
 pub mod names;
+mod probes;
 
 use super::{InstanceNameGlobals, SampleGlobals, StatusSlotGlobals, VersionTable};
 
@@ -33,6 +34,7 @@ pub static TABLE: VersionTable = VersionTable {
         named_tranche_requests: "NamedLWLockTrancheRequests",
         my_bgworker_entry: "MyBgworkerEntry",
     },
+    probe_signature: probes::signature,
     st_changecount_offset: 0,
     status_entry_size: 432,
     aux_proc_types: 6,
