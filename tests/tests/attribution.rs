@@ -582,6 +582,13 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
                     "{name}: the summary does not say samples were left out:\n{}",
                     output.stdout
                 );
+                // A busy backend whose samples were all of other queries was not idle.
+                ensure!(
+                    output.stdout.contains("no samples of that queryid")
+                        && !output.stdout.contains("the target was idle"),
+                    "{name}: the summary does not say why no sample was kept:\n{}",
+                    output.stdout
+                );
             }
         }
         match left_out_backend {

@@ -109,7 +109,9 @@ pub(super) fn finish(
     let total = analysis.cpu_samples();
     let shares = exporters::top_functions(&profile, options.top);
     let queries = &analysis.statements;
-    if total == 0 {
+    if total == 0 && session.filtered_out > 0 {
+        out!("no samples of that queryid: every sample taken was of another query (--queryid)");
+    } else if total == 0 {
         out!("no samples: the target was idle (off CPU) for the whole trace");
     } else {
         out!("{}", exporters::render_top_table(&shares, total));
