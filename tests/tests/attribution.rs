@@ -138,7 +138,20 @@ fn check_queryids(
     // A backend leaving (pgscope's own connection for pg_stat_statements, closed as sampling
     // starts, runs OpenSSL's exit handlers) runs no statement: it has no queryid to carry.
     let exiting = |s: &LabeledSample| s.any_frame(|f| f == "proc_exit" || f == "exit");
-    let client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND) && !exiting(s);
+    // Nor does a backend without a status entry: MyBEEntry is NULL until pgstat_beinit at
+    // start and again after pgstat_beshutdown_hook at exit, so such a sample has no state
+    // either (late in exit its stack may not even unwind, so `exiting` cannot see it). Those
+    // moments are short: a status read that failed for running backends would leave many
+    // samples without a state, which the check below refuses.
+    let in_client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND) && !exiting(s);
+    let without_status = profile.count_where(|s| in_client(s) && s.label("state").is_none());
+    let client = |s: &LabeledSample| in_client(s) && s.label("state").is_some();
+    ensure!(
+        without_status * 100 <= profile.count_where(in_client),
+        "{without_status} of {} client-backend samples have no status entry (no state label):\n{}",
+        profile.count_where(in_client),
+        profile.examples_where(|s| in_client(s) && s.label("state").is_none(), 5)
+    );
     let by_queryid = profile.label_values("queryid", client);
     let mut rows: Vec<(&Option<String>, &u64)> = by_queryid.iter().collect();
     rows.sort_by_key(|(_, n)| std::cmp::Reverse(**n));
