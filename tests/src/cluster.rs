@@ -237,7 +237,7 @@ impl PgCluster {
     /// A client program of this build with connection options set; runs as root (only the
     /// server refuses root).
     pub fn client(&self, program: &str) -> Command {
-        let mut cmd = Command::new(self.install.bin(program));
+        let mut cmd = Command::new(self.install.client_bin(program));
         clear_pg_env(&mut cmd);
         cmd.arg("-h")
             .arg(self.socket_dir())

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 
 /// The schema this reader understands.
@@ -80,6 +80,22 @@ impl TraceSummary {
             path.display()
         );
         Ok(Self { json })
+    }
+
+    /// `postgres_major`: the major attribution was decoded with, `None` when pgscope had no
+    /// table for the instance's major (JSON null).
+    pub fn postgres_major(&self) -> Result<Option<u32>> {
+        match self.json.get("postgres_major") {
+            Some(Value::Null) => Ok(None),
+            Some(value) => {
+                let major = value
+                    .as_u64()
+                    .and_then(|m| u32::try_from(m).ok())
+                    .with_context(|| format!("`postgres_major` is {value}, not a major version"))?;
+                Ok(Some(major))
+            }
+            None => bail!("the summary has no field `postgres_major`"),
+        }
     }
 
     /// `samples.user_stacks_complete_pct`.
