@@ -98,8 +98,11 @@ impl Session<'_> {
     }
 
     fn wait_active(&mut self, sql: &str) -> Result<u32> {
+        // Parallel workers show their leader's application_name: only the client backend is
+        // the session's own (a worker listed first would pose as the session's backend).
         let query = format!(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' AND state = 'active'",
+            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' AND state = 'active' \
+             AND backend_type = 'client backend'",
             self.tag
         );
         wait_for(
