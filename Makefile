@@ -62,7 +62,7 @@ integration-test: build pg-nofp pg-majors pyroscope-server
 
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
 # pgscope. Ends with its measurements, one `major=NN …` line per major.
-test-majors: build pg-majors
+test-majors: build pg-nofp pg-majors
 	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test majors -- \
 	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \

@@ -1,11 +1,11 @@
 //! The majors matrix: every supported PostgreSQL major on its own real server binaries (14, 16,
-//! 17 and 18 upstream builds cached by `scripts/pg-majors.sh`, 15 the distro's), a CPU-bound
-//! backend profiled by `pgscope trace`. Stacks must reach the process root, the query's call
+//! 17 and 18 upstream builds cached by `scripts/pg-majors.sh`; 15 the distro's and a source
+//! build without frame pointers), a CPU-bound backend profiled by `pgscope trace`. Stacks must reach the process root, the query's call
 //! chain must be named where the build can name it, and a major pgscope has no table for must be
 //! told apart in so many words: attribution refused, stacks still profiled.
 //!
-//! Each test prints one `major=NN complete_pct=… exec_simple_query=yes|no stacks=ok|FAIL` line
-//! before it asserts; `make test-majors` runs this file alone and repeats those lines last.
+//! Each test prints one `major=NN build=… complete_pct=… exec_simple_query=yes|no stacks=ok|FAIL`
+//! line before it asserts; `make test-majors` runs this file alone and repeats those lines last.
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::profile::Stack;
@@ -33,6 +33,14 @@ fn major_14_upstream() -> Result<()> {
 fn major_15_distro() -> Result<()> {
     require_root_and_bpf();
     check_major(&PgInstall::distro()?, Statics::Unnamed)
+}
+
+/// Built from the same source without frame pointers (`make pg-nofp`), its debug file beside
+/// it: unwound from `.eh_frame` alone, static functions named.
+#[test]
+fn major_15_no_frame_pointers() -> Result<()> {
+    require_root_and_bpf();
+    check_major(&PgInstall::no_frame_pointers()?, Statics::Named)
 }
 
 #[test]
@@ -75,7 +83,7 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
     let measured = measure(install, statics);
     let Ok(m) = &measured else {
         // The line is still printed, so that `make test-majors` lists every major.
-        println!("\nmajor={major} stacks=FAIL");
+        println!("\nmajor={major} build={} stacks=FAIL", install.label);
         return measured.map(|_| ());
     };
     let named = m.exec_simple_query_share > 0.0;
@@ -84,7 +92,8 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
         && m.chain_share >= 0.95
         && (statics == Statics::Unnamed || named);
     println!(
-        "\nmajor={major} complete_pct={:.1} exec_simple_query={} stacks={}",
+        "\nmajor={major} build={} complete_pct={:.1} exec_simple_query={} stacks={}",
+        install.label,
         m.complete_pct,
         if named { "yes" } else { "no" },
         if stacks_ok { "ok" } else { "FAIL" }
@@ -149,6 +158,8 @@ fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
     let output = Trace::pid(session.pid())
         .duration_secs(DURATION_SECS)
         .frequency(FREQUENCY)
+        // The no-frame-pointer build keeps its symbols in a build-id tree, as distros ship them.
+        .debug_dir(install.debug_dir.as_deref())
         .folded(&folded)
         .json(&json)
         .output()?;
