@@ -18,6 +18,7 @@ use crate::collect::probes::{
     calibrate, parse_probe_list, IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState,
 };
 use crate::collect::Session;
+use crate::model::QueryId;
 use crate::postgres;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
 
@@ -471,7 +472,7 @@ pub fn profiles(rows: &[CallRow], start: u64, end: u64) -> Vec<(&'static str, Pr
         }],
         labels: match row.query_id {
             0 => Vec::new(),
-            id => vec![("queryid".to_string(), id.to_string())],
+            id => vec![(QueryId::LABEL.to_string(), id.to_string())],
         },
         count,
     };
