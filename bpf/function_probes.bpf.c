@@ -11,8 +11,9 @@
 /*
  * Function probes: uprobe + uretprobe on a handful of Postgres functions, the attach cookie
  * naming the function (lower half) and the attachment's slot (upper half: its gate and where
- * its arguments are, which depends on the Postgres major). Calls, time and a log2 latency histogram are aggregated per CPU per
- * (backend, queryid, function) in the kernel: no event per call crosses to user space.
+ * its arguments are, which depends on the Postgres major). Calls, time and a log2 latency
+ * histogram are aggregated per CPU per (backend, queryid, function) in the kernel: no event per
+ * call crosses to user space.
  */
 
 struct call_entry {

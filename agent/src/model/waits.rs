@@ -86,9 +86,7 @@ impl QueryWaits {
 /// The off-CPU profile's tables.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WaitTables {
-    /// Every nanosecond off CPU, idle waits included.
-    pub total_ns: u64,
-    /// Of it, waits shorter than the stack threshold, counted without a stack.
+    /// Off-CPU time in waits shorter than the stack threshold, counted without a stack.
     pub short_waits_ns: u64,
     /// Per (backend type, wait event, class), longest first.
     pub by_wait: Vec<WaitRow>,
@@ -99,7 +97,6 @@ pub struct WaitTables {
 impl WaitTables {
     pub fn from_profile(profile: &Profile) -> Self {
         Self {
-            total_ns: profile.samples.iter().map(|s| s.count).sum(),
             short_waits_ns: profile
                 .samples
                 .iter()
@@ -109,6 +106,11 @@ impl WaitTables {
             by_wait: by_wait(profile),
             by_query: by_query(profile),
         }
+    }
+
+    /// Every nanosecond off CPU, idle waits included.
+    pub fn total_ns(&self) -> u64 {
+        self.by_wait.iter().map(|row| row.ns).sum()
     }
 
     /// The time statements were blocked: off CPU, the client's time left out.
@@ -255,7 +257,7 @@ mod tests {
             ),
         ]);
         let tables = WaitTables::from_profile(&profile);
-        assert_eq!(tables.total_ns, 15_000_500);
+        assert_eq!(tables.total_ns(), 15_000_500);
         assert_eq!(tables.short_waits_ns, 1_000_000);
         assert_eq!(tables.by_wait[0].wait, "Client:ClientRead");
         assert_eq!(tables.by_wait[0].backend_type, "?");

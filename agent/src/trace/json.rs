@@ -357,7 +357,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
 fn off_cpu_json(waits: &WaitTables, min_stack_ns: u64) -> OffCpuJson {
     OffCpuJson {
         min_stack_ns,
-        total_ns: waits.total_ns,
+        total_ns: waits.total_ns(),
         by_wait: waits
             .by_wait
             .iter()

@@ -31,7 +31,7 @@ fn millis(ns: u64) -> f64 {
 /// The off-CPU part of the summary.
 pub fn render(waits: &WaitTables, min_stack: Duration, limit: usize) -> String {
     let mut out = String::new();
-    let total = waits.total_ns;
+    let total = waits.total_ns();
     if total == 0 {
         let _ = writeln!(out, "off-CPU: no time off CPU was measured");
         return out;
