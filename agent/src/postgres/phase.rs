@@ -38,10 +38,16 @@ impl Phase {
 
     /// The phase a function marks the start of (exported names, so that stripped distro builds
     /// are covered; static ones such as `finish_xact_command` count when a debug file names them).
+    /// The names of every major 14–18 are here together: a stack is of one major, and no name
+    /// means one phase in one major and another elsewhere (15 renamed 14's `parse_analyze` and
+    /// `pg_analyze_and_rewrite` to their `_fixedparams` forms).
     fn of_function(name: &str) -> Option<Phase> {
         Some(match name {
             "pg_parse_query" | "raw_parser" => Phase::Parse,
             "parse_analyze_fixedparams"
+            | "parse_analyze" // 14
+            | "pg_analyze_and_rewrite" // 14
+            | "pg_analyze_and_rewrite_params" // 14
             | "parse_analyze_varparams"
             | "parse_analyze_withcb"
             | "pg_analyze_and_rewrite_fixedparams"
@@ -94,6 +100,7 @@ mod tests {
         for (function, phase) in [
             ("pg_parse_query", Phase::Parse),
             ("pg_analyze_and_rewrite_fixedparams", Phase::Analyze),
+            ("pg_analyze_and_rewrite", Phase::Analyze),
             ("GetCachedPlan", Phase::Plan),
             ("PortalStart", Phase::ExecutorStart),
             ("PortalRun", Phase::Run),
