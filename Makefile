@@ -40,7 +40,7 @@ lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
-unit-test: deps
+unit-test: deps pg-majors
 	$(CARGO) test --locked --workspace --exclude pgscope-tests
 
 # Every fuzz harness at length: the symbolizer's (symbolizer/tests/fuzz_*.rs: ELF, .eh_frame,

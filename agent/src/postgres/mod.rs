@@ -1,7 +1,7 @@
 //! What pgscope knows about Postgres itself: which major a process runs, where a backend keeps
 //! the state `pg_stat_activity` shows, and how to decode it. Everything that differs between
 //! majors (offsets, enum values, the names of the globals read, probed functions' signatures)
-//! lives in one table per major (`v15`); this module picks one or refuses, and code asks the
+//! lives in one table per major (`v14` … `v18`); this module picks one or refuses, and code asks the
 //! table rather than comparing majors.
 
 pub mod attribution;
@@ -11,7 +11,15 @@ pub mod pgss_hooks;
 pub mod phase;
 pub mod signatures;
 pub mod sql;
+pub mod status_slots;
+pub mod v14;
 pub mod v15;
+pub mod v16;
+pub mod v17;
+pub mod v18;
+
+#[cfg(test)]
+mod header_check;
 
 use std::path::PathBuf;
 
@@ -19,6 +27,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::bpf::abi::{Function, PgLayout, ProbeArgs};
 pub use signatures::{ProbeSignature, SignatureError};
+pub use status_slots::StatusSlots;
 
 /// Decodes a `wait_event_info` value to `(wait_event_type, wait_event)`.
 pub type WaitEventDecoder = fn(u32) -> Option<(&'static str, std::borrow::Cow<'static, str>)>;
@@ -30,8 +39,8 @@ pub struct VersionTable {
     pub major: u32,
     /// The exported globals a sample reads.
     pub sample_globals: SampleGlobals,
-    /// The exported globals that place a process in the shared status array.
-    pub status_slot_globals: StatusSlotGlobals,
+    /// Where a process's entry is in the shared status array, and how many entries it has.
+    pub status_slots: StatusSlots,
     /// The exported globals the instance's own names are read through (`instance_names`).
     pub instance_name_globals: InstanceNameGlobals,
     /// The signature of each probeable function in this major; None where pgscope does not
@@ -42,8 +51,6 @@ pub struct VersionTable {
     pub st_changecount_offset: u32,
     /// `sizeof(PgBackendStatus)`: the stride of the shared status array.
     pub status_entry_size: u32,
-    /// `NUM_AUXPROCTYPES`: the array's slots after `MaxBackends` (auxiliary processes).
-    pub aux_proc_types: u32,
     /// `offsetof(PgBackendStatus, st_state)`.
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.
@@ -106,16 +113,6 @@ impl SampleGlobals {
     }
 }
 
-/// Names of the exported globals that place a process in the shared status array: a backend's
-/// slot is `backend_id - 1`, an auxiliary process's `max_backends + aux_proc_type` (see
-/// `collect::probes::statement_clock`). 17 renames `MyBackendId` to `MyProcNumber`.
-#[derive(Clone, Copy, Debug)]
-pub struct StatusSlotGlobals {
-    pub backend_id: &'static str,
-    pub aux_proc_type: &'static str,
-    pub max_backends: &'static str,
-}
-
 /// Names of the exported globals `instance_names` reads: the named LWLock tranches extensions
 /// requested, and a background worker's own entry.
 #[derive(Clone, Copy, Debug)]
@@ -139,16 +136,25 @@ impl InstanceNameGlobals {
 }
 
 /// Every major's table.
-const TABLES: [&VersionTable; 1] = [&v15::TABLE];
+const TABLES: [&VersionTable; 5] = [&v14::TABLE, &v15::TABLE, &v16::TABLE, &v17::TABLE, &v18::TABLE];
 
-/// Majors whose offsets and enums are checked by the test suite against a live server: those
-/// with a table.
-pub const SUPPORTED_MAJORS: &[u32] = &[v15::MAJOR];
+/// Majors whose offsets and enums are checked by the test suite against their own headers and
+/// live servers: those with a table.
+pub const SUPPORTED_MAJORS: &[u32] = &[v14::MAJOR, v15::MAJOR, v16::MAJOR, v17::MAJOR, v18::MAJOR];
+
+/// The first major with `st_query_id`: older ones (end-of-life) cannot be attributed to queries.
+const FIRST_MAJOR_WITH_QUERY_ID: u32 = 14;
 
 /// The table for `major`, or an error saying what is supported.
 pub fn table_for(major: u32) -> Result<&'static VersionTable> {
     match TABLES.into_iter().find(|table| table.major == major) {
         Some(table) => Ok(table),
+        None if major < FIRST_MAJOR_WITH_QUERY_ID => bail!(
+            "PostgreSQL {major} is not supported for query and wait-event attribution: it is \
+             end-of-life and keeps no query id for its backends (`st_query_id` came in 14), so \
+             pgscope reads none of its backends' state; stacks are still profiled, without queryid, \
+             backend type, state or wait-event labels (supported: {SUPPORTED_MAJORS:?})"
+        ),
         None => bail!(
             "PostgreSQL {major} is not supported for query and wait-event attribution yet (supported: \
              {SUPPORTED_MAJORS:?}); stacks are still profiled, without those labels"
@@ -231,19 +237,6 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
     Ok((layout, table))
 }
 
-/// Addresses of the exported globals that locate a process's slot in the shared status array,
-/// as `table` names them: `(backend id, auxiliary process type, MaxBackends)`.
-pub fn status_slot_globals(pid: u32, table: &VersionTable) -> Result<(u64, u64, u64)> {
-    let names = &table.status_slot_globals;
-    let globals =
-        ExportedGlobals::resolve(pid, &[names.backend_id, names.aux_proc_type, names.max_backends])?;
-    Ok((
-        globals.address(names.backend_id)?,
-        globals.address(names.aux_proc_type)?,
-        globals.address(names.max_backends)?,
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,6 +256,11 @@ mod tests {
                         message.contains(&format!("PostgreSQL {major} is not supported")),
                         "{message}"
                     );
+                    assert!(message.contains("stacks are still profiled"), "{message}");
+                    if major < 14 {
+                        assert!(message.contains("end-of-life"), "{message}");
+                        assert!(message.contains("`st_query_id` came in 14"), "{message}");
+                    }
                 }
             }
         }

