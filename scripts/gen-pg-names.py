@@ -298,7 +298,8 @@ def compile_names(build, h, tmp):
 
 
 def ask_server(build, h):
-    """(names.c's lines, {value: (type, name)} of the probe values, pg_wait_events rows or None)."""
+    """(names.c's lines, {value: (type, name)} of the probe values, pg_wait_events rows or None,
+    server_version_num)."""
     with tempfile.TemporaryDirectory(prefix="gen-pg-names.") as tmp:
         os.chmod(tmp, 0o755)
         so = compile_names(build, h, tmp)
@@ -317,12 +318,13 @@ def ask_server(build, h):
                 if line:
                     value, event_type, event = line.split("\t")
                     answers[int(value)] = (event_type, event)
+            version_num = int(cluster.sql("SHOW server_version_num"))
             view = None
             if cluster.sql("SELECT to_regclass('pg_catalog.pg_wait_events') IS NOT NULL").strip() == "t":
                 view = [tuple(r.split("\t")) for r in cluster.sql("COPY (SELECT type, name FROM pg_wait_events) TO STDOUT").splitlines()]
         finally:
             cluster.stop()
-    return lines, answers, view
+    return lines, answers, view, version_num
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,7 +343,7 @@ def build_tables(build, h, lines):
     t = {"major": build.major}
     limits = {expr: value for expr, value in rows["limit"]}
 
-    for kind, key in (("backend_type", "backend_types"), ("state", "states")):
+    for kind in ("backend_type", "state"):
         for i, (expr, value, _) in enumerate(rows[kind]):
             if value != i:
                 raise GenError(f"{expr} is {value}, expected the dense value {i}")
@@ -389,27 +391,31 @@ def build_tables(build, h, lines):
 
     # Each class: (label, base, wait_event_type, kind, events). kind: ("lwlock",), ("lock",),
     # ("enum", header, enum name), ("fixed", name) or ("custom", name of the base value or None).
+    class_types = {}
+    for value, typ, _ in waits.values():
+        class_types.setdefault(value & 0xFF000000, set()).add(typ)
     t["wait_classes"] = []
     for label, base in h["classes"]:
-        typ = waits[f"PG_WAIT_LWLOCK | {h['tranches'][0]}"][1] if label == "PG_WAIT_LWLOCK" else None
+        if len(class_types.get(base, ())) != 1:
+            raise GenError(f"{label}: the server gives its values the types {class_types.get(base)}")
+        typ = next(iter(class_types[base]))
         events = None
         if label == "PG_WAIT_LWLOCK":
             kind = ("lwlock",)
         elif label == "PG_WAIT_LOCK":
             kind = ("lock",)
-            typ = waits[f"PG_WAIT_LOCK | {h['lock_tags'][0]}"][1]
         elif label in h["enums"]:
             header, enum, members = h["enums"][label]
             kind = ("enum", header, enum)
             events = []
             for i, member in enumerate(members):
-                value, typ, name = wait_row(member)
+                value, _, name = wait_row(member)
                 if value != base + i:
                     raise GenError(f"{member} is {value:#x}, expected the dense value {base + i:#x}")
                 events.append((member, name))
         else:
-            _, typ, name = waits[label]
-            # Fixed or custom: the probes of values beyond the base tell (custom_or_fixed).
+            name = waits[label][2]
+            # Fixed or custom: the probes of values beyond the base tell (finish_classes).
             kind = ("base", None if name == NULL or name.startswith("!") else name)
         t["wait_classes"].append([label, base, typ, kind, events])
     return t
@@ -473,7 +479,6 @@ class Model:
 
     def __init__(self, t):
         self.t = t
-        self.individual = {idx: name for _, idx, name in t["individual_named"]}
         self.unknown_names = set()
 
     def server_view(self, value):
@@ -488,10 +493,8 @@ class Model:
             return (t["unknown_class_type"], self.unknown("unknown wait event"))
         if kind[0] == "lwlock":
             if event_id < t["n_individual"]:
-                name = self.individual.get(event_id)
-                if name is None:
-                    return (typ, self.gap(event_id))
-                return (typ, name)
+                name = t["individual_lwlocks"][event_id][1]
+                return (typ, NULL if name is None else name)
             i = event_id - t["n_individual"]
             if i < len(t["builtin_tranches"]):
                 return (typ, t["builtin_tranches"][i][1])
@@ -515,22 +518,18 @@ class Model:
         self.unknown_names.add(name)
         return name
 
-    def gap(self, event_id):
-        """A gap among the individual locks: "<unassigned:N>" until 16, NULL from 17 on."""
-        return self.t["lwlock_gap"](event_id)
 
 
 def settle_gaps(t, answers):
-    """How the server names unused individual LWLock numbers: must be one of two known forms."""
+    """How the server names unused individual LWLock numbers: "<unassigned:N>" until 16, NULL
+    from 17 on; nothing else is expected."""
     base = next(c[1] for c in t["wait_classes"] if c[3][0] == "lwlock")
     named = {idx for _, idx, _ in t["individual_named"]}
     gaps = [i for i in range(t["n_individual"]) if i not in named]
     if all(answers[base | i][1] == f"<unassigned:{i}>" for i in gaps):
         t["gap_form"] = "unassigned"
-        t["lwlock_gap"] = lambda i: f"<unassigned:{i}>"
     elif all(answers[base | i][1] == NULL for i in gaps):
         t["gap_form"] = "null"
-        t["lwlock_gap"] = lambda i: NULL
     else:
         raise GenError(f"unused LWLock numbers {gaps} are named {[answers[base | i][1] for i in gaps]}")
     t["individual_lwlocks"] = []
@@ -810,7 +809,13 @@ def rustfmt(text):
 def generate(major):
     build = locate(major)
     h = parse_headers(build)
-    lines, answers, view = ask_server(build, h)
+    # The magic block only makes the server refuse another major: the minors must match too.
+    m = re.search(r"#define\s+PG_VERSION_NUM\s+(\d+)", read_header(build, "pg_config.h"))
+    if not m:
+        raise GenError(f"{build.include}/pg_config.h defines no PG_VERSION_NUM")
+    lines, answers, view, version_num = ask_server(build, h)
+    if version_num != int(m.group(1)):
+        raise GenError(f"the server is version {version_num}, its headers {m.group(1)}: not the same minor")
     t = build_tables(build, h, lines)
     settle_gaps(t, answers)
     check_answers(t, answers)
