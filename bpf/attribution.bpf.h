@@ -36,10 +36,17 @@ static __always_inline long read_query_id(struct pgscope_pg_layout *layout, __u6
  * type, database, and the addresses of the status entry and of the wait-event word. That
  * leaves three reads per switch (state, queryid, wait event). Zero values are not kept: a
  * backend still starting has not set them yet. */
-#define PG_WAIT_CLIENT_READ 0x06000000 /* WAIT_EVENT_CLIENT_READ, stable since PG 10 */
 #define PG_WAIT_CLASS_MASK 0xFF000000
-#define PG_WAIT_ACTIVITY 0x05000000    /* a background process idle in its main loop */
-#define PG_STATE_IDLE 1		       /* STATE_IDLE of BackendState */
+#define PG_WAIT_ACTIVITY 0x05000000 /* a background process idle in its main loop (14-18) */
+#define PG_WAIT_CLIENT 0x06000000   /* the class of waits for the client (14-18) */
+
+/* A backend waiting for its client between statements: pg_stat_activity's idle, ClientRead,
+ * with the numbers of the backend's major (task's copies of its layout's). */
+static __always_inline bool idle_for_client(const struct pgscope_off_cpu_task *task, __u32 wait_event_info,
+					    __u32 backend_state)
+{
+	return task->state_idle && backend_state == task->state_idle && wait_event_info == task->wait_client_read;
+}
 
 /* The fast path of read_attribution for a thread whose unchanging fields and addresses are all
  * known: the words that change, no map lookup, and for a latch wait that turns out idle only
@@ -66,7 +73,7 @@ static __always_inline bool read_cached_attribution(struct pgscope_attribution *
 		return true;
 	}
 	if (bpf_probe_read_user(&a->backend_state, 4, (void *)(task->status_entry + task->st_state_offset)) == 0) {
-		bool idle = latch && a->wait_event_info == PG_WAIT_CLIENT_READ && a->backend_state == PG_STATE_IDLE;
+		bool idle = latch && idle_for_client(task, a->wait_event_info, a->backend_state);
 		if (idle || !task->st_query_id_offset ||
 		    bpf_probe_read_user(&a->query_id, 8, (void *)(task->status_entry + task->st_query_id_offset)) == 0)
 			flags |= PGSCOPE_ATTR_STATUS;
@@ -98,6 +105,10 @@ static __always_inline void read_attribution(struct pgscope_attribution *a, __u3
 	if (!layout) {
 		a->flags = 0;
 		return;
+	}
+	if (task) {
+		task->state_idle = layout->state_idle;
+		task->wait_client_read = layout->wait_client_read;
 	}
 
 	if (a->backend_type) {

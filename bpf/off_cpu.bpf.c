@@ -208,8 +208,8 @@ static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool
 	task->attr.off_cpu_class = class;
 	/* Waiting for work, not in it: a backend between statements (pg_stat_activity's idle,
 	 * ClientRead), a background process in its main loop (wait events of class Activity). */
-	bool waits_for_client = task->attr.wait_event_info == PG_WAIT_CLIENT_READ &&
-				task->attr.backend_state == PG_STATE_IDLE && (task->attr.flags & PGSCOPE_ATTR_STATUS);
+	bool waits_for_client = (task->attr.flags & PGSCOPE_ATTR_STATUS) &&
+				idle_for_client(task, task->attr.wait_event_info, task->attr.backend_state);
 	bool main_loop = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
 	if (task->attr.off_cpu_class == PGSCOPE_OFF_CPU_LATCH && (waits_for_client || main_loop))
 		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_IDLE;
@@ -223,7 +223,7 @@ static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool
 	 * socket, and under a busy transactional workload they would take the stack rate from
 	 * the lock and I/O waits that need it. */
 	class = task->attr.off_cpu_class;
-	bool client_wait = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == (PG_WAIT_CLIENT_READ & PG_WAIT_CLASS_MASK);
+	bool client_wait = (task->attr.wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_CLIENT;
 	if (syscall < 0 || class == PGSCOPE_OFF_CPU_IDLE || class == PGSCOPE_OFF_CPU_PREEMPTED || client_wait)
 		return;
 	if (stack_allowed(now))

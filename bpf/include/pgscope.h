@@ -155,9 +155,14 @@ struct pgscope_pg_layout {
 	__u64 my_database_id;	  /* &MyDatabaseId: Oid */
 	__u32 st_state_offset;	  /* offsetof(PgBackendStatus, st_state) */
 	__u32 st_query_id_offset; /* offsetof(PgBackendStatus, st_query_id), PG14+ */
+	/* Values whose numbers differ between majors, for telling a backend idle between
+	 * statements: STATE_IDLE (18 puts STATE_STARTING before it) and WAIT_EVENT_CLIENT_READ
+	 * (generated in alphabetical order from 17 on). Never 0. */
+	__u32 state_idle;
+	__u32 wait_client_read;
 };
 
-_Static_assert(sizeof(struct pgscope_pg_layout) == 40, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_pg_layout) == 48, "read by agent/src/bpf/abi.rs");
 
 /* Why a process was off CPU, from the scheduler's and the syscall's point of view. Postgres'
  * own view (the wait event in force) comes with it. */
@@ -230,9 +235,13 @@ struct pgscope_off_cpu_task {
 	 * the three changing words with no map lookup. 0 until then. */
 	__u32 st_state_offset;
 	__u32 st_query_id_offset;
+	/* The layout's state_idle and wait_client_read, copied at the first read with the layout;
+	 * 0 until then (no state or wait event is 0 and idle). */
+	__u32 state_idle;
+	__u32 wait_client_read;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_task) == 88, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 96, "read by agent/src/bpf/abi.rs");
 
 /* The end of an off-CPU wait whose stacks were sent when it began (a sample record with
  * PGSCOPE_OFF_CPU_PENDING): told apart from samples by its size. */

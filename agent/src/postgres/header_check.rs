@@ -104,6 +104,12 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             "sizeof(PgBackendStatus)",
             table.status_entry_size,
         ),
+        ("STATE_IDLE", "STATE_IDLE", table.state_idle),
+        (
+            "WAIT_EVENT_CLIENT_READ",
+            "WAIT_EVENT_CLIENT_READ",
+            table.wait_event_client_read,
+        ),
         (
             "aux slots",
             table.status_slots.aux_slots_constant(),

@@ -55,6 +55,11 @@ pub struct VersionTable {
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.
     pub st_query_id_offset: u32,
+    /// `STATE_IDLE`: 1, and 2 in 18 (`STATE_STARTING` came before it). With
+    /// `wait_event_client_read`, what tells a backend idle between statements at switch-out.
+    pub state_idle: u32,
+    /// `WAIT_EVENT_CLIENT_READ` (generated, alphabetically, from 17 on).
+    pub wait_event_client_read: u32,
     /// `B_BG_WORKER`: the `BackendType` of background workers, which `pg_stat_activity` names
     /// by their `bgw_type` instead.
     pub bg_worker_backend_type: u32,
@@ -233,6 +238,8 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
         my_database_id: globals.address(names.my_database_id)?,
         st_state_offset: table.st_state_offset,
         st_query_id_offset: table.st_query_id_offset,
+        state_idle: table.state_idle,
+        wait_client_read: table.wait_event_client_read,
     };
     Ok((layout, table))
 }

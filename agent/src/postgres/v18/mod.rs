@@ -39,6 +39,8 @@ pub static TABLE: VersionTable = VersionTable {
     status_entry_size: 440,
     st_state_offset: 232,
     st_query_id_offset: 424,
+    state_idle: 2,
+    wait_event_client_read: 0x0600_0000,
     bg_worker_backend_type: 5,
     bgw_type_offset: 96,
     bgw_maxlen: 96,
