@@ -6,6 +6,7 @@
 
 pub mod activity;
 pub mod agent;
+pub mod agreement;
 pub mod bpf_objects;
 pub mod cluster;
 pub mod compare;

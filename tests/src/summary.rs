@@ -1,6 +1,7 @@
 //! Reading back the JSON summary of `pgscope trace --json` (schema `pgscope.trace.summary/v1`,
 //! documented in the README): the probe tables and the sample counters the tests check.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -96,6 +97,25 @@ impl TraceSummary {
             }
             None => bail!("the summary has no field `postgres_major`"),
         }
+    }
+
+    /// Samples per statement phase (`parse`, `plan`, `run`, `commit`, …, and `other`), summed
+    /// over every `queries[].phases`: the phases of the statements pgscope attributed.
+    pub fn phase_samples(&self) -> Result<BTreeMap<String, u64>> {
+        let mut phases = BTreeMap::new();
+        for query in self.array("queries")? {
+            let of_query = query
+                .get("phases")
+                .and_then(Value::as_object)
+                .with_context(|| format!("no object `phases` in {query}"))?;
+            for (phase, n) in of_query {
+                let n = n
+                    .as_u64()
+                    .with_context(|| format!("phase `{phase}` has `{n}` samples, not a count"))?;
+                *phases.entry(phase.clone()).or_insert(0) += n;
+            }
+        }
+        Ok(phases)
     }
 
     /// `samples.user_stacks_complete_pct`.

@@ -3,7 +3,6 @@
 //! checked against `pg_stat_statements` and `pg_stat_activity` of a live cluster.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs;
 use std::path::Path;
 use std::thread;
 use std::time::Duration;
@@ -12,231 +11,41 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::activity::{
     has_labels, label_sets, trace_reading_activity, Activity, Labels, CLIENT_BACKEND,
 };
+use pgscope_tests::agreement::{check_busy_backend, reading_activity, QueryidRun, SCRIPT};
 use pgscope_tests::process::cpu_time;
-use pgscope_tests::workload::{is_md5_frame, is_numeric_frame, CPU_BOUND, MD5_BOUND};
-use pgscope_tests::{
-    require_root_and_bpf, wait_for, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace,
-};
+use pgscope_tests::workload::{is_md5_frame, CPU_BOUND, MD5_BOUND};
+use pgscope_tests::{require_root_and_bpf, wait_for, LabeledProfile, PgCluster, PgInstall, Trace};
 
 const FREQUENCY: u32 = 99;
 const AUXILIARY_FREQUENCY: u32 = 499;
 const TRACE_SECS: u64 = 5;
-/// A queryid label needs this many samples before the test insists pg_stat_statements knows
-/// it: a statement still running when pgbench is stopped is never recorded there.
-const MIN_SAMPLES_PER_QUERYID: u64 = 3;
 
-/// One statement of the pgbench script.
-struct Statement {
-    name: &'static str,
-    sql: &'static str,
-    /// A fragment of its normalised text in pg_stat_statements that the others do not have.
-    text: &'static str,
-    /// A frame only this statement's execution has on the stack.
-    marker: fn(&str) -> bool,
-}
-
-fn is_tuplesort_frame(frame: &str) -> bool {
-    frame.starts_with("tuplesort_")
-}
-
-/// Three statements that each burn a few milliseconds of CPU in disjoint code (hashing, numeric
-/// arithmetic, sorting), so a sample's stack tells which one was running and its `queryid`
-/// label can be checked against that. `:n` becomes a literal (`-M simple`) or a parameter
-/// (`-M prepared`); the structures differ, so the three have distinct queryids.
-const SCRIPT: [Statement; 3] = [
-    Statement {
-        name: "md5",
-        sql: "SELECT count(*) FROM generate_series(1, 20000) g WHERE md5((g + :n)::text) LIKE 'ff%';",
-        text: "md5(",
-        marker: is_md5_frame,
-    },
-    Statement {
-        name: "numeric",
-        sql: "SELECT sum(g::numeric * 1.0000001 / 3.3) FROM generate_series(1, 20000) g WHERE g > :n;",
-        text: "::numeric",
-        marker: is_numeric_frame,
-    },
-    Statement {
-        name: "sort",
-        sql: "SELECT max(x) FROM (SELECT g * :n AS x FROM generate_series(1, 20000) g ORDER BY g DESC) s;",
-        text: "ORDER BY",
-        marker: is_tuplesort_frame,
-    },
-];
-
-/// pgbench with the script above under both protocols; each run is traced on its own, with
+/// pgbench with the shared script under both protocols; each run is traced on its own, with
 /// pg_stat_statements reset before it, so the queryids of one run are the rows read after it.
 #[test]
 fn queryid_labels_match_pg_stat_statements() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    let dir = tempfile::tempdir()?;
-    let script = dir.path().join("burn.sql");
-    let mut text = String::from("\\set n random(1, 1000)\n");
-    for statement in &SCRIPT {
-        text.push_str(statement.sql);
-        text.push('\n');
-    }
-    fs::write(&script, text)?;
-    let script = script.to_str().context("temp dir path is not UTF-8")?;
-
-    let mut queryids: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for protocol in ["simple", "prepared"] {
-        cluster.psql("SELECT pg_stat_statements_reset()")?;
-        let pprof = dir.path().join(format!("{protocol}.pb.gz"));
-        // -n: no vacuum of pgbench's own tables, which this database does not have.
-        let mut pgbench =
-            cluster.spawn_pgbench(&["-n", "-M", protocol, "-f", script, "-c", "2", "-T", "300"], 2)?;
-        Trace::instance(cluster.data_dir())
-            .duration_secs(TRACE_SECS)
-            .frequency(FREQUENCY)
-            .pprof(&pprof)
-            .run()?;
-        ensure!(pgbench.is_running()?, "pgbench ended during the trace");
-        pgbench.stop()?;
-
-        let statements = pg_stat_statements(&cluster)?;
-        let profile = LabeledProfile::read_pprof(&pprof)?;
-        let ids = check_queryids(protocol, &profile, &statements)?;
-        for (statement, id) in SCRIPT.iter().zip(ids) {
-            queryids.entry(statement.name).or_default().push(id);
-        }
-    }
+    let run = QueryidRun {
+        trace_secs: TRACE_SECS,
+        frequency: FREQUENCY,
+    };
+    let (agreement, checked) = run.measure(&cluster, &["simple", "prepared"]);
+    checked?;
     // Const and Param nodes are jumbled differently, so each protocol's statements have their own
     // queryids: the prepared run checked queryids the simple run did not already produce.
-    for (name, ids) in &queryids {
+    for (i, statement) in SCRIPT.iter().enumerate() {
+        let (simple, prepared) = (
+            &agreement.queryids["simple"][i],
+            &agreement.queryids["prepared"][i],
+        );
         ensure!(
-            ids[0] != ids[1],
-            "the {name} statement has queryid {} under both protocols",
-            ids[0]
+            simple != prepared,
+            "the {} statement has queryid {simple} under both protocols",
+            statement.name
         );
     }
     Ok(())
-}
-
-/// `queryid → query` of every pg_stat_statements row.
-fn pg_stat_statements(cluster: &PgCluster) -> Result<BTreeMap<String, String>> {
-    let out = cluster.psql(
-        "SELECT queryid, regexp_replace(query, '\\s+', ' ', 'g') FROM pg_stat_statements WHERE toplevel",
-    )?;
-    out.lines()
-        .map(|line| {
-            let (id, query) = line
-                .split_once('|')
-                .with_context(|| format!("unexpected pg_stat_statements row `{line}`"))?;
-            Ok((id.to_owned(), query.to_owned()))
-        })
-        .collect()
-}
-
-/// Checks the queryid labels of one pgbench run; returns the queryids of [`SCRIPT`]'s statements.
-fn check_queryids(
-    protocol: &str,
-    profile: &LabeledProfile,
-    statements: &BTreeMap<String, String>,
-) -> Result<Vec<String>> {
-    // A backend leaving (pgscope's own connection for pg_stat_statements, closed as sampling
-    // starts, runs OpenSSL's exit handlers) runs no statement: it has no queryid to carry.
-    let exiting = |s: &LabeledSample| s.any_frame(|f| f == "proc_exit" || f == "exit");
-    // Nor does a backend without a status entry: MyBEEntry is NULL until pgstat_beinit at
-    // start and again after pgstat_beshutdown_hook at exit, so such a sample has no state
-    // either (late in exit its stack may not even unwind, so `exiting` cannot see it). Those
-    // moments are short: a status read that failed for running backends would leave many
-    // samples without a state, which the check below refuses.
-    let in_client = |s: &LabeledSample| s.label("backend_type") == Some(CLIENT_BACKEND) && !exiting(s);
-    let without_status = profile.count_where(|s| in_client(s) && s.label("state").is_none());
-    let client = |s: &LabeledSample| in_client(s) && s.label("state").is_some();
-    ensure!(
-        without_status * 100 <= profile.count_where(in_client),
-        "{without_status} of {} client-backend samples have no status entry (no state label):\n{}",
-        profile.count_where(in_client),
-        profile.examples_where(|s| in_client(s) && s.label("state").is_none(), 5)
-    );
-    let by_queryid = profile.label_values("queryid", client);
-    let mut rows: Vec<(&Option<String>, &u64)> = by_queryid.iter().collect();
-    rows.sort_by_key(|(_, n)| std::cmp::Reverse(**n));
-    eprintln!("-- {protocol} protocol: client-backend samples per queryid label");
-    eprintln!("{:>21} {:>7}  query", "queryid", "samples");
-    for (id, n) in &rows {
-        let query = match id.as_deref() {
-            None => "(no queryid label)",
-            Some("0") => "(not computed)",
-            Some(id) => statements
-                .get(id)
-                .map_or("(not in pg_stat_statements)", String::as_str),
-        };
-        eprintln!("{:>21} {n:>7}  {query}", id.as_deref().unwrap_or("-"));
-    }
-
-    ensure!(
-        profile.count_where(client) >= 200,
-        "only {} client-backend samples in the {protocol} run (2 busy clients, {TRACE_SECS} s at {FREQUENCY} Hz)",
-        profile.count_where(client)
-    );
-    let unlabelled = by_queryid.get(&None).copied().unwrap_or(0);
-    ensure!(
-        unlabelled == 0,
-        "{unlabelled} client-backend samples have no queryid label:\n{}",
-        profile.examples_where(|s| client(s) && s.label("queryid").is_none(), 5)
-    );
-    let unknown: Vec<(&str, u64)> = by_queryid
-        .iter()
-        .filter_map(|(id, &n)| Some((id.as_deref()?, n)))
-        .filter(|&(id, n)| id != "0" && n >= MIN_SAMPLES_PER_QUERYID && !statements.contains_key(id))
-        .collect();
-    ensure!(
-        unknown.is_empty(),
-        "{protocol}: queryid labels (queryid, samples) {unknown:?} are not in pg_stat_statements {statements:#?}"
-    );
-
-    let mut ids = Vec::new();
-    for statement in &SCRIPT {
-        let matching: Vec<&String> = statements
-            .iter()
-            .filter(|(_, query)| query.contains(statement.text))
-            .map(|(id, _)| id)
-            .collect();
-        ensure!(
-            matching.len() == 1,
-            "{protocol}: {} pg_stat_statements rows contain `{}`: {statements:#?}",
-            matching.len(),
-            statement.text
-        );
-        let id = matching[0].clone();
-        let name = statement.name;
-        let own = |s: &LabeledSample| client(s) && s.label("queryid") == Some(id.as_str());
-        let marked = |s: &LabeledSample| client(s) && s.any_frame(statement.marker);
-        let labelled = profile.count_where(own);
-        let labelled_marked = profile.count_where(|s| own(s) && marked(s));
-        eprintln!(
-            "{protocol}: {name} (queryid {id}): {labelled} samples, {labelled_marked} with its own functions"
-        );
-        ensure!(
-            labelled >= 20,
-            "{protocol}: only {labelled} samples carry the {name} statement's queryid {id}; \
-             samples with its functions:\n{}",
-            profile.examples_where(marked, 5)
-        );
-        // In the executor, its functions run only after ExecutorStart reported its queryid, and
-        // the next statement resets it only when it starts: any other label there is a stale or
-        // wrong read. (Parsing may call e.g. `numeric_in` while the queryid is still 0.)
-        let executing = |s: &LabeledSample| marked(s) && s.label("phase") == Some("run");
-        let mislabelled = profile.count_where(|s| executing(s) && !own(s));
-        ensure!(
-            mislabelled == 0,
-            "{protocol}: {mislabelled} samples running the {name} statement carry another queryid than {id}:\n{}",
-            profile.examples_where(|s| executing(s) && !own(s), 5)
-        );
-        // And the converse: samples with its queryid mostly run its functions.
-        ensure!(
-            labelled_marked * 10 >= labelled * 3,
-            "{protocol}: only {labelled_marked} of the {labelled} samples with the {name} statement's \
-             queryid {id} run its functions:\n{}",
-            profile.examples_where(own, 5)
-        );
-        ids.push(id);
-    }
-    Ok(ids)
 }
 
 /// A CPU-bound session traced with `--pid`: its samples carry what pg_stat_activity shows for
@@ -255,48 +64,10 @@ fn labels_agree_with_pg_stat_activity() -> Result<()> {
         .duration_secs(TRACE_SECS)
         .frequency(FREQUENCY)
         .pprof(&pprof);
-    let seen = trace_reading_activity(&cluster, &trace, &format!("pid = {pid}"))?;
-    ensure!(
-        seen.len() == 1,
-        "pg_stat_activity changed for backend {pid} during the trace: {seen:#?}"
-    );
-    let activity = seen.into_iter().next().expect("one row");
-    eprintln!("pg_stat_activity of the session: {activity:?}");
-    ensure!(
-        activity.state.as_deref() == Some("active")
-            && activity.query_id.is_some()
-            && activity.wait_event.is_none(),
-        "the session is not running its query on CPU with a queryid: {activity:?}"
-    );
-
+    let (_, seen) = reading_activity(&cluster, &format!("pid = {pid}"), || trace.run())?;
     let profile = LabeledProfile::read_pprof(&pprof)?;
+    check_busy_backend(&profile, pid, &seen)?;
     let total = profile.total();
-    ensure!(
-        total >= 200,
-        "only {total} samples of the busy backend {pid} ({TRACE_SECS} s at {FREQUENCY} Hz)"
-    );
-    let foreign = profile.count_where(|s| s.pid() != Some(pid));
-    ensure!(
-        foreign == 0,
-        "{foreign} samples of `--pid {pid}` carry another pid:\n{}",
-        profile.examples_where(|s| s.pid() != Some(pid), 5)
-    );
-    let mut expected = activity.expected_labels();
-    expected.insert("wait_event", None);
-    let agreeing = profile.count_where(|s| has_labels(s, &expected));
-    eprintln!(
-        "backend {pid}: {agreeing} of {total} samples carry {expected:?}; label sets: {}",
-        label_sets(
-            &profile,
-            pid,
-            &["backend_type", "database", "state", "queryid", "wait_event"]
-        )
-    );
-    ensure!(
-        agreeing * 10 >= total * 9,
-        "only {agreeing} of {total} samples of backend {pid} carry {expected:?}:\n{}",
-        profile.examples_where(|s| !has_labels(s, &expected), 5)
-    );
     let phases = profile.label_values("phase", |_| true);
     let running = phases.get(&Some("run".to_owned())).copied().unwrap_or(0);
     ensure!(

@@ -1,26 +1,47 @@
 //! The majors matrix: every supported PostgreSQL major on its own real server binaries (14, 16,
 //! 17 and 18 upstream builds cached by `scripts/pg-majors.sh`; 15 the distro's and a source
-//! build without frame pointers), a CPU-bound backend profiled by `pgscope trace`. Stacks must reach the process root, the query's call
-//! chain must be named where the build can name it, and a major pgscope has no table for must be
-//! told apart in so many words: attribution refused, stacks still profiled.
+//! build without frame pointers). One cluster per build, with pg_stat_statements loaded, serves
+//! every check:
+//! - stacks: a CPU-bound backend profiled by `pgscope trace --pid` reaches the process root and
+//!   its call chain is named where the build can name it;
+//! - attribution: pgscope decodes this major (no refusal), the backend's samples carry what
+//!   `pg_stat_activity` shows for it, and queryid labels equal `pg_stat_statements.queryid`
+//!   under the simple and the extended protocol;
+//! - phases: parse, plan, run and commit each hold samples of pgbench's TPC-B-like script.
 //!
-//! Each test prints one `major=NN build=… complete_pct=… exec_simple_query=yes|no stacks=ok|FAIL`
-//! line before it asserts; `make test-majors` runs this file alone and repeats those lines last.
+//! Each test prints one `major=NN build=… complete_pct=… queryid_agree_pct=… phases=ok|FAIL
+//! stacks=ok|FAIL` line before it asserts; `make test-majors` runs this file alone and repeats
+//! those lines last.
+
+use std::collections::BTreeMap;
 
 use anyhow::{ensure, Context, Result};
+use pgscope_tests::agreement::{
+    check_busy_backend, reading_activity, BackendAgreement, QueryidAgreement, QueryidRun,
+};
 use pgscope_tests::profile::Stack;
 use pgscope_tests::workload::CPU_BOUND;
 use pgscope_tests::{
-    require_root_and_bpf, runs_under_exec_simple_query, PgCluster, PgInstall, Profile, Statics, Trace,
-    TraceSummary,
+    require_root_and_bpf, runs_under_exec_simple_query, LabeledProfile, PgCluster, PgInstall, Profile,
+    Statics, Trace, TraceSummary,
 };
 
 const DURATION_SECS: u64 = 8;
 const FREQUENCY: u32 = 199;
 /// Issue 18's bar for every major.
 const MIN_COMPLETE_PCT: f64 = 95.0;
-/// Majors pgscope decodes attribution for today; the others must be refused by name.
-const ATTRIBUTED_MAJORS: &[u32] = &[15];
+/// Each protocol's pgbench run of the shared script, traced as the PG 15 attribution test does.
+const QUERYID_RUN: QueryidRun = QueryidRun {
+    trace_secs: 5,
+    frequency: 99,
+};
+/// pgbench 15 (the client every build is driven with) speaks both to every major; `extended`
+/// sends each statement as Parse/Bind/Execute with parameters, whose queryid differs from the
+/// simple protocol's literal one.
+const PROTOCOLS: [&str; 2] = ["simple", "extended"];
+const PHASE_SECS: u64 = 4;
+/// The phases every statement of the TPC-B-like script goes through.
+const PHASES: [&str; 4] = ["parse", "plan", "run", "commit"];
 
 #[test]
 fn major_14_upstream() -> Result<()> {
@@ -61,8 +82,8 @@ fn major_18_upstream() -> Result<()> {
     check_major(&PgInstall::upstream(18)?, Statics::Named)
 }
 
-/// What one trace of one major showed.
-struct Measured {
+/// What the stack trace of one major showed.
+struct Stacks {
     /// `samples.user_stacks_complete_pct` of the JSON summary.
     complete_pct: f64,
     /// Share of the folded stacks that start at the process root: the same property, counted
@@ -73,70 +94,89 @@ struct Measured {
     /// Share of samples under `PostgresMain` → `exec_simple_query` (or its unnamed frame in a
     /// stripped build) → `PortalRun`.
     chain_share: f64,
-    /// What was wrong with pgscope's statement about attribution for this major; checked after
-    /// the stacks, so that the `major=` line reports them either way.
-    attribution: Result<()>,
+}
+
+/// Everything measured on one major's cluster; each part fails on its own, so that the
+/// `major=` line reports all of them.
+struct Measured {
+    stacks: Result<Stacks>,
+    /// pgscope's statement about attribution for this major, and the traced backend's labels
+    /// against pg_stat_activity.
+    activity: Result<BackendAgreement>,
+    queryids: QueryidAgreement,
+    queryids_checked: Result<()>,
+    /// Samples per phase of the TPC-B-like run.
+    phases: Result<BTreeMap<String, u64>>,
 }
 
 fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
-    let major = install.major;
-    let measured = measure(install, statics);
-    let Ok(m) = &measured else {
-        // The line is still printed, so that `make test-majors` lists every major.
-        println!("\nmajor={major} build={} stacks=FAIL", install.label);
-        return measured.map(|_| ());
+    let measured = match measure(install, statics) {
+        Ok(m) => m,
+        Err(e) => {
+            // The line is still printed, so that `make test-majors` lists every major.
+            print_line(install, None, None, false, false);
+            return Err(e);
+        }
     };
-    let named = m.exec_simple_query_share > 0.0;
-    let stacks_ok = m.complete_pct >= MIN_COMPLETE_PCT
-        && m.rooted_share * 100.0 >= MIN_COMPLETE_PCT
-        && m.chain_share >= 0.95
-        && (statics == Statics::Unnamed || named);
-    println!(
-        "\nmajor={major} build={} complete_pct={:.1} exec_simple_query={} stacks={}",
-        install.label,
-        m.complete_pct,
-        if named { "yes" } else { "no" },
-        if stacks_ok { "ok" } else { "FAIL" }
+    let stacks_ok = measured.stacks.as_ref().is_ok_and(|s| stacks_ok(s, statics));
+    let phases_ok = measured.phases.as_ref().is_ok_and(phases_ok);
+    print_line(
+        install,
+        measured.stacks.as_ref().ok().map(|s| s.complete_pct),
+        measured.queryids.pct(),
+        phases_ok,
+        stacks_ok,
     );
-    eprintln!(
-        "{}: folded stacks from the process root {:.1}%, exec_simple_query in {:.1}% of samples, \
-         PostgresMain → exec_simple_query → PortalRun in {:.1}%",
-        install.label,
-        m.rooted_share * 100.0,
-        m.exec_simple_query_share * 100.0,
-        m.chain_share * 100.0
-    );
-    ensure!(
-        m.complete_pct >= MIN_COMPLETE_PCT,
-        "{}: user stacks {:.1}% complete, expected at least {MIN_COMPLETE_PCT}%",
-        install.label,
-        m.complete_pct
-    );
-    ensure!(
-        m.rooted_share * 100.0 >= MIN_COMPLETE_PCT,
-        "{}: the summary says {:.1}% complete, but only {:.1}% of the folded stacks start at the process root",
-        install.label,
-        m.complete_pct,
-        m.rooted_share * 100.0
-    );
-    if statics == Statics::Named {
-        ensure!(
-            named,
-            "{}: `exec_simple_query` appears in no stack, though the build's .symtab names it",
-            install.label
-        );
+    let label = install.label;
+    // Every failure is shown; the first one fails the test.
+    let failures: Vec<anyhow::Error> = [
+        measured
+            .stacks
+            .and_then(|s| check_stacks(label, &s, statics))
+            .context("stacks"),
+        measured
+            .activity
+            .map(|_| ())
+            .context("labels against pg_stat_activity"),
+        measured
+            .queryids_checked
+            .context("queryid labels against pg_stat_statements"),
+        measured.phases.and_then(check_phases).context("phases"),
+    ]
+    .into_iter()
+    .filter_map(Result::err)
+    .collect();
+    for failure in &failures {
+        eprintln!("{label}: {failure:#}");
     }
-    ensure!(
-        m.chain_share >= 0.95,
-        "{}: only {:.1}% of samples run under PostgresMain → exec_simple_query → PortalRun",
-        install.label,
-        m.chain_share * 100.0
-    );
-    measured?.attribution
+    match failures.into_iter().next() {
+        Some(first) => Err(first),
+        None => Ok(()),
+    }
 }
 
-/// Starts a cluster of `install`, traces one backend running [`CPU_BOUND`] and checks what
-/// pgscope said about attribution for this major.
+/// The one line per major that `make test-majors` repeats; `None` prints `-`.
+fn print_line(
+    install: &PgInstall,
+    complete_pct: Option<f64>,
+    queryid_agree_pct: Option<f64>,
+    phases_ok: bool,
+    stacks_ok: bool,
+) {
+    let pct = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
+    let ok = |ok: bool| if ok { "ok" } else { "FAIL" };
+    println!(
+        "\nmajor={} build={} complete_pct={} queryid_agree_pct={} phases={} stacks={}",
+        install.major,
+        install.label,
+        pct(complete_pct),
+        pct(queryid_agree_pct),
+        ok(phases_ok),
+        ok(stacks_ok)
+    );
+}
+
+/// Starts one cluster of `install` and measures everything on it.
 fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
     let label = install.label;
     let major = install.major;
@@ -151,18 +191,41 @@ fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
         version_num / 10000 == major,
         "{label}: the server runs version {version_num}, not PostgreSQL {major}"
     );
+    let (stacks, activity) = measure_backend(&cluster, statics)?;
+    let (queryids, queryids_checked) = QUERYID_RUN.measure(&cluster, &PROTOCOLS);
+    let phases = measure_phases(&cluster);
+    Ok(Measured {
+        stacks,
+        activity,
+        queryids,
+        queryids_checked,
+        phases,
+    })
+}
+
+/// Traces one backend running [`CPU_BOUND`] while reading its pg_stat_activity row: its
+/// stacks, and its labels against that row and pgscope's statement about this major.
+fn measure_backend(
+    cluster: &PgCluster,
+    statics: Statics,
+) -> Result<(Result<Stacks>, Result<BackendAgreement>)> {
+    let install = cluster.install();
+    let label = install.label;
     let session = cluster.spawn_session(CPU_BOUND)?;
+    let pid = session.pid();
     let dir = tempfile::tempdir()?;
     let folded = dir.path().join("stacks.folded");
     let json = dir.path().join("summary.json");
-    let output = Trace::pid(session.pid())
+    let pprof = dir.path().join("stacks.pb.gz");
+    let trace = Trace::pid(pid)
         .duration_secs(DURATION_SECS)
         .frequency(FREQUENCY)
         // The no-frame-pointer build keeps its symbols in a build-id tree, as distros ship them.
         .debug_dir(install.debug_dir.as_deref())
         .folded(&folded)
         .json(&json)
-        .output()?;
+        .pprof(&pprof);
+    let (output, seen) = reading_activity(cluster, &format!("pid = {pid}"), || trace.output())?;
     ensure!(
         session.is_active()?,
         "{label}: the workload ended during the trace; the profile is not of it"
@@ -178,45 +241,116 @@ fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
         "{label}: {} samples, expected about {expected} from a busy backend at {FREQUENCY} Hz for {DURATION_SECS} s",
         profile.total()
     );
-
-    let attribution =
-        check_attribution_statement(install, &summary, &format!("{}{}", output.stderr, output.stdout));
-    Ok(Measured {
-        complete_pct: summary.user_stacks_complete_pct()?,
+    let stacks = summary.user_stacks_complete_pct().map(|complete_pct| Stacks {
+        complete_pct,
         rooted_share: profile.fraction_where(Stack::starts_at_process_root),
         exec_simple_query_share: profile
             .fraction_where(|s| s.user_frames().iter().any(|f| f == "exec_simple_query")),
         chain_share: profile.fraction_where(|s| runs_under_exec_simple_query(s.user_frames(), statics)),
-        attribution,
-    })
+    });
+    let printed = format!("{}{}", output.stderr, output.stdout);
+    let activity = check_attributed(install, &summary, &printed).and_then(|()| {
+        let labelled = LabeledProfile::read_pprof(&pprof)?;
+        check_busy_backend(&labelled, pid, &seen)
+    });
+    Ok((stacks, activity))
 }
 
-/// On a major with a table, attribution is decoded; on any other, pgscope says it is not
-/// supported for that major and that stacks are still profiled, and the summary records no major.
-fn check_attribution_statement(install: &PgInstall, summary: &TraceSummary, printed: &str) -> Result<()> {
-    let label = install.label;
+/// Every major from 14 on has a table: pgscope decodes attribution for it, records the major in
+/// the summary, and does not print its refusal.
+fn check_attributed(install: &PgInstall, summary: &TraceSummary, printed: &str) -> Result<()> {
     let major = install.major;
+    ensure!(
+        summary.postgres_major()? == Some(major),
+        "the summary's postgres_major is {:?}, expected {major}; pgscope printed:\n{printed}",
+        summary.postgres_major()?
+    );
     let refusal = format!("PostgreSQL {major} is not supported for query and wait-event attribution");
-    if ATTRIBUTED_MAJORS.contains(&major) {
+    ensure!(
+        !printed.contains(&refusal),
+        "pgscope refused attribution on a supported major:\n{printed}"
+    );
+    Ok(())
+}
+
+fn stacks_ok(s: &Stacks, statics: Statics) -> bool {
+    s.complete_pct >= MIN_COMPLETE_PCT
+        && s.rooted_share * 100.0 >= MIN_COMPLETE_PCT
+        && s.chain_share >= 0.95
+        && (statics == Statics::Unnamed || s.exec_simple_query_share > 0.0)
+}
+
+fn check_stacks(label: &str, s: &Stacks, statics: Statics) -> Result<()> {
+    eprintln!(
+        "{label}: folded stacks from the process root {:.1}%, exec_simple_query in {:.1}% of samples, \
+         PostgresMain → exec_simple_query → PortalRun in {:.1}%",
+        s.rooted_share * 100.0,
+        s.exec_simple_query_share * 100.0,
+        s.chain_share * 100.0
+    );
+    ensure!(
+        s.complete_pct >= MIN_COMPLETE_PCT,
+        "user stacks {:.1}% complete, expected at least {MIN_COMPLETE_PCT}%",
+        s.complete_pct
+    );
+    ensure!(
+        s.rooted_share * 100.0 >= MIN_COMPLETE_PCT,
+        "the summary says {:.1}% complete, but only {:.1}% of the folded stacks start at the process root",
+        s.complete_pct,
+        s.rooted_share * 100.0
+    );
+    if statics == Statics::Named {
         ensure!(
-            summary.postgres_major()? == Some(major),
-            "{label}: the summary's postgres_major is {:?}, expected {major}",
-            summary.postgres_major()?
-        );
-        ensure!(
-            !printed.contains(&refusal),
-            "{label}: pgscope refused attribution on a supported major:\n{printed}"
-        );
-    } else {
-        ensure!(
-            summary.postgres_major()?.is_none(),
-            "{label}: the summary claims attribution for major {:?}, which has no table",
-            summary.postgres_major()?
-        );
-        ensure!(
-            printed.contains(&refusal) && printed.contains("stacks are still profiled"),
-            "{label}: pgscope did not say `{refusal}` (and that stacks are still profiled); it printed:\n{printed}"
+            s.exec_simple_query_share > 0.0,
+            "`exec_simple_query` appears in no stack, though the build's .symtab names it"
         );
     }
+    ensure!(
+        s.chain_share >= 0.95,
+        "only {:.1}% of samples run under PostgresMain → exec_simple_query → PortalRun",
+        s.chain_share * 100.0
+    );
+    Ok(())
+}
+
+/// Initialises pgbench's tables and traces the instance while two clients run the TPC-B-like
+/// script (simple protocol); returns the summary's samples per phase.
+fn measure_phases(cluster: &PgCluster) -> Result<BTreeMap<String, u64>> {
+    cluster.pgbench(&["-i", "-s", "1", "-q"])?;
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("tpcb.json");
+    // -n: `-i` has just vacuumed the tables.
+    let mut pgbench = cluster.spawn_pgbench(&["-n", "-c", "2", "-T", "300"], 2)?;
+    Trace::instance(cluster.data_dir())
+        .duration_secs(PHASE_SECS)
+        .frequency(FREQUENCY)
+        .debug_dir(cluster.install().debug_dir.as_deref())
+        .json(&json)
+        .run()?;
+    ensure!(pgbench.is_running()?, "pgbench ended during the trace");
+    pgbench.stop()?;
+    TraceSummary::read(&json)?.phase_samples()
+}
+
+fn phases_ok(phases: &BTreeMap<String, u64>) -> bool {
+    PHASES
+        .iter()
+        .all(|phase| phases.get(*phase).is_some_and(|&n| n > 0))
+}
+
+fn check_phases(phases: BTreeMap<String, u64>) -> Result<()> {
+    let total: u64 = phases.values().sum();
+    let shares: Vec<String> = phases
+        .iter()
+        .map(|(phase, &n)| format!("{phase} {:.1}%", 100.0 * n as f64 / total.max(1) as f64))
+        .collect();
+    eprintln!(
+        "TPC-B-like script, {total} attributed samples: {}",
+        shares.join(", ")
+    );
+    ensure!(
+        phases_ok(&phases),
+        "phases {PHASES:?} must each hold samples of the TPC-B-like script; samples per phase: {phases:?}"
+    );
     Ok(())
 }
