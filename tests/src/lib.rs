@@ -23,6 +23,7 @@ pub mod pprof;
 pub mod process;
 pub mod profile;
 pub mod pyroscope_capture;
+pub mod pyroscope_server;
 pub mod rss_watch;
 pub mod running_trace;
 pub mod session;

@@ -1,0 +1,110 @@
+//! A real Grafana Pyroscope for end-to-end tests, queried back through its own querier API
+//! (Connect JSON) as Grafana does: the one `PGSCOPE_TEST_PYROSCOPE_URL` points at, else one
+//! built from the Go module proxy by `scripts/pyroscope-server.sh` (cached) and started for the
+//! test, killed when dropped.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::workspace_root;
+
+pub struct PyroscopeServer {
+    url: String,
+    /// The server started for this test (killed at the end) and its data directory.
+    owned: Option<(u32, tempfile::TempDir)>,
+}
+
+impl PyroscopeServer {
+    /// The server of `PGSCOPE_TEST_PYROSCOPE_URL`, else a new one on a free loopback port,
+    /// its data in a temp dir; returns once it is ready.
+    pub fn get() -> Result<Self> {
+        if let Ok(url) = std::env::var("PGSCOPE_TEST_PYROSCOPE_URL") {
+            return Ok(Self {
+                url: url.trim_end_matches('/').to_string(),
+                owned: None,
+            });
+        }
+        let dir = tempfile::Builder::new().prefix("pgscope-pyroscope-").tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let script = workspace_root().join("scripts/pyroscope-server.sh");
+        let output = Command::new(&script)
+            .arg("start")
+            .arg(port.to_string())
+            .arg(dir.path())
+            .output()
+            .with_context(|| format!("running {}", script.display()))?;
+        if !output.status.success() {
+            bail!(
+                "cannot start Pyroscope ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let pid: u32 = String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .context("scripts/pyroscope-server.sh printed no pid")?;
+        Ok(Self {
+            url: format!("http://127.0.0.1:{port}"),
+            owned: Some((pid, dir)),
+        })
+    }
+
+    /// Where to push (the agent's `[pyroscope] url`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// One Connect unary call of `querier.v1.QuerierService` with a JSON body.
+    pub fn call(&self, method: &str, body: Value) -> Result<Value> {
+        let url = format!("{}/querier.v1.QuerierService/{method}", self.url);
+        let mut response = ureq::post(&url)
+            .header("Content-Type", "application/json")
+            .send(body.to_string())
+            .with_context(|| format!("POST {url}"))?;
+        let text = response.body_mut().read_to_string()?;
+        serde_json::from_str(&text).with_context(|| format!("{method} answered `{text}`"))
+    }
+
+    /// The values of label `name` over the series `selector` (`{k="v",…}`) matches between
+    /// `start` and `end` (unix ms).
+    pub fn label_values(&self, name: &str, selector: &str, start: i64, end: i64) -> Result<BTreeSet<String>> {
+        let answer = self.call(
+            "LabelValues",
+            json!({"name": name, "matchers": [selector], "start": start, "end": end}),
+        )?;
+        Ok(answer["names"]
+            .as_array()
+            .map(|v| v.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+            .unwrap_or_default())
+    }
+}
+
+impl Drop for PyroscopeServer {
+    fn drop(&mut self) {
+        if let Some((pid, dir)) = &self.owned {
+            if std::thread::panicking() {
+                let log = std::fs::read_to_string(dir.path().join("pyroscope.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                eprintln!(
+                    "--- Pyroscope log tail ---\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            // SAFETY: kill(2) on the server this test started.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Now as unix milliseconds, the unit of the querier API's `start` and `end`.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
