@@ -61,7 +61,8 @@ integration-test: build pg-nofp pg-majors pyroscope-server
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
 
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
-# pgscope. Ends with its measurements, one `major=NN …` line per major.
+# pgscope (stacks, attribution, phases). Ends with its measurements, one line per major:
+# `major=NN build=… complete_pct=… queryid_agree_pct=… phases=ok|FAIL stacks=ok|FAIL`.
 test-majors: build pg-nofp pg-majors
 	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test majors -- \
