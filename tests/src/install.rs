@@ -15,6 +15,7 @@ pub const DISTRO_PKGLIBDIR: &str = "/usr/lib/postgresql/15/lib";
 
 /// The majors `scripts/pg-majors.sh` caches, with the label of each build.
 pub const UPSTREAM_MAJORS: &[(u32, &str)] = &[
+    (13, "upstream-13"),
     (14, "upstream-14"),
     (16, "upstream-16"),
     (17, "upstream-17"),

@@ -1,7 +1,8 @@
 //! The majors matrix: every supported PostgreSQL major on its own real server binaries (14, 16,
 //! 17 and 18 upstream builds cached by `scripts/pg-majors.sh`; 15 the distro's and a source
-//! build without frame pointers). One cluster per build, with pg_stat_statements loaded, serves
-//! every check:
+//! build without frame pointers), and 13, end-of-life, which pgscope must refuse to decode in
+//! one line while still profiling its stacks. One cluster per build, with pg_stat_statements
+//! loaded, serves every check:
 //! - stacks: a CPU-bound backend profiled by `pgscope trace --pid` reaches the process root and
 //!   its call chain is named where the build can name it;
 //! - attribution: pgscope decodes this major (no refusal), the backend's samples carry what
@@ -42,6 +43,26 @@ const PROTOCOLS: [&str; 2] = ["simple", "extended"];
 const PHASE_SECS: u64 = 4;
 /// The phases every statement of the TPC-B-like script goes through.
 const PHASES: [&str; 4] = ["parse", "plan", "run", "commit"];
+
+/// End-of-life and without `st_query_id`: no table, so pgscope must say in one line that it
+/// decodes nothing of this major and why, and still profile complete, named stacks.
+#[test]
+fn major_13_upstream_refused() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::upstream(13)?;
+    let cluster = start_checked(&install)?;
+    let (stacks, refusal) = measure_backend(&cluster, Statics::Named, Expect::Refused)?;
+    let stacks_ok = stacks.as_ref().is_ok_and(|s| stacks_ok(s, Statics::Named));
+    print_line(
+        &install,
+        stacks.as_ref().ok().map(|s| s.complete_pct),
+        None,
+        None,
+        stacks_ok,
+    );
+    stacks.and_then(|s| check_stacks(install.label, &s, Statics::Named))?;
+    refusal.map(|_| ())
+}
 
 #[test]
 fn major_14_upstream() -> Result<()> {
@@ -102,7 +123,7 @@ struct Measured {
     stacks: Result<Stacks>,
     /// pgscope's statement about attribution for this major, and the traced backend's labels
     /// against pg_stat_activity.
-    activity: Result<BackendAgreement>,
+    activity: Result<Option<BackendAgreement>>,
     queryids: QueryidAgreement,
     queryids_checked: Result<()>,
     /// Samples per phase of the TPC-B-like run.
@@ -114,7 +135,7 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
         Ok(m) => m,
         Err(e) => {
             // The line is still printed, so that `make test-majors` lists every major.
-            print_line(install, None, None, false, false);
+            print_line(install, None, None, Some(false), false);
             return Err(e);
         }
     };
@@ -124,7 +145,7 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
         install,
         measured.stacks.as_ref().ok().map(|s| s.complete_pct),
         measured.queryids.pct(),
-        phases_ok,
+        Some(phases_ok),
         stacks_ok,
     );
     let label = install.label;
@@ -155,29 +176,31 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
     }
 }
 
-/// The one line per major that `make test-majors` repeats; `None` prints `-`.
+/// The one line per major that `make test-majors` repeats; `None` prints `-` (not measured:
+/// 13 has no queryids and no phases to check).
 fn print_line(
     install: &PgInstall,
     complete_pct: Option<f64>,
     queryid_agree_pct: Option<f64>,
-    phases_ok: bool,
+    phases_ok: Option<bool>,
     stacks_ok: bool,
 ) {
     let pct = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
     let ok = |ok: bool| if ok { "ok" } else { "FAIL" };
+    let measured_ok = |value: Option<bool>| value.map_or("-", ok);
     println!(
         "\nmajor={} build={} complete_pct={} queryid_agree_pct={} phases={} stacks={}",
         install.major,
         install.label,
         pct(complete_pct),
         pct(queryid_agree_pct),
-        ok(phases_ok),
+        measured_ok(phases_ok),
         ok(stacks_ok)
     );
 }
 
-/// Starts one cluster of `install` and measures everything on it.
-fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
+/// A cluster of `install` with pg_stat_statements loaded, checked to run that major.
+fn start_checked(install: &PgInstall) -> Result<PgCluster> {
     let label = install.label;
     let major = install.major;
     let cluster = PgCluster::start_with_pg_stat_statements(install, &[])?;
@@ -191,7 +214,13 @@ fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
         version_num / 10000 == major,
         "{label}: the server runs version {version_num}, not PostgreSQL {major}"
     );
-    let (stacks, activity) = measure_backend(&cluster, statics)?;
+    Ok(cluster)
+}
+
+/// Starts one cluster of `install` and measures everything on it.
+fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
+    let cluster = start_checked(install)?;
+    let (stacks, activity) = measure_backend(&cluster, statics, Expect::Decoded)?;
     let (queryids, queryids_checked) = QUERYID_RUN.measure(&cluster, &PROTOCOLS);
     let phases = measure_phases(&cluster);
     Ok(Measured {
@@ -203,12 +232,23 @@ fn measure(install: &PgInstall, statics: Statics) -> Result<Measured> {
     })
 }
 
+/// What pgscope must do with a major's backends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// A table: labels decoded, agreeing with pg_stat_activity.
+    Decoded,
+    /// No table (13): one line saying so and why, no labels.
+    Refused,
+}
+
 /// Traces one backend running [`CPU_BOUND`] while reading its pg_stat_activity row: its
-/// stacks, and its labels against that row and pgscope's statement about this major.
+/// stacks, and its labels against that row and pgscope's statement about this major (for a
+/// refused major, the statement alone: the agreement is then `None`).
 fn measure_backend(
     cluster: &PgCluster,
     statics: Statics,
-) -> Result<(Result<Stacks>, Result<BackendAgreement>)> {
+    expect: Expect,
+) -> Result<(Result<Stacks>, Result<Option<BackendAgreement>>)> {
     let install = cluster.install();
     let label = install.label;
     let session = cluster.spawn_session(CPU_BOUND)?;
@@ -225,7 +265,11 @@ fn measure_backend(
         .folded(&folded)
         .json(&json)
         .pprof(&pprof);
-    let (output, seen) = reading_activity(cluster, &format!("pid = {pid}"), || trace.output())?;
+    // 13's pg_stat_activity has no query_id column to read, and nothing is compared with it.
+    let (output, seen) = match expect {
+        Expect::Decoded => reading_activity(cluster, &format!("pid = {pid}"), || trace.output())?,
+        Expect::Refused => (trace.output()?, Default::default()),
+    };
     ensure!(
         session.is_active()?,
         "{label}: the workload ended during the trace; the profile is not of it"
@@ -249,10 +293,13 @@ fn measure_backend(
         chain_share: profile.fraction_where(|s| runs_under_exec_simple_query(s.user_frames(), statics)),
     });
     let printed = format!("{}{}", output.stderr, output.stdout);
-    let activity = check_attributed(install, &summary, &printed).and_then(|()| {
-        let labelled = LabeledProfile::read_pprof(&pprof)?;
-        check_busy_backend(&labelled, pid, &seen)
-    });
+    let activity = match expect {
+        Expect::Decoded => check_attributed(install, &summary, &printed).and_then(|()| {
+            let labelled = LabeledProfile::read_pprof(&pprof)?;
+            check_busy_backend(&labelled, pid, &seen).map(Some)
+        }),
+        Expect::Refused => check_refused(install, &summary, &printed).map(|()| None),
+    };
     Ok((stacks, activity))
 }
 
@@ -270,6 +317,37 @@ fn check_attributed(install: &PgInstall, summary: &TraceSummary, printed: &str) 
         !printed.contains(&refusal),
         "pgscope refused attribution on a supported major:\n{printed}"
     );
+    Ok(())
+}
+
+/// 13 and older: pgscope says, once, that it decodes nothing of this major because it is
+/// end-of-life and has no `st_query_id`, records no major in the summary, and still profiles.
+fn check_refused(install: &PgInstall, summary: &TraceSummary, printed: &str) -> Result<()> {
+    let major = install.major;
+    ensure!(
+        summary.postgres_major()?.is_none(),
+        "the summary claims attribution for PostgreSQL {major}, which has no table:\n{printed}"
+    );
+    let refusal = format!("PostgreSQL {major} is not supported for query and wait-event attribution");
+    let lines: Vec<&str> = printed
+        .lines()
+        .filter(|l| l.contains("no query or wait-event labels"))
+        .collect();
+    ensure!(
+        lines.len() == 1 && lines[0].contains(&refusal),
+        "expected one line refusing attribution on PostgreSQL {major}, got {lines:?}:\n{printed}"
+    );
+    for reason in [
+        "end-of-life",
+        "`st_query_id` came in 14",
+        "stacks are still profiled",
+    ] {
+        ensure!(
+            lines[0].contains(reason),
+            "the refusal does not say `{reason}`: {}",
+            lines[0]
+        );
+    }
     Ok(())
 }
 
