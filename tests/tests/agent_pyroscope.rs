@@ -5,86 +5,12 @@
 //! `scripts/pyroscope-server.sh` and started for the test.
 
 use std::collections::BTreeSet;
-use std::process::Command;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
-use pgscope_tests::{require_root_and_bpf, wait_for, workspace_root, PgCluster, PgInstall, RunningAgent};
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::pyroscope_server::{now_ms, PyroscopeServer};
+use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, RunningAgent};
 use serde_json::{json, Value};
-
-/// A Pyroscope to send to and query.
-struct Pyroscope {
-    url: String,
-    /// The server started for this test (killed at the end) and its data directory.
-    owned: Option<(u32, tempfile::TempDir)>,
-}
-
-impl Pyroscope {
-    fn get() -> Result<Self> {
-        if let Ok(url) = std::env::var("PGSCOPE_TEST_PYROSCOPE_URL") {
-            return Ok(Self {
-                url: url.trim_end_matches('/').to_string(),
-                owned: None,
-            });
-        }
-        let dir = tempfile::Builder::new().prefix("pgscope-pyroscope-").tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let script = workspace_root().join("scripts/pyroscope-server.sh");
-        let output = Command::new(&script)
-            .arg("start")
-            .arg(port.to_string())
-            .arg(dir.path())
-            .output()
-            .with_context(|| format!("running {}", script.display()))?;
-        if !output.status.success() {
-            bail!(
-                "cannot start Pyroscope ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        let pid: u32 = String::from_utf8_lossy(&output.stdout).trim().parse()?;
-        Ok(Self {
-            url: format!("http://127.0.0.1:{port}"),
-            owned: Some((pid, dir)),
-        })
-    }
-
-    /// One Connect unary call with a JSON body.
-    fn call(&self, method: &str, body: Value) -> Result<Value> {
-        let url = format!("{}/querier.v1.QuerierService/{method}", self.url);
-        let mut response = ureq::post(&url)
-            .header("Content-Type", "application/json")
-            .send(body.to_string())
-            .with_context(|| format!("POST {url}"))?;
-        let text = response.body_mut().read_to_string()?;
-        serde_json::from_str(&text).with_context(|| format!("{method} answered `{text}`"))
-    }
-}
-
-impl Drop for Pyroscope {
-    fn drop(&mut self) {
-        if let Some((pid, dir)) = &self.owned {
-            if std::thread::panicking() {
-                let log = std::fs::read_to_string(dir.path().join("pyroscope.log")).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                eprintln!(
-                    "--- Pyroscope log tail ---\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            }
-            // SAFETY: kill(2) on the server this test started.
-            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
-        }
-    }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 /// The function names of a merged flamegraph.
 fn flamegraph_names(answer: &Value) -> BTreeSet<String> {
@@ -102,7 +28,7 @@ fn flamegraph_names(answer: &Value) -> BTreeSet<String> {
 #[test]
 fn pyroscope_answers_per_query_flamegraphs_on_and_off_cpu() -> Result<()> {
     require_root_and_bpf();
-    let pyroscope = Pyroscope::get()?;
+    let pyroscope = PyroscopeServer::get()?;
     let install = PgInstall::no_frame_pointers()?;
     let debug_dir = install
         .debug_dir
@@ -115,7 +41,7 @@ fn pyroscope_answers_per_query_flamegraphs_on_and_off_cpu() -> Result<()> {
     let config = format!(
         "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"3s\"\noff_cpu = true\ndebug_dirs = [\"{}\"]\n\
          [labels]\nservice_name = \"{service}\"\n[[discovery.include]]\ndata_dir = \"{}\"\n",
-        pyroscope.url,
+        pyroscope.url(),
         debug_dir.display(),
         cluster.data_dir().display()
     );
