@@ -6,78 +6,57 @@
 //! debug file). A debuginfod server (DEBUGINFOD_URLS) is the last place the debug file is looked
 //! for.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
-use object::{Object, ObjectSection, ObjectSymbol};
-use pgscope_tests::{require_root_and_bpf, DebuginfodServer, PgCluster, PgInstall, Trace, TraceSummary};
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::pgss_discovery::{
+    build_id_hex, debug_file_in_tree, debug_file_of, mapped_library, offset_by_name,
+    offset_found_through_hooks, FOUND_THROUGH_HOOKS,
+};
+use pgscope_tests::probe_workloads::{trace_backend, BackendWorkload, TracedBackend};
+use pgscope_tests::{require_root_and_bpf, DebuginfodServer, PgCluster, PgInstall, Trace};
 
 /// Statements executed while traced.
 const STATEMENTS: u64 = 60;
 
-/// What pgscope says when it found pgss_store through the hook functions.
-const FOUND_THROUGH_HOOKS: &str = "pgscope: pgss_store found through pg_stat_statements' hook functions";
-
-/// What a trace of [`STATEMENTS`] statements in one backend counted and printed.
-struct Traced {
-    exec: u64,
-    plan: u64,
-    portal_start: Option<u64>,
-    stderr: String,
-    /// The backend's pg_stat_statements.so, as it maps it.
-    library: PathBuf,
-}
-
 /// Traces one backend of `cluster` with `probes` (and `--debug-dir` when given) while it runs
 /// [`STATEMENTS`] statements.
-fn trace_statements(cluster: &PgCluster, probes: &str, debug_dir: Option<&Path>) -> Result<Traced> {
+fn trace_statements(cluster: &PgCluster, probes: &str, debug_dir: Option<&Path>) -> Result<TracedBackend> {
     trace_statements_with(cluster, |trace| trace.probes(probes).debug_dir(debug_dir))
 }
 
-/// Like [`trace_statements`], with the probe arguments `probe_args` adds.
-fn trace_statements_with(cluster: &PgCluster, probe_args: impl FnOnce(Trace) -> Trace) -> Result<Traced> {
-    let mut connection = cluster.connect()?;
-    // Warm this backend's catalog caches outside the trace.
-    connection.query("SELECT 1")?;
-    let library = mapped_library(connection.pid(), "pg_stat_statements.so")?;
-
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    // Every call measured: the counts are compared exactly.
-    let trace = probe_args(Trace::pid(connection.pid()))
-        .probe_budget("none")
-        .duration_secs(600)
-        .json(&json)
-        .spawn()?;
-    for i in 0..STATEMENTS {
-        let answer = connection.query(&format!("SELECT {i} + 1"))?;
-        ensure!(answer == (i + 1).to_string(), "statement {i} answered {answer}");
-    }
-    let output = trace.interrupt()?;
-    ensure!(
-        !output.stderr.contains("not attached"),
-        "a probe did not attach:\n{}",
-        output.stderr
-    );
-    connection.close()?;
-
-    let summary = TraceSummary::read(&json)?;
-    let calls = |function: &str| -> Result<Option<u64>> { Ok(summary.probe(function)?.map(|s| s.calls)) };
-    let traced = Traced {
-        exec: calls("pgss_store(exec)")?.unwrap_or(0),
-        plan: calls("pgss_store(plan)")?.unwrap_or(0),
-        portal_start: calls("PortalStart")?,
-        stderr: output.stderr,
-        library,
+/// Like [`trace_statements`], with the probe arguments `probe_args` adds; every probe must
+/// attach.
+fn trace_statements_with(
+    cluster: &PgCluster,
+    probe_args: impl FnOnce(Trace) -> Trace,
+) -> Result<TracedBackend> {
+    let workload = BackendWorkload {
+        selects: STATEMENTS,
+        ..BackendWorkload::default()
     };
+    let traced = trace_backend(cluster, workload, probe_args)?;
+    ensure!(
+        traced.not_attached().is_empty(),
+        "a probe did not attach:\n{}",
+        traced.stderr
+    );
     eprintln!(
-        "{}: pgss_store(exec) {}, pgss_store(plan) {}, PortalStart {:?} for {STATEMENTS} statements",
+        "{}: pgss_store(exec) {}, pgss_store(plan) {}, PortalStart {} for {STATEMENTS} statements",
         cluster.install().label,
-        traced.exec,
-        traced.plan,
-        traced.portal_start
+        traced.calls("pgss_store(exec)")?,
+        traced.calls("pgss_store(plan)")?,
+        traced.calls("PortalStart")?
     );
     Ok(traced)
+}
+
+/// The backend's pg_stat_statements.so, as it mapped it.
+fn library(traced: &TracedBackend) -> Result<&Path> {
+    traced
+        .library
+        .as_deref()
+        .context("the traced backend maps no pg_stat_statements.so")
 }
 
 /// The source build's separate debug files (a `.build-id` tree).
@@ -88,89 +67,12 @@ fn debug_tree(install: &PgInstall) -> Result<&Path> {
         .context("the nofp build has a debug tree")
 }
 
-impl Traced {
-    /// pg_stat_statements stores each executed statement's statistics once (`pgss_store(exec)`).
-    fn expect_one_exec_store_per_statement(&self, context: &str) -> Result<()> {
-        ensure!(
-            self.exec == STATEMENTS,
-            "{context}{}pgss_store(exec) counted {} times for {STATEMENTS} statements",
-            if context.is_empty() { "" } else { ": " },
-            self.exec
-        );
-        Ok(())
+/// pg_stat_statements stores each executed statement's statistics once (`pgss_store(exec)`).
+fn expect_one_exec_store_per_statement(traced: &TracedBackend, context: &str) -> Result<()> {
+    if let Some(wrong) = traced.per_statement("pgss_store(exec)", 1)? {
+        anyhow::bail!("{context}{}{wrong}", if context.is_empty() { "" } else { ": " });
     }
-}
-
-/// The file `basename` as process `pid` maps it.
-fn mapped_library(pid: u32, basename: &str) -> Result<PathBuf> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .with_context(|| format!("cannot read the maps of PID {pid}"))?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(PathBuf::from)
-        .find(|path| path.file_name().is_some_and(|name| name == basename))
-        .with_context(|| format!("PID {pid} maps no {basename}"))
-}
-
-/// The file offset pgscope printed when it found pgss_store through the hook functions.
-fn offset_found_through_hooks(stderr: &str) -> Result<u64> {
-    let line = stderr
-        .lines()
-        .find(|line| line.starts_with(FOUND_THROUGH_HOOKS))
-        .with_context(|| format!("pgscope did not say it found pgss_store through the hooks:\n{stderr}"))?;
-    let hex = line
-        .split("at file offset 0x")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .with_context(|| format!("no file offset in `{line}`"))?;
-    u64::from_str_radix(hex, 16).with_context(|| format!("bad file offset in `{line}`"))
-}
-
-/// The lowercase hex build-id of the ELF file `path`.
-fn build_id_hex(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read `{}`", path.display()))?;
-    let file = object::File::parse(&*bytes).with_context(|| format!("cannot parse `{}`", path.display()))?;
-    let id = file
-        .build_id()?
-        .with_context(|| format!("`{}` has no build-id", path.display()))?;
-    Ok(id.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// The debug file of build-id `hex` in the build-id tree `debug_dir`.
-fn debug_file_in_tree(debug_dir: &Path, hex: &str) -> PathBuf {
-    debug_dir
-        .join(".build-id")
-        .join(&hex[..2])
-        .join(format!("{}.debug", &hex[2..]))
-}
-
-/// The file offset of `pgss_store` in `library`, by name, from its debug file in the build-id
-/// tree `debug_dir`: what a uprobe by name attaches to.
-fn offset_by_name(library: &Path, debug_dir: &Path) -> Result<u64> {
-    let bytes = std::fs::read(library).with_context(|| format!("cannot read `{}`", library.display()))?;
-    let file =
-        object::File::parse(&*bytes).with_context(|| format!("cannot parse `{}`", library.display()))?;
-    let debug_path = debug_file_in_tree(debug_dir, &build_id_hex(library)?);
-    let debug_bytes =
-        std::fs::read(&debug_path).with_context(|| format!("cannot read `{}`", debug_path.display()))?;
-    let debug = object::File::parse(&*debug_bytes)
-        .with_context(|| format!("cannot parse `{}`", debug_path.display()))?;
-    let svma = debug
-        .symbols()
-        .find(|s| s.name() == Ok("pgss_store"))
-        .with_context(|| format!("`{}` has no symbol pgss_store", debug_path.display()))?
-        .address();
-    let text = file
-        .section_by_name(".text")
-        .with_context(|| format!("`{}` has no .text", library.display()))?;
-    let (text_offset, _) = text.file_range().context(".text has no file bytes")?;
-    if !(text.address()..text.address() + text.size()).contains(&svma) {
-        bail!(
-            "pgss_store at {svma:#x} is outside .text of `{}`",
-            library.display()
-        );
-    }
-    Ok(svma - text.address() + text_offset)
+    Ok(())
 }
 
 #[test]
@@ -189,11 +91,11 @@ fn one_exec_store_per_statement_and_a_plan_store_with_track_planning() -> Result
             "with --debug-dir pgss_store must be found by name, not through the hooks:\n{}",
             traced.stderr
         );
-        traced.expect_one_exec_store_per_statement(&format!("track_planning = {track_planning}"))?;
+        expect_one_exec_store_per_statement(&traced, &format!("track_planning = {track_planning}"))?;
+        let planned = traced.calls("pgss_store(plan)")?;
         ensure!(
-            traced.plan == plans,
-            "track_planning = {track_planning}: pgss_store(plan) counted {} times, expected {plans}",
-            traced.plan
+            planned == plans,
+            "track_planning = {track_planning}: pgss_store(plan) counted {planned} times, expected {plans}"
         );
     }
     Ok(())
@@ -210,13 +112,14 @@ fn hook_functions_lead_to_the_offset_the_debug_file_names() -> Result<()> {
     let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
     let traced = trace_statements(&cluster, "pgss_store", None)?;
     let through_hooks = offset_found_through_hooks(&traced.stderr)?;
-    let by_name = offset_by_name(&traced.library, debug_dir)?;
+    let library = library(&traced)?;
+    let by_name = offset_by_name(library, &debug_file_of(library, debug_dir)?)?;
     eprintln!("pgss_store: file offset {through_hooks:#x} through the hooks, {by_name:#x} by name");
     ensure!(
         through_hooks == by_name,
         "the hooks led to {through_hooks:#x}, the debug file names pgss_store at {by_name:#x}"
     );
-    traced.expect_one_exec_store_per_statement("")?;
+    expect_one_exec_store_per_statement(&traced, "")?;
     Ok(())
 }
 
@@ -232,7 +135,7 @@ fn an_explicit_location_is_used_as_given() -> Result<()> {
     let spec = format!(
         "pgss_store={}:{:#x}",
         library.display(),
-        offset_by_name(&library, debug_dir)?
+        offset_by_name(&library, &debug_file_of(&library, debug_dir)?)?
     );
     let traced = trace_statements_with(&cluster, |trace| trace.explicit_probe(&spec))?;
     ensure!(
@@ -241,7 +144,7 @@ fn an_explicit_location_is_used_as_given() -> Result<()> {
 {}",
         traced.stderr
     );
-    traced.expect_one_exec_store_per_statement(&format!("--probe {spec}"))?;
+    expect_one_exec_store_per_statement(&traced, &format!("--probe {spec}"))?;
 
     // A file the backend does not map: refused with the reason, the trace goes on.
     let stranger = install.bin("psql");
@@ -267,12 +170,10 @@ fn distro_build_without_debug_file_finds_pgss_store_through_the_hooks() -> Resul
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let traced = trace_statements(&cluster, "pgss_store,PortalStart", None)?;
     offset_found_through_hooks(&traced.stderr)?;
-    traced.expect_one_exec_store_per_statement("")?;
-    ensure!(
-        traced.portal_start == Some(STATEMENTS),
-        "PortalStart counted {:?} times for {STATEMENTS} simple-protocol statements",
-        traced.portal_start
-    );
+    expect_one_exec_store_per_statement(&traced, "")?;
+    if let Some(wrong) = traced.per_statement("PortalStart", 1)? {
+        anyhow::bail!("simple-protocol statements: {wrong}");
+    }
     Ok(())
 }
 
@@ -289,7 +190,7 @@ fn a_hook_chained_in_front_by_another_extension_is_skipped() -> Result<()> {
     mapped_library(cluster.postmaster_pid()?, "auto_explain.so")?;
     let traced = trace_statements(&cluster, "pgss_store", None)?;
     offset_found_through_hooks(&traced.stderr)?;
-    traced.expect_one_exec_store_per_statement("behind auto_explain")?;
+    expect_one_exec_store_per_statement(&traced, "behind auto_explain")?;
     Ok(())
 }
 
@@ -324,7 +225,7 @@ fn debuginfod_provides_the_debug_file_pgss_store_is_found_by_name_in() -> Result
         "with the debug file from debuginfod pgss_store must be found by name:\n{}",
         traced.stderr
     );
-    traced.expect_one_exec_store_per_statement("")?;
+    expect_one_exec_store_per_statement(&traced, "")?;
 
     let entry = cache.path().join(&build_id).join("debuginfo");
     let cached = std::fs::read(&entry).with_context(|| {
@@ -375,7 +276,7 @@ fn an_unreachable_debuginfod_falls_back_to_the_hook_functions() -> Result<()> {
             .env("DEBUGINFOD_CACHE_PATH", cache.path())
     })?;
     offset_found_through_hooks(&traced.stderr)?;
-    traced.expect_one_exec_store_per_statement("")?;
+    expect_one_exec_store_per_statement(&traced, "")?;
     ensure!(
         !traced.stderr.contains("panicked"),
         "pgscope panicked:\n{}",

@@ -1,36 +1,11 @@
 //! `--probes s_lock`: every spinlock acquisition that has to spin calls `s_lock(lock, file, line,
 //! func)`; pgscope names the call site from those arguments, read in the backend's memory.
 
-use std::process::Command;
-
-use anyhow::{bail, ensure, Context, Result};
-use pgscope_tests::summary::SpinSite;
+use anyhow::{bail, ensure, Result};
+use pgscope_tests::probe_matrix::SPIN_SITES;
+use pgscope_tests::probe_workloads::{trace_backend, BackendWorkload};
+use pgscope_tests::spin_calls::decoded;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace, TraceSummary};
-
-/// Makes backend `pid` call `s_lock` on a free lock of its own (fresh zeroed memory, so that no
-/// real lock of the instance is touched) with call-site arguments the test chooses: a real call
-/// with known arguments. A free lock is taken at once, so s_lock returns immediately.
-fn call_s_lock_in(pid: u32, file: &str, line: u32, function: &str) -> Result<()> {
-    let call = format!(
-        "call ((int(*)(void *, const char *, int, const char *)) s_lock)($lock, \"{file}\", {line}, \"{function}\")"
-    );
-    let output = Command::new("gdb")
-        .args(["-p", &pid.to_string(), "-batch", "-nx"])
-        .args(["-ex", "set $lock = (void *) calloc(1, 8)", "-ex", &call])
-        .output()
-        .context("cannot run gdb (scripts/install-deps.sh installs it)")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    ensure!(
-        output.status.success() && stdout.contains("= 0"),
-        "gdb could not call s_lock in backend {pid}:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(())
-}
-
-fn sites_named<'a>(sites: &'a [SpinSite], file: &str) -> Vec<&'a SpinSite> {
-    sites.iter().filter(|s| s.file == file).collect()
-}
 
 /// Two calls with known arguments come back as two call sites with exactly those names and
 /// lines, one call each.
@@ -38,36 +13,16 @@ fn sites_named<'a>(sites: &'a [SpinSite], file: &str) -> Vec<&'a SpinSite> {
 fn call_sites_are_named_from_the_arguments() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start(&PgInstall::distro()?)?;
-    let mut connection = cluster.connect()?;
-    let pid = connection.pid();
-    let dir = tempfile::tempdir()?;
-    let json = dir.path().join("summary.json");
-    let trace = Trace::pid(pid)
-        .probes("s_lock")
-        .probe_budget("none")
-        .duration_secs(600)
-        .json(&json)
-        .spawn()?;
-    call_s_lock_in(pid, "pgscope_test.c", 4242, "first_site")?;
-    call_s_lock_in(pid, "pgscope_test.c", 4343, "second_site")?;
-    trace.interrupt()?;
-    // The backend goes on serving its client.
-    ensure!(
-        connection.query("SELECT 40 + 2")? == "42",
-        "the backend misbehaved after the calls"
-    );
-    connection.close()?;
-
-    let sites = TraceSummary::read(&json)?.spin_sites()?;
-    let mut ours: Vec<(u32, &str, u64)> = sites_named(&sites, "pgscope_test.c")
-        .iter()
-        .map(|s| (s.line, s.function.as_str(), s.calls))
-        .collect();
-    ours.sort();
-    ensure!(
-        ours == [(4242, "first_site", 1), (4343, "second_site", 1)],
-        "expected one call at each of the two sites, got {ours:?} (all sites: {sites:?})"
-    );
+    let workload = BackendWorkload {
+        spin_sites: SPIN_SITES,
+        ..BackendWorkload::default()
+    };
+    let traced = trace_backend(&cluster, workload, |trace| trace.probes("s_lock"))?;
+    let (read, wrong) = traced.spin_sites()?;
+    eprintln!("call sites read back: {read:?}");
+    if let Some(wrong) = wrong {
+        bail!("{wrong} (all sites: {:?})", traced.summary.spin_sites()?);
+    }
     Ok(())
 }
 
@@ -113,10 +68,7 @@ fn contended_spinlocks_under_pgbench_are_source_locations() -> Result<()> {
     }
     for site in &sites {
         ensure!(
-            site.file.ends_with(".c")
-                && site.line > 0
-                && !site.function.is_empty()
-                && !site.function.starts_with("0x"),
+            decoded(site),
             "call site not decoded to a source location: {site:?}"
         );
     }
