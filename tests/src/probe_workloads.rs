@@ -213,6 +213,8 @@ pub struct TracedBackend {
     pub index_scans: u64,
     /// pg_stat_statements' queryid and calls of [`NESTED_LOOP`], when it ran.
     pub nested_loop: Option<(String, u64)>,
+    /// pg_stat_statements' queryid and calls of the selects (`SELECT $1 + $2`), when they ran.
+    pub selects: Option<(String, u64)>,
 }
 
 impl TracedBackend {
@@ -246,6 +248,38 @@ impl TracedBackend {
             self.calls(function)?,
             statements * per_statement,
         ))
+    }
+
+    /// pgss_store(exec) calls under the selects' queryid: pgscope takes a pgss_store call's
+    /// queryid from its `queryId` argument, so this checks where the major's signature puts it.
+    pub fn exec_stores_of_selects(&self) -> Result<u64> {
+        let (queryid, _) = self.selects.as_ref().context("the workload ran no selects")?;
+        Ok(self
+            .summary
+            .probe_of_query(queryid, "pgss_store(exec)")?
+            .map_or(0, |s| s.calls))
+    }
+
+    /// The selects' pgss_store(exec) calls must equal the calls pg_stat_statements counted
+    /// for their queryid, and the selects run.
+    pub fn selects_disagreements(&self) -> Result<Vec<String>> {
+        let (queryid, calls) = self.selects.as_ref().context("the workload ran no selects")?;
+        let stores = self.exec_stores_of_selects()?;
+        Ok([
+            differs(
+                &format!("pg_stat_statements calls of the selects (queryid {queryid})"),
+                *calls,
+                self.workload.selects,
+            ),
+            differs(
+                &format!("pgss_store(exec) calls under the selects' queryid {queryid}"),
+                stores,
+                *calls,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect())
     }
 
     /// vac_update_datfrozenxid must have been called `per_vacuum` times per VACUUM.
@@ -343,9 +377,10 @@ pub fn trace_backend(
         .spawn_summarized()?;
     run_workload(&mut connection, &workload)?;
     let (output, summary) = trace.finish()?;
-    // The backend goes on serving its client, then flushes its statistics when it exits.
+    // The backend goes on serving its client, then flushes its statistics when it exits. Not
+    // a sum: that would be one more call of the selects' pg_stat_statements entry.
     ensure!(
-        connection.query("SELECT 40 + 2")? == "42",
+        connection.query("SELECT 6 * 7")? == "42",
         "the backend misbehaved after the traced workload"
     );
     connection.close()?;
@@ -359,6 +394,10 @@ pub fn trace_backend(
             "SELECT count(*) FROM generate_series(%JOIN small%",
         )?),
     };
+    let selects = match (workload.selects, &library) {
+        (0, _) | (_, None) => None,
+        _ => Some(pgss_entry(cluster, "SELECT $1 + $2")?),
+    };
     Ok(TracedBackend {
         workload,
         summary,
@@ -366,6 +405,7 @@ pub fn trace_backend(
         library,
         index_scans,
         nested_loop,
+        selects,
     })
 }
 

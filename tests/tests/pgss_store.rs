@@ -67,11 +67,17 @@ fn debug_tree(install: &PgInstall) -> Result<&Path> {
         .context("the nofp build has a debug tree")
 }
 
-/// pg_stat_statements stores each executed statement's statistics once (`pgss_store(exec)`).
+/// pg_stat_statements stores each executed statement's statistics once (`pgss_store(exec)`),
+/// under the statement's queryid.
 fn expect_one_exec_store_per_statement(traced: &TracedBackend, context: &str) -> Result<()> {
-    if let Some(wrong) = traced.per_statement("pgss_store(exec)", 1)? {
-        anyhow::bail!("{context}{}{wrong}", if context.is_empty() { "" } else { ": " });
-    }
+    let mut wrong: Vec<String> = traced.per_statement("pgss_store(exec)", 1)?.into_iter().collect();
+    wrong.extend(traced.selects_disagreements()?);
+    ensure!(
+        wrong.is_empty(),
+        "{context}{}{}",
+        if context.is_empty() { "" } else { ": " },
+        wrong.join("; ")
+    );
     Ok(())
 }
 
