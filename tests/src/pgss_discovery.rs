@@ -173,8 +173,15 @@ pub fn hooks_only(install: &PgInstall) -> Result<HooksOnly> {
     // The cluster runs as an unprivileged user, who must reach the programs.
     std::fs::set_permissions(copy.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let tree = copy.path().join("install");
-    run_checked(Command::new("cp").arg("-al").arg(root).arg(&tree), COPY_TIMEOUT)
-        .with_context(|| format!("cannot copy `{}` as hard links", root.display()))?;
+    // Hard links cost nothing, but only within one file system (a tmpfs /tmp is another):
+    // a plain copy of the tree (tens of MB) otherwise.
+    if run_checked(Command::new("cp").arg("-al").arg(root).arg(&tree), COPY_TIMEOUT).is_err() {
+        if tree.exists() {
+            std::fs::remove_dir_all(&tree)?;
+        }
+        run_checked(Command::new("cp").arg("-a").arg(root).arg(&tree), COPY_TIMEOUT)
+            .with_context(|| format!("cannot copy `{}`", root.display()))?;
+    }
     let stripped = tree.join(&pkglib).join(LIBRARY);
     // A hard link: strip must write a new file, never the original's inode.
     std::fs::remove_file(&stripped)?;
