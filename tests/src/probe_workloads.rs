@@ -294,7 +294,8 @@ impl TracedBackend {
 
     /// The nested loop must be what it was meant to be (one scan of small_pkey per outer row,
     /// as Postgres counts them), and its `_bt_getroot` calls equal those scans: Postgres counts
-    /// a scan in `_bt_first` right before `_bt_search` calls `_bt_getroot`.
+    /// a scan in `_bt_first` (15.18 nbtsearch.c:883; 18.6 nbtsearch.c:957, right before the
+    /// `_bt_search` that calls `_bt_getroot`), which for one equality key descends once.
     pub fn btree_disagreements(&self) -> Result<Vec<String>> {
         let (queryid, runs) = self
             .nested_loop
