@@ -1,7 +1,7 @@
 //! Whether pgscope's seven function probes count right on one Postgres build: each count is
 //! compared with what that major's source says the workload calls, or with what Postgres
 //! itself counted. [`check_probes`] is one run of everything on one cluster (13-15 s on 2 cores);
-//! `tests/tests/majors_probes.rs` runs it per major build.
+//! `tests/tests/majors.rs` runs it per major build.
 
 use std::fmt::Write as _;
 

@@ -8,18 +8,22 @@
 //! - attribution: pgscope decodes this major (no refusal), the backend's samples carry what
 //!   `pg_stat_activity` shows for it, and queryid labels equal `pg_stat_statements.queryid`
 //!   under the simple and the extended protocol;
-//! - phases: parse, plan, run and commit each hold samples of pgbench's TPC-B-like script.
+//! - phases: parse, plan, run and commit each hold samples of pgbench's TPC-B-like script;
+//! - probes: the seven function probes count what that major's source says they must
+//!   (`pgscope_tests::probe_matrix`, on a cluster of its own whose pg_stat_statements.so has no
+//!   symbols, so that `pgss_store` is found through the hook functions).
 //!
-//! Each test prints one `major=NN build=… complete_pct=… queryid_agree_pct=… phases=ok|FAIL
-//! stacks=ok|FAIL` line before it asserts; `make test-majors` runs this file alone and repeats
-//! those lines last.
+//! Each test prints one `major=NN build=… complete_pct=… queryid_agree_pct=… probes=ok|FAIL
+//! phases=ok|FAIL stacks=ok|FAIL` line before it asserts; `make test-majors` runs this file alone
+//! and repeats those lines last.
 
 use std::collections::BTreeMap;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use pgscope_tests::agreement::{
     check_busy_backend, reading_activity, BackendAgreement, QueryidAgreement, QueryidRun,
 };
+use pgscope_tests::probe_matrix::{check_probes, ProbeCounts};
 use pgscope_tests::profile::Stack;
 use pgscope_tests::workload::CPU_BOUND;
 use pgscope_tests::{
@@ -52,13 +56,13 @@ fn major_13_upstream_refused() -> Result<()> {
     let install = PgInstall::upstream(13)?;
     let cluster = start_checked(&install)?;
     let (stacks, refusal) = measure_backend(&cluster, Statics::Named, Expect::Refused)?;
-    let stacks_ok = stacks.as_ref().is_ok_and(|s| stacks_ok(s, Statics::Named));
     print_line(
         &install,
-        stacks.as_ref().ok().map(|s| s.complete_pct),
-        None,
-        None,
-        stacks_ok,
+        &Line {
+            complete_pct: stacks.as_ref().ok().map(|s| s.complete_pct),
+            stacks_ok: stacks.as_ref().is_ok_and(|s| stacks_ok(s, Statics::Named)),
+            ..Line::default()
+        },
     );
     stacks.and_then(|s| check_stacks(install.label, &s, Statics::Named))?;
     refusal.map(|_| ())
@@ -131,23 +135,39 @@ struct Measured {
 }
 
 fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
-    let measured = match measure(install, statics) {
+    let measured = measure(install, statics);
+    // The probes run on their own cluster (`probe_matrix`: a copy of the build whose
+    // pg_stat_statements.so has no symbols, so that pgss_store is found through its hooks).
+    let probes = check_probes(install);
+    let measured = match measured {
         Ok(m) => m,
         Err(e) => {
             // The line is still printed, so that `make test-majors` lists every major.
-            print_line(install, None, None, Some(false), false);
+            print_line(
+                install,
+                &Line {
+                    probes_ok: Some(probes.as_ref().is_ok_and(ProbeCounts::ok)),
+                    ..Line::default()
+                },
+            );
             return Err(e);
         }
     };
-    let stacks_ok = measured.stacks.as_ref().is_ok_and(|s| stacks_ok(s, statics));
-    let phases_ok = measured.phases.as_ref().is_ok_and(phases_ok);
     print_line(
         install,
-        measured.stacks.as_ref().ok().map(|s| s.complete_pct),
-        measured.queryids.pct(),
-        Some(phases_ok),
-        stacks_ok,
+        &Line {
+            complete_pct: measured.stacks.as_ref().ok().map(|s| s.complete_pct),
+            queryid_agree_pct: measured.queryids.pct(),
+            probes_ok: Some(probes.as_ref().is_ok_and(ProbeCounts::ok)),
+            phases_ok: Some(measured.phases.as_ref().is_ok_and(phases_ok)),
+            stacks_ok: measured.stacks.as_ref().is_ok_and(|s| stacks_ok(s, statics)),
+        },
     );
+    if let Ok(counts) = &probes {
+        // Not at the start of the line: `make test-majors` repeats the lines that start with
+        // `major=`, one per build.
+        eprintln!("probe counts: {}", counts.summary());
+    }
     let label = install.label;
     // Every failure is shown; the first one fails the test.
     let failures: Vec<anyhow::Error> = [
@@ -163,6 +183,12 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
             .queryids_checked
             .context("queryid labels against pg_stat_statements"),
         measured.phases.and_then(check_phases).context("phases"),
+        probes
+            .and_then(|counts| match counts.ok() {
+                true => Ok(()),
+                false => Err(anyhow!("{}", counts.failures.join("\n"))),
+            })
+            .context("function probe counts"),
     ]
     .into_iter()
     .filter_map(Result::err)
@@ -176,26 +202,31 @@ fn check_major(install: &PgInstall, statics: Statics) -> Result<()> {
     }
 }
 
-/// The one line per major that `make test-majors` repeats; `None` prints `-` (not measured:
-/// 13 has no queryids and no phases to check).
-fn print_line(
-    install: &PgInstall,
+/// What one major's line says; `None` prints `-` (not measured: 13 has no queryids, probes or
+/// phases to check).
+#[derive(Default)]
+struct Line {
     complete_pct: Option<f64>,
     queryid_agree_pct: Option<f64>,
+    probes_ok: Option<bool>,
     phases_ok: Option<bool>,
     stacks_ok: bool,
-) {
+}
+
+/// The one line per major that `make test-majors` repeats.
+fn print_line(install: &PgInstall, line: &Line) {
     let pct = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.1}"));
     let ok = |ok: bool| if ok { "ok" } else { "FAIL" };
     let measured_ok = |value: Option<bool>| value.map_or("-", ok);
     println!(
-        "\nmajor={} build={} complete_pct={} queryid_agree_pct={} phases={} stacks={}",
+        "\nmajor={} build={} complete_pct={} queryid_agree_pct={} probes={} phases={} stacks={}",
         install.major,
         install.label,
-        pct(complete_pct),
-        pct(queryid_agree_pct),
-        measured_ok(phases_ok),
-        ok(stacks_ok)
+        pct(line.complete_pct),
+        pct(line.queryid_agree_pct),
+        measured_ok(line.probes_ok),
+        measured_ok(line.phases_ok),
+        ok(line.stacks_ok)
     );
 }
 
