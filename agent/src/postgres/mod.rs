@@ -118,6 +118,15 @@ impl SampleGlobals {
     }
 }
 
+/// The sample globals' names, unchanged from 14 to 18 (each major's header test declares them
+/// against its own headers, so a rename fails there).
+pub(crate) const SAMPLE_GLOBALS_SINCE_14: SampleGlobals = SampleGlobals {
+    my_be_entry: "MyBEEntry",
+    my_wait_event_info: "my_wait_event_info",
+    my_backend_type: "MyBackendType",
+    my_database_id: "MyDatabaseId",
+};
+
 /// Names of the exported globals `instance_names` reads: the named LWLock tranches extensions
 /// requested, and a background worker's own entry.
 #[derive(Clone, Copy, Debug)]
@@ -139,6 +148,13 @@ impl InstanceNameGlobals {
         ]
     }
 }
+
+/// The instance-name globals' names, unchanged from 14 to 18 (checked like the sample globals').
+pub(crate) const INSTANCE_NAME_GLOBALS_SINCE_14: InstanceNameGlobals = InstanceNameGlobals {
+    named_tranche_array: "NamedLWLockTrancheArray",
+    named_tranche_requests: "NamedLWLockTrancheRequests",
+    my_bgworker_entry: "MyBgworkerEntry",
+};
 
 /// Every major's table.
 const TABLES: [&VersionTable; 5] = [&v14::TABLE, &v15::TABLE, &v16::TABLE, &v17::TABLE, &v18::TABLE];

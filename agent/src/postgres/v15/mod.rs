@@ -8,30 +8,21 @@
 pub mod names;
 mod probes;
 
-use super::{InstanceNameGlobals, SampleGlobals, StatusSlots, VersionTable};
+use super::{StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, SAMPLE_GLOBALS_SINCE_14};
 
 /// The major this module describes.
 pub const MAJOR: u32 = 15;
 
 pub static TABLE: VersionTable = VersionTable {
     major: MAJOR,
-    sample_globals: SampleGlobals {
-        my_be_entry: "MyBEEntry",
-        my_wait_event_info: "my_wait_event_info",
-        my_backend_type: "MyBackendType",
-        my_database_id: "MyDatabaseId",
-    },
+    sample_globals: SAMPLE_GLOBALS_SINCE_14,
     status_slots: StatusSlots::BackendIdThenAuxType {
         backend_id: "MyBackendId",
         aux_proc_type: "MyAuxProcType",
         max_backends: "MaxBackends",
         aux_slots: 6,
     },
-    instance_name_globals: InstanceNameGlobals {
-        named_tranche_array: "NamedLWLockTrancheArray",
-        named_tranche_requests: "NamedLWLockTrancheRequests",
-        my_bgworker_entry: "MyBgworkerEntry",
-    },
+    instance_name_globals: INSTANCE_NAME_GLOBALS_SINCE_14,
     probe_signature: probes::signature,
     st_changecount_offset: 0,
     status_entry_size: 432,
