@@ -92,7 +92,7 @@ impl AgentFindings {
     /// over the same kind of connection as the database names (its socket, as the data
     /// directory's owner), kept open between intervals. None for the first interval, or when
     /// the counter cannot be read: tried again over a new connection a minute later (no
-    /// access, no answer), or ten minutes later (extension not created in database `postgres`).
+    /// access, no answer), or ten minutes later (extension created in no database).
     pub async fn read_pgss(&mut self, root: u32) -> Option<PgssEvidence> {
         let reading = self.pgss.entry(root).or_default();
         if reading.retry_at.is_some_and(|at| Instant::now() < at) {
@@ -105,7 +105,14 @@ impl AgentFindings {
         let read = async {
             let connected = match client.take() {
                 Some(open) => open,
-                None => sql::connect(&sql::Connect::for_process(root)?).await?,
+                None => {
+                    let target = sql::Connect::for_process(root)?;
+                    // The view is where the extension was created, often not `postgres`.
+                    match sql::find_pgss(&target, sql::connect(&target).await?).await? {
+                        sql::PgssConnection::Found { client, .. } => client,
+                        sql::PgssConnection::Absent { .. } => return Ok(None),
+                    }
+                }
             };
             let info = sql::pgss_info(&connected).await;
             *client = Some(connected);
@@ -119,7 +126,7 @@ impl AgentFindings {
                 return pgss_evidence(before, info, now.duration_since(then));
             }
             Ok(Ok(None)) => (
-                "the extension is not created in database `postgres`".to_string(),
+                "the extension is created in no database of the instance".to_string(),
                 PGSS_ABSENT_RETRY,
             ),
             Ok(Err(error)) => (format!("{error:#}"), PGSS_RETRY),

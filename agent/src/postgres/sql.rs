@@ -126,17 +126,28 @@ async fn connect_as(config: &Config, uid: u32) -> Result<Client> {
     Ok(client)
 }
 
-/// A connection to the instance.
+/// A connection to the instance: to database `postgres` over its socket, or to the database
+/// `--conninfo` names.
 pub async fn connect(target: &Connect) -> Result<Client> {
-    connect_to(target)
-        .await
-        .with_context(|| format!("connecting through {}", target.describe()))
+    connect_db(target, None).await
 }
 
-async fn connect_to(target: &Connect) -> Result<Client> {
+/// A connection to database `dbname` of the instance (None: [`connect`]'s), with the same
+/// credentials.
+pub async fn connect_db(target: &Connect, dbname: Option<&str>) -> Result<Client> {
+    connect_to(target, dbname).await.with_context(|| match dbname {
+        Some(name) => format!("connecting to database `{name}` through {}", target.describe()),
+        None => format!("connecting through {}", target.describe()),
+    })
+}
+
+async fn connect_to(target: &Connect, dbname: Option<&str>) -> Result<Client> {
     match target {
         Connect::Conninfo(info) => {
-            let config: Config = info.expose().parse().context("parsing --conninfo")?;
+            let mut config: Config = info.expose().parse().context("parsing --conninfo")?;
+            if let Some(name) = dbname {
+                config.dbname(name);
+            }
             let (client, connection) = config.connect(NoTls).await?;
             tokio::spawn(async move {
                 if let Err(error) = connection.await {
@@ -160,7 +171,7 @@ async fn connect_to(target: &Connect) -> Result<Client> {
                     .host_path(dir)
                     .port(*port)
                     .user(role)
-                    .dbname("postgres")
+                    .dbname(dbname.unwrap_or("postgres"))
                     .application_name("pgscope");
                 match connect_as(&config, *owner_uid).await {
                     Ok(client) => return Ok(client),
@@ -175,6 +186,113 @@ async fn connect_to(target: &Connect) -> Result<Client> {
     }
 }
 
+/// Most databases searched for pg_stat_statements: one connection each, at the end of a trace.
+pub const PGSS_SEARCH_MAX_DATABASES: usize = 64;
+
+/// Where pg_stat_statements can be read. Its entries are the whole instance's, but its view
+/// exists only in the databases where `CREATE EXTENSION pg_stat_statements` was run — usually
+/// the application's, not `postgres`.
+pub enum PgssConnection {
+    /// A connection to a database that has the view.
+    Found { client: Client, database: String },
+    /// No database has it (of the first [`PGSS_SEARCH_MAX_DATABASES`] searched).
+    Absent {
+        /// Whether the library is loaded (`shared_preload_libraries`): then creating the
+        /// extension in any database is all it takes.
+        loaded: bool,
+        searched: usize,
+    },
+}
+
+impl PgssConnection {
+    /// The one line a trace prints when there is no view to read.
+    pub fn absent_advice(loaded: bool, searched: usize) -> String {
+        let scope = if searched >= PGSS_SEARCH_MAX_DATABASES {
+            format!("in the first {searched} databases")
+        } else {
+            "in any database of this instance".to_string()
+        };
+        if loaded {
+            format!(
+                "pg_stat_statements is loaded but not created {scope}: no query texts or eviction \
+                 counts; `CREATE EXTENSION pg_stat_statements;` in any one database adds them"
+            )
+        } else {
+            format!(
+                "pg_stat_statements is not loaded (shared_preload_libraries) nor created {scope}: no \
+                 query texts or eviction counts, and no queryids unless compute_query_id is on"
+            )
+        }
+    }
+}
+
+/// Whether the connected database has pg_stat_statements' view.
+async fn has_pgss(client: &Client) -> Result<bool> {
+    client
+        .query_one("SELECT to_regclass('pg_stat_statements') IS NOT NULL", &[])
+        .await
+        .context("looking for pg_stat_statements")?
+        .try_get(0)
+        .context("looking for pg_stat_statements")
+}
+
+/// A connection to a database where pg_stat_statements' view exists: `client`'s own database
+/// if it has it, else the first other one that does, in name order (templates and databases
+/// that refuse connections left out).
+pub async fn find_pgss(target: &Connect, client: Client) -> Result<PgssConnection> {
+    let here: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .context("reading current_database()")?
+        .try_get(0)
+        .context("current_database()")?;
+    if has_pgss(&client).await? {
+        return Ok(PgssConnection::Found {
+            client,
+            database: here,
+        });
+    }
+    let loaded: String = client
+        .query_one("SELECT current_setting('shared_preload_libraries')", &[])
+        .await
+        .context("reading shared_preload_libraries")?
+        .try_get(0)
+        .context("shared_preload_libraries")?;
+    let loaded = loaded
+        .split(',')
+        .any(|l| l.trim().trim_matches('"') == "pg_stat_statements");
+    let others: Vec<String> = client
+        .query(
+            "SELECT datname::text FROM pg_database \
+             WHERE datallowconn AND NOT datistemplate AND datname <> current_database() \
+             ORDER BY datname",
+            &[],
+        )
+        .await
+        .context("listing the databases")?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()
+        .context("pg_database.datname")?;
+    drop(client);
+    let mut searched = 1;
+    for database in others.into_iter().take(PGSS_SEARCH_MAX_DATABASES - 1) {
+        searched += 1;
+        // A database this role may not connect to is not an error: the next one may do.
+        let Ok(other) = connect_db(target, Some(&database)).await else {
+            tracing::debug!(database, "cannot connect to look for pg_stat_statements");
+            continue;
+        };
+        if has_pgss(&other).await? {
+            return Ok(PgssConnection::Found {
+                client: other,
+                database,
+            });
+        }
+    }
+    Ok(PgssConnection::Absent { loaded, searched })
+}
+
 /// Normalized texts of `query_ids` from pg_stat_statements (those it still holds).
 pub async fn query_texts(client: &Client, query_ids: &[i64]) -> Result<HashMap<i64, String>> {
     let rows = client
@@ -183,7 +301,7 @@ pub async fn query_texts(client: &Client, query_ids: &[i64]) -> Result<HashMap<i
             &[&query_ids],
         )
         .await
-        .context("reading pg_stat_statements (is the extension created in database `postgres`?)")?;
+        .context("reading pg_stat_statements")?;
     let mut texts = HashMap::new();
     for row in rows {
         let query_id: i64 = row.try_get(0)?;
@@ -203,7 +321,7 @@ pub struct PgssInfo {
 }
 
 /// pg_stat_statements' counters (PG14+); None where the extension is not created in the
-/// connected database. Asked first whether its view exists, so that an instance without it
+/// connected database (see [`find_pgss`]). Asked first whether its view exists, so that an instance without it
 /// does not log an error for every try.
 pub async fn pgss_info(client: &Client) -> Result<Option<PgssInfo>> {
     let created: bool = client
@@ -221,7 +339,7 @@ pub async fn pgss_info(client: &Client) -> Result<Option<PgssInfo>> {
             &[],
         )
         .await
-        .context("reading pg_stat_statements_info (is the extension created in database `postgres`?)")?;
+        .context("reading pg_stat_statements_info")?;
     Ok(Some(PgssInfo {
         dealloc: row.try_get(0).context("pg_stat_statements_info.dealloc")?,
         max: row.try_get(1).context("pg_stat_statements.max")?,

@@ -1,6 +1,8 @@
 //! What a trace reads over SQL once the probes are detached: the texts of the queries the
-//! summary names and the names of the sampled databases, over one connection. Best effort: when
-//! the instance cannot be reached, one line says what is missing and why.
+//! summary names and pg_stat_statements' counters, from a database that has the extension
+//! (`sql::find_pgss`), and the names of the sampled databases and the settings the findings
+//! quote. Best effort: when the instance cannot be reached, one line says what is missing and
+//! why.
 
 use std::collections::HashMap;
 
@@ -34,15 +36,17 @@ fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Conne
 /// where the extension is not there or the instance cannot be reached.
 pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<sql::PgssInfo> {
     let read = async {
-        let client = sql::connect(&connect_target(options, pid)?).await?;
-        sql::pgss_info(&client).await
+        let target = connect_target(options, pid)?;
+        let client = sql::connect(&target).await?;
+        match sql::find_pgss(&target, client).await? {
+            sql::PgssConnection::Found { client, .. } => sql::pgss_info(&client).await,
+            sql::PgssConnection::Absent { .. } => Ok(None),
+        }
     };
     match tokio::time::timeout(PGSS_TIMEOUT, read).await {
         Ok(Ok(Some(info))) => Some(info),
         Ok(Ok(None)) => {
-            tracing::debug!(
-                "no pg_stat_statements counters: the extension is not created in database `postgres`"
-            );
+            tracing::debug!("no pg_stat_statements counters: the extension is created in no database");
             None
         }
         Ok(Err(error)) => {
@@ -94,17 +98,6 @@ pub async fn fetch(
         }
     };
     let mut facts = SqlFacts::default();
-    if texts {
-        match sql::query_texts(&client, &query_ids).await {
-            Ok(texts) => facts.query_texts = texts,
-            Err(error) => {
-                note!(
-                    "pgscope: no query texts: {}; pass --conninfo to name a connection",
-                    shown(&error)
-                )
-            }
-        }
-    }
     if databases {
         match sql::database_names(&client).await {
             Ok(names) => facts.database_names = names,
@@ -118,8 +111,41 @@ pub async fn fetch(
         Ok(instance) => facts.instance = Some(instance),
         Err(error) => tracing::debug!("no settings for the findings: {}", shown(&error)),
     }
+    if !texts && pgss_start.is_none() {
+        return facts;
+    }
+    // pg_stat_statements' entries are the instance's, but its view is only where the
+    // extension was created: usually the application's database, not `postgres`.
+    let pgss = match sql::find_pgss(&target, client).await {
+        Ok(sql::PgssConnection::Found { client, database }) => {
+            tracing::debug!(database, "reading pg_stat_statements");
+            client
+        }
+        Ok(sql::PgssConnection::Absent { loaded, searched }) => {
+            note!(
+                "pgscope: {}",
+                sql::PgssConnection::absent_advice(loaded, searched)
+            );
+            return facts;
+        }
+        Err(error) => {
+            note!("pgscope: no query texts: {}", shown(&error));
+            return facts;
+        }
+    };
+    if texts {
+        match sql::query_texts(&pgss, &query_ids).await {
+            Ok(texts) => facts.query_texts = texts,
+            Err(error) => {
+                note!(
+                    "pgscope: no query texts: {}; pass --conninfo to name a connection",
+                    shown(&error)
+                )
+            }
+        }
+    }
     if pgss_start.is_some() {
-        match sql::pgss_info(&client).await {
+        match sql::pgss_info(&pgss).await {
             Ok(info) => facts.pgss_end = info,
             Err(error) => note!("pgscope: no pg_stat_statements eviction count: {}", shown(&error)),
         }
