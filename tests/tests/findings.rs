@@ -6,6 +6,7 @@
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::{require_root_and_bpf, workload, PgCluster, PgInstall, Trace};
+use serde_json::Value;
 
 /// pgbench's `-S` statement as pg_stat_statements shows it under `-M prepared`.
 const PGBENCH_SELECT: &str = "SELECT abalance FROM pgbench_accounts WHERE aid = $1";
@@ -102,31 +103,75 @@ fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> 
 }
 
 /// The findings of a trace (off CPU too) of the eviction-storm reproduction: 16 clients running
-/// 128 distinct statements, with `pg_stat_statements.max` = `max`.
-fn findings_of_128_statements(max: &str) -> Result<String> {
+/// 128 distinct statements, with `pg_stat_statements.max` = `max`: as printed, and the
+/// `findings[]` of the JSON summary.
+fn findings_of_128_statements(max: &str) -> Result<(String, Vec<Value>)> {
     let cluster =
         PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("pg_stat_statements.max", max)])?;
     let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
     args.extend(["-n", "-c", "16", "-j", "2", "-T", "6"].map(String::from));
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
     let trace = Trace::instance(cluster.data_dir())
         .off_cpu()
+        .json(&json)
         .duration_secs(600)
         .spawn()?;
     let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
     cluster.pgbench(&arg_refs)?;
     let output = trace.interrupt()?;
-    Ok(output
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
+    let in_json = summary["findings"]
+        .as_array()
+        .context("findings[] in the JSON summary")?
+        .clone();
+    let printed = output
         .stdout
         .split_once("findings:\n")
         .map(|(_, rest)| rest.to_string())
-        .unwrap_or_default())
+        .unwrap_or_default();
+    Ok((printed, in_json))
+}
+
+/// The JSON summary holds the findings the trace printed, in the same order, each with its
+/// rule, severity and title.
+fn check_json_findings(printed: &str, in_json: &[Value]) -> Result<()> {
+    let printed: Vec<&str> = printed.lines().filter(|l| l.starts_with('[')).collect();
+    let from_json: Vec<String> = in_json
+        .iter()
+        .map(|f| {
+            format!(
+                "[{}] {}",
+                f["severity"].as_str().unwrap_or("?"),
+                f["title"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    ensure!(
+        printed == from_json,
+        "the JSON summary's findings differ from those printed:\nprinted: {printed:#?}\njson: {from_json:#?}"
+    );
+    ensure!(
+        in_json
+            .iter()
+            .all(|f| f["kind"].as_str().is_some_and(|k| !k.is_empty())),
+        "a finding in the JSON summary has no kind: {in_json:#?}"
+    );
+    Ok(())
 }
 
 #[test]
 fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() -> Result<()> {
     require_root_and_bpf();
-    let storm = findings_of_128_statements("100")?;
+    let (storm, storm_json) = findings_of_128_statements("100")?;
     eprintln!("pg_stat_statements.max = 100:\n{storm}");
+    check_json_findings(&storm, &storm_json)?;
+    ensure!(
+        storm_json
+            .iter()
+            .any(|f| f["kind"] == "pgss_evictions" && f["numbers"].as_array().is_some_and(|n| !n.is_empty())),
+        "the JSON summary lacks the eviction finding with its numbers: {storm_json:#?}"
+    );
     ensure!(
         storm.contains("pg_stat_statements evicts entries"),
         "128 distinct statements in 100 entries: the evictions were not named:\n{storm}"
@@ -135,8 +180,9 @@ fn a_pg_stat_statements_eviction_storm_is_named_and_a_big_enough_max_is_not() ->
         storm.contains("of the time statements were blocked"),
         "the statements that wait the most are always named under --off-cpu:\n{storm}"
     );
-    let calm = findings_of_128_statements("5000")?;
+    let (calm, calm_json) = findings_of_128_statements("5000")?;
     eprintln!("pg_stat_statements.max = 5000:\n{calm}");
+    check_json_findings(&calm, &calm_json)?;
     ensure!(
         !calm.contains("pg_stat_statements evicts") && !calm.contains("pg_stat_statements' lock"),
         "every statement has its entry, yet evictions or lock waits were named:\n{calm}"

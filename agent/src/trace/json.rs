@@ -13,6 +13,7 @@ use crate::bpf::abi::Counter;
 use crate::bpf::abi::{CallStats, Function};
 use crate::bpf::Counters;
 use crate::collect::probes::Extrapolation;
+use crate::findings::Finding;
 use crate::model::labels;
 use crate::model::{StatementCpu, WaitTables};
 use crate::postgres::phase::Phase;
@@ -45,6 +46,51 @@ pub struct Summary {
     pub spin_sites: Vec<SpinSiteJson>,
     /// Time off CPU; null when it was not measured (no --off-cpu, or the kernel refused).
     pub off_cpu: Option<OffCpuJson>,
+    /// The findings the trace printed, most severe first.
+    pub findings: Vec<FindingJson>,
+}
+
+/// One finding, as printed: its rule, severity, sentence, supporting numbers, statements,
+/// functions and action.
+#[derive(Serialize)]
+pub struct FindingJson {
+    /// The rule's stable name (the agent's `kind` label).
+    pub kind: &'static str,
+    /// info, warning or critical.
+    pub severity: &'static str,
+    pub title: String,
+    /// The supporting figures, as (what, value), in the order printed.
+    pub numbers: Vec<NumberJson>,
+    pub queryids: Vec<String>,
+    pub functions: Vec<String>,
+    pub action: String,
+}
+
+#[derive(Serialize)]
+pub struct NumberJson {
+    pub what: String,
+    pub value: String,
+}
+
+impl FindingJson {
+    fn new(finding: &Finding) -> Self {
+        Self {
+            kind: finding.kind,
+            severity: finding.severity.name(),
+            title: finding.title.clone(),
+            numbers: finding
+                .numbers
+                .iter()
+                .map(|(what, value)| NumberJson {
+                    what: what.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+            queryids: finding.query_ids.iter().map(ToString::to_string).collect(),
+            functions: finding.frames.clone(),
+            action: finding.action.clone(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -226,6 +272,7 @@ pub struct SummaryInputs<'a> {
     pub query_texts: &'a std::collections::HashMap<i64, String>,
     /// The off-CPU tables (idle waits included) and the stack threshold in ns.
     pub off_cpu: Option<(&'a WaitTables, u64)>,
+    pub findings: &'a [Finding],
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -351,6 +398,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
         off_cpu: inputs
             .off_cpu
             .map(|(waits, min_stack_ns)| off_cpu_json(waits, min_stack_ns)),
+        findings: inputs.findings.iter().map(FindingJson::new).collect(),
     }
 }
 

@@ -279,6 +279,7 @@ pub(super) fn finish(
                 .waits
                 .as_ref()
                 .map(|waits| (waits, options.off_cpu_min_stack.as_nanos() as u64)),
+            findings: &findings,
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));
         writes.attempt(path, written, || {
