@@ -55,7 +55,16 @@ pub struct Finding {
     pub action: String,
 }
 
-/// Every rule over the analysed measurements, most severe first.
+/// Information findings at most, after the warnings and criticals: the busiest statements and
+/// sites, not every one (dozens would bury what needs acting on).
+pub const MAX_INFO_FINDINGS: usize = 10;
+
+/// The smallest share a finding reports (`0.1%` once rounded): below it a figure would read
+/// `0.0%`, which supports nothing.
+pub const MIN_INFO_SHARE: f64 = 0.000_5;
+
+/// Every rule over the analysed measurements, most severe first, information capped at
+/// [`MAX_INFO_FINDINGS`].
 pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     let measured = &analysis.measured;
     let statements = &analysis.statements;
@@ -89,7 +98,21 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         facts::annotate(&mut findings, instance);
     }
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
+    cap_info(&mut findings);
     findings
+}
+
+/// Keeps the first [`MAX_INFO_FINDINGS`] information findings of `findings` (sorted most
+/// severe first, each rule's own order kept), and every other.
+fn cap_info(findings: &mut Vec<Finding>) {
+    let mut info = 0;
+    findings.retain(|f| {
+        if f.severity != Severity::Info {
+            return true;
+        }
+        info += 1;
+        info <= MAX_INFO_FINDINGS
+    });
 }
 
 /// The findings as the end of a trace prints them.
@@ -123,5 +146,42 @@ pub(crate) mod tests {
             .iter()
             .filter_map(|f| f.query_ids.first().copied())
             .collect()
+    }
+
+    fn finding(severity: Severity, query_id: i64) -> Finding {
+        Finding {
+            kind: "test",
+            severity,
+            title: String::new(),
+            numbers: Vec::new(),
+            query_ids: vec![QueryId(query_id)],
+            frames: Vec::new(),
+            action: String::new(),
+        }
+    }
+
+    #[test]
+    fn information_is_capped_and_nothing_else_is() {
+        let mut found: Vec<Finding> = (0..3).map(|q| finding(Severity::Critical, q)).collect();
+        found.extend((10..30).map(|q| finding(Severity::Info, q)));
+        found.push(finding(Severity::Warning, 99));
+        found.sort_by_key(|f| std::cmp::Reverse(f.severity));
+        cap_info(&mut found);
+        let info: Vec<QueryId> = named(&found[4..]);
+        assert_eq!(found.len(), 4 + MAX_INFO_FINDINGS);
+        assert_eq!(named(&found[..3]), vec![QueryId(0), QueryId(1), QueryId(2)]);
+        assert_eq!(found[3].severity, Severity::Warning);
+        assert_eq!(
+            info,
+            (10..10 + MAX_INFO_FINDINGS as i64)
+                .map(QueryId)
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn the_smallest_share_reported_never_prints_as_zero() {
+        assert_eq!(percent(MIN_INFO_SHARE), "0.1%");
+        assert_eq!(percent(MIN_INFO_SHARE * 0.99), "0.0%");
     }
 }
