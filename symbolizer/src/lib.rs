@@ -367,6 +367,31 @@ impl Symbolizer {
         })
     }
 
+    /// Names the function whose first instruction is at `file_offset` of the file `module` (a
+    /// basename) mapped by process `pid`, when it was identified without a symbol (`pgss_store`
+    /// through pg_stat_statements' hook functions): frames in it are named `name` wherever no
+    /// symbol names them, in every process mapping that file. False when the file is not mapped
+    /// there or no function starts at that offset.
+    pub fn name_function(&mut self, pid: u32, module: &str, file_offset: u64, name: &str) -> bool {
+        if !self.ensure_process(pid) {
+            return false;
+        }
+        let Some(state) = self.processes.get(&pid) else {
+            return false;
+        };
+        let Some(placed) = state.modules.iter().find(|m| &*m.module.basename == module) else {
+            return false;
+        };
+        let data = &placed.module;
+        let Some(svma) = data.elf.as_ref().and_then(|elf| elf.code_svma(file_offset)) else {
+            return false;
+        };
+        let named = data.identify(svma, name);
+        // Frames named before now kept their `file+0x…` name in the cache.
+        self.names.clear();
+        named
+    }
+
     /// The functions that the function containing `addr` calls directly, read from its machine
     /// code; `addr` is an address in process `pid`, such as a function pointer read from its
     /// memory. The function's extent comes from its `.eh_frame` FDE, so this needs no symbol

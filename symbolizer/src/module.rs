@@ -1,9 +1,10 @@
 //! A loaded module (one ELF build), shared by every process that maps it, and how a module is
 //! named from an address inside it.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::debuginfo::{find_debug_file, DebugSearch};
 use crate::elf::{hex, ElfData};
@@ -66,6 +67,9 @@ pub(crate) struct ModuleData {
     debug: Option<ElfData>,
     functions: OnceLock<FunctionRanges>,
     symbols: OnceLock<SymbolTable>,
+    /// Functions no symbol names but the caller identified otherwise (by their start address),
+    /// e.g. `pgss_store` through pg_stat_statements' hook functions.
+    identified: Mutex<HashMap<u64, Arc<str>>>,
 }
 
 impl ModuleData {
@@ -84,6 +88,7 @@ impl ModuleData {
             debug,
             functions: OnceLock::new(),
             symbols: OnceLock::new(),
+            identified: Mutex::new(HashMap::new()),
         }
     }
 
@@ -97,6 +102,7 @@ impl ModuleData {
             debug: None,
             functions: OnceLock::new(),
             symbols: OnceLock::new(),
+            identified: Mutex::new(HashMap::new()),
         }
     }
 
@@ -156,6 +162,23 @@ impl ModuleData {
         self.elf.as_ref()?.code_file_offset(svma)
     }
 
+    /// Names the function that starts at `svma` (an FDE's start): its frames get `name` where
+    /// no symbol names them. False when no function starts there.
+    pub fn identify(&self, svma: u64, name: &str) -> bool {
+        if self.functions().lookup(svma).is_none_or(|f| f.start != svma) {
+            return false;
+        }
+        // A poisoned lock only means another thread panicked mid-insert: the map is still whole.
+        let mut identified = self.identified.lock().unwrap_or_else(|e| e.into_inner());
+        identified.insert(svma, Arc::from(name));
+        true
+    }
+
+    fn identified_at(&self, start: u64) -> Option<Arc<str>> {
+        let identified = self.identified.lock().unwrap_or_else(|e| e.into_inner());
+        identified.get(&start).cloned()
+    }
+
     /// The name of the function containing `svma` (see the crate docs for the rules).
     pub fn name_for(&self, svma: u64) -> Arc<str> {
         let symbols = self.symbols();
@@ -165,6 +188,9 @@ impl ModuleData {
             }
             if let Some(name) = symbols.containing(svma) {
                 return name.clone();
+            }
+            if let Some(name) = self.identified_at(function.start) {
+                return name;
             }
             return Arc::from(format!("{}+0x{:x}", self.basename, function.start));
         }

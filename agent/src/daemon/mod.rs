@@ -408,6 +408,15 @@ impl Discoverer<'_> {
                             })
                             .ok()
                     });
+                    if let Some(offset) =
+                        crate::postgres::pgss_hooks::name_in_stacks(&mut session.symbolizer, root)
+                    {
+                        tracing::debug!(
+                            postmaster = root,
+                            offset,
+                            "pgss_store named in stacks through pg_stat_statements' hooks"
+                        );
+                    }
                     session.add_instance(attached.context);
                     function_probes.add_instance(probes, session, root, counter);
                 }

@@ -8,13 +8,14 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use symbolizer::{read_maps, FunctionLocation, MapEntry, Symbolizer};
+use symbolizer::{read_maps, FindFunctionError, FunctionLocation, MapEntry, Symbolizer};
 use tracing::debug;
 
 use super::memory;
 
 /// The library the hooks must point into.
 const LIBRARY: &str = "pg_stat_statements.so";
+const PGSS_STORE: &str = "pgss_store";
 
 /// Hook variables (function pointers exported by the postgres executable, PG13-18) whose
 /// pg_stat_statements hook calls `pgss_store`: analysis (normalized text), planning (with
@@ -132,6 +133,25 @@ pub fn find_pgss_store(symbolizer: &mut Symbolizer, pid: u32) -> Result<Function
         file_offset,
         debug_file: None,
     })
+}
+
+/// Names `pgss_store` in stacks where nothing else does: when process `pid` maps
+/// pg_stat_statements.so and neither the library nor a debug file has the symbol, the function
+/// all its hook functions call is named `pgss_store`, in every process mapping the file.
+/// Returns the function's file offset when it was named this way; None when a symbol names it
+/// already, the library is not loaded, or the hooks do not single it out (logged).
+pub fn name_in_stacks(symbolizer: &mut Symbolizer, pid: u32) -> Option<u64> {
+    match symbolizer.find_function(pid, LIBRARY, PGSS_STORE) {
+        Err(FindFunctionError::NoSymbol { .. }) => {}
+        // Named by a symbol already, or not loaded.
+        Ok(_) | Err(_) => return None,
+    }
+    let location = find_pgss_store(symbolizer, pid)
+        .map_err(|error| debug!(pid, "pgss_store stays unnamed in stacks: {error:#}"))
+        .ok()?;
+    symbolizer
+        .name_function(pid, LIBRARY, location.file_offset, PGSS_STORE)
+        .then_some(location.file_offset)
 }
 
 /// Basename of the file mapped at `addr`.

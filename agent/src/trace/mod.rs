@@ -237,6 +237,13 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         Some(collect::live::LiveCounts::default()),
     );
     session.add_instance(attached.context);
+    // The session's symbolizer names the stacks (the one above only located the probes).
+    if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut session.symbolizer, root.pid) {
+        tracing::debug!(
+            offset,
+            "pgss_store named in stacks through pg_stat_statements' hooks"
+        );
+    }
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
     note!(
