@@ -80,6 +80,10 @@ fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> 
         "the top CPU consumers are always named:\n{generic}"
     );
     ensure!(
+        generic.contains(&format!("statement {queryid}: {PGBENCH_SELECT}")),
+        "the findings do not show the select's text from pg_stat_statements beside its queryid:\n{generic}"
+    );
+    ensure!(
         !names_planning(&generic, &queryid),
         "a generic plan is planned once, yet planning was named (revalidating and locking a \
          cached plan is not planning):\n{generic}"

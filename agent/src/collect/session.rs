@@ -175,6 +175,11 @@ impl Session {
         self.only().map(|instance| &instance.stacks.on_cpu)
     }
 
+    /// The off-CPU stacks of the one instance of a trace (empty before one is added).
+    pub fn off_cpu(&self) -> Option<&StackAggregator> {
+        self.only().map(|instance| &instance.stacks.off_cpu)
+    }
+
     /// The instance `tgid` belongs to: known, itself a root, or a child of a root. A process
     /// that exited before its first sample was read can only be placed when one instance is
     /// attached.

@@ -16,7 +16,7 @@ mod waits;
 
 use std::fmt::Write as _;
 
-use crate::model::{Analysis, QueryId};
+use crate::model::{shorten, Analysis, QueryId};
 
 /// How much a finding matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -115,11 +115,21 @@ fn cap_info(findings: &mut Vec<Finding>) {
     });
 }
 
-/// The findings as the end of a trace prints them.
-pub fn render(findings: &[Finding]) -> String {
+/// The findings as the end of a trace prints them, each statement they cite named by its
+/// normalized text where `text_of` knows it (pg_stat_statements).
+pub fn render<'a>(findings: &[Finding], text_of: impl Fn(QueryId) -> Option<&'a str>) -> String {
     let mut out = String::new();
     for finding in findings {
         let _ = writeln!(out, "[{}] {}", finding.severity.name(), finding.title);
+        for &query_id in &finding.query_ids {
+            if let Some(text) = text_of(query_id) {
+                let _ = writeln!(
+                    out,
+                    "    statement {query_id}: {}",
+                    shorten(text, STATEMENT_TEXT_CHARS)
+                );
+            }
+        }
         for (what, value) in &finding.numbers {
             let _ = writeln!(out, "    {what}: {value}");
         }
@@ -130,6 +140,9 @@ pub fn render(findings: &[Finding]) -> String {
     }
     out
 }
+
+/// How much of a statement's text a finding shows.
+pub const STATEMENT_TEXT_CHARS: usize = 100;
 
 /// `12.3%`.
 fn percent(share: f64) -> String {
@@ -176,6 +189,27 @@ pub(crate) mod tests {
             (10..10 + MAX_INFO_FINDINGS as i64)
                 .map(QueryId)
                 .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn statements_are_shown_with_their_text_where_known() {
+        let found = vec![finding(Severity::Warning, 7), finding(Severity::Info, 8)];
+        let long = format!("SELECT {} FROM t", "x, ".repeat(60));
+        let text = |q: QueryId| match q.0 {
+            7 => Some(long.as_str()),
+            _ => None,
+        };
+        let rendered = render(&found, text);
+        let lines: Vec<&str> = rendered.lines().filter(|l| l.contains("statement")).collect();
+        assert_eq!(lines.len(), 1, "{rendered}");
+        assert!(
+            lines[0].starts_with("    statement 7: SELECT x, x,"),
+            "{rendered}"
+        );
+        assert!(
+            lines[0].ends_with('…'),
+            "cut at {STATEMENT_TEXT_CHARS} characters: {rendered}"
         );
     }
 

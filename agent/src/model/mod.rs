@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use exporters::Profile;
 
 pub use counts::{PgssEvidence, ProbeRow, SpinSiteRow};
-pub use query_id::QueryId;
+pub use query_id::{shorten, QueryId};
 pub use statements::StatementCpu;
 pub use waits::WaitTables;
 

@@ -34,6 +34,18 @@ impl fmt::Display for QueryId {
     }
 }
 
+/// A normalized query text on one line, whitespace runs folded to one space, cut at `limit`
+/// characters with `…`: how a statement is shown beside its queryid.
+pub fn shorten(text: &str, limit: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= limit {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(limit).collect();
+    cut.push('…');
+    cut
+}
+
 impl FromStr for QueryId {
     type Err = std::num::ParseIntError;
 

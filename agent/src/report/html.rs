@@ -11,7 +11,7 @@ use exporters::{Profile, SvgOptions};
 use super::queries::{query_rows, QueryRow};
 use super::recording::Recording;
 use crate::findings::Finding;
-use crate::model::Analysis;
+use crate::model::{shorten, Analysis};
 use crate::postgres::phase::Phase;
 
 /// Inferno's flamegraph scripts look their elements up by id in their own document, so each
@@ -302,16 +302,6 @@ fn query_row(page: &mut String, row: &QueryRow, total: f64) {
 }
 
 /// Text cut to `limit` characters, with an ellipsis when cut.
-fn shorten(text: &str, limit: usize) -> String {
-    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    if flat.chars().count() <= limit {
-        return flat;
-    }
-    let mut cut: String = flat.chars().take(limit).collect();
-    cut.push('…');
-    cut
-}
-
 /// Text for HTML content and double-quoted attribute values.
 fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

@@ -41,7 +41,8 @@ pub fn run(from: &Path, out: &Path, mode: OutputMode) -> Result<()> {
             out!("findings: none");
         } else {
             out!("findings:");
-            out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
+            let rendered = crate::findings::render(&findings, |q| recording.query_text(q));
+            out!("{}", rendered.trim_end_matches('\n'));
         }
         write(&recording, analysis, &findings, out, mode)
     })?;

@@ -62,6 +62,8 @@ pub struct FindingJson {
     /// The supporting figures, as (what, value), in the order printed.
     pub numbers: Vec<NumberJson>,
     pub queryids: Vec<String>,
+    /// The normalized text of each of `queryids` pg_stat_statements had, by queryid.
+    pub query_texts: BTreeMap<String, String>,
     pub functions: Vec<String>,
     pub action: String,
 }
@@ -73,7 +75,7 @@ pub struct NumberJson {
 }
 
 impl FindingJson {
-    fn new(finding: &Finding) -> Self {
+    fn new(finding: &Finding, texts: &std::collections::HashMap<i64, String>) -> Self {
         Self {
             kind: finding.kind,
             severity: finding.severity.name(),
@@ -87,6 +89,11 @@ impl FindingJson {
                 })
                 .collect(),
             queryids: finding.query_ids.iter().map(ToString::to_string).collect(),
+            query_texts: finding
+                .query_ids
+                .iter()
+                .filter_map(|q| Some((q.to_string(), texts.get(&q.0)?.clone())))
+                .collect(),
             functions: finding.frames.clone(),
             action: finding.action.clone(),
         }
@@ -398,7 +405,11 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
         off_cpu: inputs
             .off_cpu
             .map(|(waits, min_stack_ns)| off_cpu_json(waits, min_stack_ns)),
-        findings: inputs.findings.iter().map(FindingJson::new).collect(),
+        findings: inputs
+            .findings
+            .iter()
+            .map(|f| FindingJson::new(f, inputs.query_texts))
+            .collect(),
     }
 }
 

@@ -11,7 +11,9 @@ use symbolizer::KernelSymbols;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
-use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu};
+use crate::model::{
+    shorten, Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu,
+};
 use crate::output_file::{self, OutputMode};
 use crate::report::{RecordedProbe, Recording};
 use crate::target::Target;
@@ -151,7 +153,8 @@ pub(super) fn finish(
     let findings = crate::findings::evaluate(&analysis);
     if !findings.is_empty() {
         out!("findings:");
-        out!("{}", crate::findings::render(&findings).trim_end_matches('\n'));
+        let rendered = crate::findings::render(&findings, |q| query_texts.get(&q.0).map(String::as_str));
+        out!("{}", rendered.trim_end_matches('\n'));
     }
     // Each file is attempted even when one before it failed: nothing else is lost with it.
     let mut writes = Writes::default();
@@ -341,10 +344,7 @@ fn print_query_texts(queries: &[StatementCpu], texts: &HashMap<i64, String>, lim
     }
     out!("query texts (pg_stat_statements, normalized):");
     for (query_id, text) in named {
-        let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-        let shown: String = flat.chars().take(100).collect();
-        let ellipsis = if flat.chars().count() > 100 { "…" } else { "" };
-        out!("{query_id:>21}  {shown}{ellipsis}");
+        out!("{query_id:>21}  {}", shorten(text, 100));
     }
     out!();
 }

@@ -66,7 +66,7 @@ pub async fn fetch(
     probe_results: &ProbeResults,
     pgss_start: Option<sql::PgssInfo>,
 ) -> SqlFacts {
-    let query_ids = wanted_query_ids(options, session, probe_results);
+    let query_ids = wanted_query_ids(session, probe_results);
     let texts = !query_ids.is_empty();
     let databases = session
         .on_cpu()
@@ -159,23 +159,29 @@ fn shown(error: &anyhow::Error) -> String {
     redact::text(&format!("{error:#}")).into_owned()
 }
 
-/// The non-zero queryids the summary shows: the busiest by samples and by probe calls.
-fn wanted_query_ids(options: &TraceOptions, session: &Session, probe_results: &ProbeResults) -> Vec<i64> {
-    let mut wanted: Vec<i64> = session
-        .on_cpu()
-        .map(|stacks| stacks.query_ids())
-        .unwrap_or_default()
-        .into_iter()
-        .take(options.top)
-        .map(|(query_id, _)| query_id)
+/// Most query texts asked for: one query, at the end of a trace.
+const MAX_TEXTS: usize = 1000;
+
+/// The non-zero queryids the summary and the findings may show: every statement sampled on
+/// and off CPU and every one the probes counted, the busiest first, at most [`MAX_TEXTS`].
+fn wanted_query_ids(session: &Session, probe_results: &ProbeResults) -> Vec<i64> {
+    let sampled = |stacks: Option<&crate::aggregate::StackAggregator>| {
+        stacks
+            .map(|s| s.query_ids())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(q, _)| q)
+    };
+    let mut wanted: Vec<i64> = sampled(session.on_cpu())
+        .chain(sampled(session.off_cpu()))
+        .chain(
+            probe_results
+                .by_query()
+                .iter()
+                .map(|((query_id, _), _)| *query_id),
+        )
+        .take(MAX_TEXTS)
         .collect();
-    wanted.extend(
-        probe_results
-            .by_query()
-            .iter()
-            .take(options.top)
-            .map(|((query_id, _), _)| *query_id),
-    );
     wanted.retain(|&q| q != 0);
     wanted.sort_unstable();
     wanted.dedup();

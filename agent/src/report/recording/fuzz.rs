@@ -16,7 +16,7 @@ fn report(bytes: &[u8]) -> Result<(), TestCaseError> {
         Ok(recording) => {
             let page = recording.with_analysis(|analysis| {
                 let findings = crate::findings::evaluate(analysis);
-                let _ = crate::findings::render(&findings);
+                let _ = crate::findings::render(&findings, |q| recording.query_text(q));
                 crate::report::html::render(&recording, analysis, &findings)
             });
             prop_assert!(page.is_ok(), "a parsed recording has no page: {:?}", page.err());
