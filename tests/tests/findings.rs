@@ -106,6 +106,51 @@ fn generic_plans_are_named_for_their_locks_custom_plans_for_their_planning() -> 
     Ok(())
 }
 
+/// `plan_cache_mode` given to the application's role only (`ALTER ROLE … SET`), as real
+/// servers do: pgscope's own session runs with `auto`, the statement's backends with
+/// `force_generic_plan`, and the finding must quote what the backends ran.
+#[test]
+fn a_setting_given_per_role_is_quoted_as_the_backends_ran_it() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.pgbench(&["-i", "-q", "-s", "1", &format!("--partitions={PARTITIONS}")])?;
+    cluster.psql("CREATE ROLE app LOGIN SUPERUSER")?;
+    cluster.psql("ALTER ROLE app SET plan_cache_mode = force_generic_plan")?;
+    ensure!(
+        cluster.psql("SHOW plan_cache_mode")? == "auto",
+        "the role's setting leaked into other sessions"
+    );
+    let trace = Trace::instance(cluster.data_dir())
+        .probes("GetCachedPlan,LockRelationOid")
+        .probe_budget("none")
+        .duration_secs(600)
+        .spawn()?;
+    cluster.pgbench(&[
+        "-n", "-S", "-M", "prepared", "-U", "app", "-c", "2", "-j", "2", "-T", "4",
+    ])?;
+    let output = trace.interrupt()?;
+    let findings = output
+        .stdout
+        .split_once("findings:\n")
+        .map(|(_, rest)| rest.to_string())
+        .with_context(|| format!("no findings section in the trace's output:\n{}", output.stdout))?;
+    eprintln!("plan_cache_mode set for role app:\n{findings}");
+    ensure!(
+        findings.contains("relation locks per execution"),
+        "the generic plan's locking was not named:\n{findings}"
+    );
+    ensure!(
+        findings.contains("plan_cache_mode: force_generic_plan (as the statement's backends ran it)")
+            && findings.contains("plan_cache_mode is force_generic_plan"),
+        "the finding does not quote the role's plan_cache_mode, which the backends ran with:\n{findings}"
+    );
+    ensure!(
+        !findings.contains("plan_cache_mode: auto"),
+        "pgscope's own session's plan_cache_mode was quoted for the backends:\n{findings}"
+    );
+    Ok(())
+}
+
 /// The findings of a trace (off CPU too) of the eviction-storm reproduction: 16 clients running
 /// 128 distinct statements, with `pg_stat_statements.max` = `max`: as printed, and the
 /// `findings[]` of the JSON summary.

@@ -8,6 +8,7 @@ pub mod live;
 pub mod off_cpu;
 pub mod probes;
 pub mod session;
+pub mod settings_seen;
 mod wait_reassembly;
 
 use aya::maps::{MapData, RingBuf};

@@ -11,6 +11,7 @@ use tracing::debug;
 use super::instance::InstanceContext;
 use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
+use super::settings_seen::SettingsSeen;
 use super::wait_reassembly::{OpenPart, PendingWait, WaitReassembly};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
@@ -65,6 +66,9 @@ pub struct Session {
     pub live: Option<LiveCounts>,
     /// Off-CPU waits whose parts come in several records.
     waits: WaitReassembly,
+    /// Settings as the sampled backends ran them, per statement, for `trace`'s findings; the
+    /// agent keeps none (it would grow with every queryid it ever sees).
+    pub settings_seen: Option<SettingsSeen>,
 }
 
 impl Session {
@@ -86,6 +90,7 @@ impl Session {
             filtered_out: 0,
             live,
             waits: WaitReassembly::default(),
+            settings_seen: None,
         }
     }
 
@@ -287,6 +292,13 @@ impl Session {
                 if let Some(live) = &mut self.live {
                     live.record(&attribution);
                 }
+                if let (Some(seen), Some(table), Some(query_id)) = (
+                    &mut self.settings_seen,
+                    instance.context.version,
+                    attribution.query_id.filter(|&q| q != 0),
+                ) {
+                    seen.record(root, header.tgid, query_id, table);
+                }
                 instance
                     .stacks
                     .on_cpu
@@ -404,6 +416,9 @@ impl Session {
                 }
             }
             self.live_pids.remove(&pid);
+            if let Some(seen) = &mut self.settings_seen {
+                seen.forget(pid);
+            }
         }
         if !exited.is_empty() {
             self.waits.forget_processes(&exited);

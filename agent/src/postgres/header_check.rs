@@ -81,6 +81,12 @@ fn compile(include: &Path, source: &str, run: bool) -> (Output, Option<Output>) 
     (cc, ran)
 }
 
+/// The value the table gives `plan_cache_mode` setting `name`.
+fn plan_cache_mode(table: &VersionTable, name: &str) -> u32 {
+    let index = table.plan_cache_modes.iter().position(|&m| m == name);
+    u32::try_from(index.expect("every table names the three modes")).expect("small")
+}
+
 /// The values the table holds, each as (what, C expression, table value).
 fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> {
     vec![
@@ -105,6 +111,21 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             table.status_entry_size,
         ),
         ("STATE_IDLE", "STATE_IDLE", table.state_idle),
+        (
+            "PLAN_CACHE_MODE_AUTO",
+            "PLAN_CACHE_MODE_AUTO",
+            plan_cache_mode(table, "auto"),
+        ),
+        (
+            "PLAN_CACHE_MODE_FORCE_GENERIC_PLAN",
+            "PLAN_CACHE_MODE_FORCE_GENERIC_PLAN",
+            plan_cache_mode(table, "force_generic_plan"),
+        ),
+        (
+            "PLAN_CACHE_MODE_FORCE_CUSTOM_PLAN",
+            "PLAN_CACHE_MODE_FORCE_CUSTOM_PLAN",
+            plan_cache_mode(table, "force_custom_plan"),
+        ),
         (
             "WAIT_EVENT_CLIENT_READ",
             "WAIT_EVENT_CLIENT_READ",
@@ -154,6 +175,7 @@ fn headers(table: &VersionTable) -> Vec<&'static str> {
         "storage/lwlock.h",
         "storage/proc.h",
         "utils/backend_status.h",
+        "utils/plancache.h",
         "utils/wait_event.h",
     ];
     headers.push(match table.status_slots {
@@ -235,6 +257,7 @@ fn declarations_unit(table: &VersionTable, replace: Option<(Function, &str)>) ->
     ];
     globals.extend(table.status_slots.global_names());
     globals.extend(table.instance_name_globals.names());
+    globals.push(super::backend_settings::PLAN_CACHE_MODE_GLOBAL);
     let addresses: String = globals
         .iter()
         .map(|name| format!("    (const volatile void *) &{name},\n"))

@@ -5,6 +5,7 @@
 //! table rather than comparing majors.
 
 pub mod attribution;
+pub mod backend_settings;
 pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;
@@ -78,6 +79,9 @@ pub struct VersionTable {
     pub tranche_id_offset: u32,
     /// `offsetof(NamedLWLockTranche, trancheName)`.
     pub tranche_name_offset: u32,
+    /// `plan_cache_mode`'s values in order (`PlanCacheMode`, `utils/plancache.h`), as `SHOW`
+    /// names them; the GUC variable is the exported int `plan_cache_mode`.
+    pub plan_cache_modes: [&'static str; 3],
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,
@@ -155,6 +159,10 @@ pub(crate) const INSTANCE_NAME_GLOBALS_SINCE_14: InstanceNameGlobals = InstanceN
     named_tranche_requests: "NamedLWLockTrancheRequests",
     my_bgworker_entry: "MyBgworkerEntry",
 };
+
+/// `PlanCacheMode` from 12 (when `plan_cache_mode` came) to 18; each major's header test
+/// checks the values against its own headers.
+pub(crate) const PLAN_CACHE_MODES_SINCE_12: [&str; 3] = ["auto", "force_generic_plan", "force_custom_plan"];
 
 /// Every major's table.
 const TABLES: [&VersionTable; 5] = [&v14::TABLE, &v15::TABLE, &v16::TABLE, &v17::TABLE, &v18::TABLE];

@@ -5,7 +5,7 @@
 //! otherwise. Texts are normalized by Postgres (`$1` for constants): parameters never leave the
 //! server.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -362,12 +362,16 @@ pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
     Ok(names)
 }
 
-/// Settings and sizes the findings explain their numbers with, as pgscope's own session sees
-/// them (a setting made per database or role for other sessions is not seen).
+/// Settings and sizes the findings explain their numbers with: as pgscope's own session sees
+/// them, and, where they were read, as each observed backend runs them.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct InstanceFacts {
-    /// `plan_cache_mode`: auto, force_generic_plan or force_custom_plan.
+    /// `plan_cache_mode` of pgscope's session: auto, force_generic_plan or force_custom_plan.
     pub plan_cache_mode: String,
+    /// `plan_cache_mode` as the backends running each statement had it: samples per mode, by
+    /// queryid (`collect::settings_seen`); empty where it could not be read.
+    #[serde(default)]
+    pub plan_cache_modes_by_query: BTreeMap<String, BTreeMap<String, u64>>,
     /// `pg_stat_statements.track_planning`, where the extension is loaded.
     pub track_planning: Option<bool>,
     /// The connected database's name and its pg_class rows, which every VACUUM command's
@@ -390,6 +394,7 @@ pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
     let track_planning: Option<String> = row.try_get(1).context("pg_stat_statements.track_planning")?;
     Ok(InstanceFacts {
         plan_cache_mode: row.try_get(0).context("plan_cache_mode")?,
+        plan_cache_modes_by_query: BTreeMap::new(),
         track_planning: track_planning.map(|v| v == "on"),
         database: row.try_get(2).context("current_database()")?,
         relations: row.try_get(3).context("count(*) FROM pg_class")?,

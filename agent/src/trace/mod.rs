@@ -237,6 +237,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         Some(collect::live::LiveCounts::default()),
     );
     session.add_instance(attached.context);
+    session.settings_seen = Some(collect::settings_seen::SettingsSeen::default());
     // The session's symbolizer names the stacks (the one above only located the probes).
     if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut session.symbolizer, root.pid) {
         tracing::debug!(

@@ -108,7 +108,12 @@ pub async fn fetch(
         }
     }
     match sql::instance_facts(&client).await {
-        Ok(instance) => facts.instance = Some(instance),
+        Ok(mut instance) => {
+            if let Some(seen) = &session.settings_seen {
+                instance.plan_cache_modes_by_query = seen.plan_cache_modes();
+            }
+            facts.instance = Some(instance);
+        }
         Err(error) => tracing::debug!("no settings for the findings: {}", shown(&error)),
     }
     if !texts && pgss_start.is_none() {

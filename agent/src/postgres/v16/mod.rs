@@ -9,7 +9,10 @@
 pub mod names;
 mod probes;
 
-use super::{StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, SAMPLE_GLOBALS_SINCE_14};
+use super::{
+    StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, PLAN_CACHE_MODES_SINCE_12,
+    SAMPLE_GLOBALS_SINCE_14,
+};
 
 /// The major this module describes.
 pub const MAJOR: u32 = 16;
@@ -39,6 +42,7 @@ pub static TABLE: VersionTable = VersionTable {
     named_lwlock_tranche_size: 16,
     tranche_id_offset: 0,
     tranche_name_offset: 8,
+    plan_cache_modes: PLAN_CACHE_MODES_SINCE_12,
     backend_type_name: names::backend_type,
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
