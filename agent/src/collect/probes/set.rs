@@ -654,9 +654,7 @@ impl ProbeSet {
     }
 
     /// Per function: the factor from measured to estimated counts, whether that is an
-    /// extrapolation, and the share of the trace the probe was attached. The factor is all
-    /// statements over statements while attached when statements were counted, else trace
-    /// time over attached time.
+    /// extrapolation, and the share of the trace the probe was attached ([`scale_factor`]).
     pub fn extrapolations(&self, trace: Duration) -> BTreeMap<Function, Extrapolation> {
         self.probes
             .iter()
@@ -671,13 +669,7 @@ impl ProbeSet {
                 );
                 let attached = p.attached_total.as_secs_f64();
                 let total = trace.as_secs_f64().max(1e-9);
-                let factor = if p.statements_attached > 0 {
-                    (self.statements_total as f64 / p.statements_attached as f64).max(1.0)
-                } else if attached > 0.0 {
-                    (total / attached).max(1.0)
-                } else {
-                    1.0
-                };
+                let factor = scale_factor(self.statements_total, p.statements_attached, total, attached);
                 let extrapolated = factor > 1.01;
                 (
                     p.function,
@@ -689,5 +681,49 @@ impl ProbeSet {
                 )
             })
             .collect()
+    }
+}
+
+/// Fewest statements (status writes) counted while a probe was attached for them to scale its
+/// counts: the count's own error is about 1/√n (10% at 100), and one long statement (a nested
+/// loop running for seconds) writes its status only at its start and end, so a handful of
+/// writes says nothing of how much of its work the probe saw.
+pub const MIN_STATEMENTS_TO_SCALE: u64 = 100;
+
+/// From calls counted while attached to calls over the whole trace: all statements over
+/// statements while attached, when enough were counted ([`MIN_STATEMENTS_TO_SCALE`]): calls per
+/// statement do not depend on whether the probe is attached, while calls per second fall while
+/// it is (it slows the workload). Else trace time over attached time. Never below 1.
+pub fn scale_factor(
+    statements_total: u64,
+    statements_attached: u64,
+    trace_secs: f64,
+    attached_secs: f64,
+) -> f64 {
+    if statements_attached >= MIN_STATEMENTS_TO_SCALE {
+        (statements_total as f64 / statements_attached as f64).max(1.0)
+    } else if attached_secs > 0.0 {
+        (trace_secs / attached_secs).max(1.0)
+    } else {
+        1.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn many_statements_scale_by_statements_few_by_time() {
+        // A busy OLTP instance: 40 000 statements, 10 000 of them while attached for 2 of 8 s.
+        assert_eq!(scale_factor(40_000, 10_000, 8.0, 2.0), 4.0);
+        // Slowed by the probe: fewer statements per second while attached; by statements, not 4.
+        assert_eq!(scale_factor(40_000, 8_000, 8.0, 2.0), 5.0);
+        // One nested loop running the whole trace: a few status writes, none meaningful.
+        assert_eq!(scale_factor(6, 5, 8.0, 0.5), 16.0);
+        assert_eq!(scale_factor(2, 0, 8.0, 0.5), 16.0);
+        // Never scaled down, nor by nothing.
+        assert_eq!(scale_factor(100, 200, 8.0, 8.0), 1.0);
+        assert_eq!(scale_factor(0, 0, 8.0, 0.0), 1.0);
     }
 }
