@@ -28,16 +28,7 @@ fn busiest_query_is_named_by_its_normalized_text() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     let dir = tempfile::tempdir()?;
-    let script = dir.path().join("burn.sql");
-    std::fs::write(&script, SCRIPT)?;
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    let script_arg = script.to_str().context("temp path is not UTF-8")?;
-    let _load = cluster.spawn_pgbench(&["-n", "-c", "1", "-T", "60", "-f", script_arg], 1)?;
-    let json = dir.path().join("summary.json");
-    let output = Trace::instance(cluster.data_dir())
-        .duration_secs(3)
-        .json(&json)
-        .output()?;
+    let (output, json) = trace_script(&cluster, dir.path())?;
     ensure!(
         !output.stderr.contains("no query texts"),
         "pgscope could not read query texts:\n{}",
@@ -145,16 +136,22 @@ fn trace_script(cluster: &PgCluster, dir: &std::path::Path) -> Result<(TraceOutp
     Ok((output, json))
 }
 
-/// As on most real servers, the extension is created in the application's database only, not in
-/// `postgres` where pgscope connects: its texts are read from there.
-#[test]
-fn texts_come_from_the_database_that_has_the_extension() -> Result<()> {
-    require_root_and_bpf();
+/// A cluster with pg_stat_statements loaded but created in no database, and a database `app`.
+fn loaded_with_database_app() -> Result<PgCluster> {
     let cluster = PgCluster::start_with(
         &PgInstall::distro()?,
         &[("shared_preload_libraries", "pg_stat_statements")],
     )?;
     cluster.psql("CREATE DATABASE app")?;
+    Ok(cluster)
+}
+
+/// As on most real servers, the extension is created in the application's database only, not in
+/// `postgres` where pgscope connects: its texts are read from there.
+#[test]
+fn texts_come_from_the_database_that_has_the_extension() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = loaded_with_database_app()?;
     psql_in(&cluster, "app", "CREATE EXTENSION pg_stat_statements")?;
     ensure!(
         cluster.psql("SELECT to_regclass('pg_stat_statements') IS NULL")? == "t",
@@ -188,11 +185,7 @@ fn texts_come_from_the_database_that_has_the_extension() -> Result<()> {
 #[test]
 fn an_extension_created_nowhere_is_said_once_with_the_fix() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )?;
-    cluster.psql("CREATE DATABASE app")?;
+    let cluster = loaded_with_database_app()?;
     let dir = tempfile::tempdir()?;
     let (output, json) = trace_script(&cluster, dir.path())?;
     let said: Vec<&str> = output
