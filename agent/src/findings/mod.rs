@@ -59,10 +59,6 @@ pub struct Finding {
 /// sites, not every one (dozens would bury what needs acting on).
 pub const MAX_INFO_FINDINGS: usize = 10;
 
-/// The smallest share a finding reports (`0.1%` once rounded): below it a figure would read
-/// `0.0%`, which supports nothing.
-pub const MIN_INFO_SHARE: f64 = 0.000_5;
-
 /// Every rule over the analysed measurements, most severe first, information capped at
 /// [`MAX_INFO_FINDINGS`].
 pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
@@ -145,8 +141,16 @@ pub fn render<'a>(findings: &[Finding], text_of: impl Fn(QueryId) -> Option<&'a 
 pub const STATEMENT_TEXT_CHARS: usize = 100;
 
 /// `12.3%`.
+/// A share that is not zero never reads `0.0%`: below 0.1% it keeps two significant digits
+/// (`0.0014%`), so that a small figure still says what supports it.
 fn percent(share: f64) -> String {
-    format!("{:.1}%", share * 100.0)
+    let pct = share * 100.0;
+    if pct > 0.0 && pct < 0.05 {
+        let digits = (1 - pct.log10().floor() as i32).clamp(2, 12) as usize;
+        format!("{pct:.digits$}%")
+    } else {
+        format!("{pct:.1}%")
+    }
 }
 
 #[cfg(test)]
@@ -214,8 +218,11 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn the_smallest_share_reported_never_prints_as_zero() {
-        assert_eq!(percent(MIN_INFO_SHARE), "0.1%");
-        assert_eq!(percent(MIN_INFO_SHARE * 0.99), "0.0%");
+    fn a_share_that_is_not_zero_never_prints_as_zero() {
+        assert_eq!(percent(0.123), "12.3%");
+        assert_eq!(percent(0.0005), "0.1%");
+        assert_eq!(percent(0.000_014), "0.0014%");
+        assert_eq!(percent(0.000_000_3), "0.000030%");
+        assert_eq!(percent(0.0), "0.0%");
     }
 }

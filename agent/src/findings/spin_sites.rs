@@ -82,10 +82,6 @@ pub fn spinning_sites(
             continue;
         };
         let share = ns as f64 / statement_ns as f64;
-        if share < super::MIN_INFO_SHARE {
-            // Spinning that rounds to 0.0% of the statement: nothing to report.
-            continue;
-        }
         let (what, action) = lock_of(file);
         let mut numbers = vec![
             ("acquisitions that spun".to_string(), calls.to_string()),
@@ -152,8 +148,6 @@ mod tests {
         let sites = vec![
             site(7, pgss, 300, 250_000_000),
             site(8, "storage/buffer/bufmgr.c", 10, 5_000_000),
-            // 0.04% of its statement: below what a finding would print as 0.1%.
-            site(8, "storage/lmgr/lock.c", 10, 40_000),
             // Not a statement.
             site(0, pgss, 10, 900_000_000),
         ];
