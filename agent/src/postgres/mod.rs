@@ -1,8 +1,8 @@
 //! What pgscope knows about Postgres itself: which major a process runs, where a backend keeps
 //! the state `pg_stat_activity` shows, and how to decode it. Everything that differs between
 //! majors (offsets, enum values, the names of the globals read, probed functions' signatures)
-//! lives in one table per major (`v14` … `v18`); this module picks one or refuses, and code asks the
-//! table rather than comparing majors.
+//! lives in one table per major (`v14` … `v18`); this module picks one or refuses, and code asks
+//! the table rather than comparing majors.
 
 pub mod attribution;
 pub mod backend_settings;

@@ -92,6 +92,40 @@ impl ProbeSignature {
 /// `pgss_ExecutorEnd` loads `PGSS_EXEC` (1) into the 5th argument register, `r8`, before the call.
 pub(super) const PGSS_STORE_ARGS: &[(ArgField, u8)] = &[(ArgField::QueryId, 2), (ArgField::PgssKind, 5)];
 
+/// `pgss_store` of 14: static in contrib/pg_stat_statements/pg_stat_statements.c, so no
+/// header declares it; no `jitusage` yet (it came with pg_stat_statements 1.10, in 15). No 14
+/// source is in the registries here: the upstream 14.23 build's `pgss_ExecutorEnd` passes 3
+/// arguments on the stack (`bufusage`, `walusage`, `jstate`) after the six register ones.
+pub(super) const PGSS_STORE_14: ProbeSignature = ProbeSignature {
+    prototype: "void pgss_store(const char *query, uint64 queryId, int query_location, int query_len, \
+                pgssStoreKind kind, double total_time, uint64 rows, const BufferUsage *bufusage, \
+                const WalUsage *walusage, JumbleState *jstate)",
+    header: None,
+    args: PGSS_STORE_ARGS,
+};
+
+/// `pgss_store` of 15 to 17 (read in Debian's 15 source; the 16.14 and 17.10 upstream builds'
+/// `pgss_ExecutorEnd` pass the same 4 stack arguments: `bufusage`, `walusage`, `jitusage`,
+/// `jstate`).
+pub(super) const PGSS_STORE_15_TO_17: ProbeSignature = ProbeSignature {
+    prototype: "void pgss_store(const char *query, uint64 queryId, int query_location, int query_len, \
+                pgssStoreKind kind, double total_time, uint64 rows, const BufferUsage *bufusage, \
+                const WalUsage *walusage, const struct JitInstrumentation *jitusage, JumbleState *jstate)",
+    header: None,
+    args: PGSS_STORE_ARGS,
+};
+
+/// `pgss_store` of 18 (read in Debian's postgresql-18 18.6 source): `queryId` became int64, and
+/// two parallel-worker counts follow `jstate`.
+pub(super) const PGSS_STORE_18: ProbeSignature = ProbeSignature {
+    prototype: "void pgss_store(const char *query, int64 queryId, int query_location, int query_len, \
+                pgssStoreKind kind, double total_time, uint64 rows, const BufferUsage *bufusage, \
+                const WalUsage *walusage, const struct JitInstrumentation *jitusage, JumbleState *jstate, \
+                int parallel_workers_to_launch, int parallel_workers_launched)",
+    header: None,
+    args: PGSS_STORE_ARGS,
+};
+
 /// `_bt_getroot` of 14 and 15; 16 added `heaprel` before `access` (no argument is read).
 pub(super) const BT_GETROOT_UNTIL_15: ProbeSignature = ProbeSignature {
     prototype: "Buffer _bt_getroot(Relation rel, int access)",

@@ -321,8 +321,8 @@ pub struct PgssInfo {
 }
 
 /// pg_stat_statements' counters (PG14+); None where the extension is not created in the
-/// connected database (see [`find_pgss`]). Asked first whether its view exists, so that an instance without it
-/// does not log an error for every try.
+/// connected database (see [`find_pgss`]). Asked first whether its view exists, so that an
+/// instance without it does not log an error for every try.
 pub async fn pgss_info(client: &Client) -> Result<Option<PgssInfo>> {
     let created: bool = client
         .query_one("SELECT to_regclass('pg_stat_statements_info') IS NOT NULL", &[])

@@ -8,15 +8,27 @@
 //! gone).
 
 pub mod names;
-mod probes;
 
+use super::signatures::{unchanged_since_14, BT_GETROOT_FROM_16, PGSS_STORE_15_TO_17};
 use super::{
-    StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, PLAN_CACHE_MODES_SINCE_12,
+    ProbeSignature, StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, PLAN_CACHE_MODES_SINCE_12,
     SAMPLE_GLOBALS_SINCE_14,
 };
+use crate::bpf::abi::Function;
 
 /// The major this module describes.
 pub const MAJOR: u32 = 17;
+
+/// The signature of every probed function in 17: `pgss_store` and `_bt_getroot` differ
+/// between majors; the others are unchanged since 14. The tests below compile each one against
+/// the 17 server headers (`pgss_store`, static, is cited from its source instead).
+fn probe_signature(function: Function) -> Option<ProbeSignature> {
+    match function {
+        Function::PgssStore => Some(PGSS_STORE_15_TO_17),
+        Function::BtGetroot => Some(BT_GETROOT_FROM_16),
+        other => unchanged_since_14(other),
+    }
+}
 
 pub static TABLE: VersionTable = VersionTable {
     major: MAJOR,
@@ -27,7 +39,7 @@ pub static TABLE: VersionTable = VersionTable {
         aux_slots: 6,
     },
     instance_name_globals: INSTANCE_NAME_GLOBALS_SINCE_14,
-    probe_signature: probes::signature,
+    probe_signature,
     st_changecount_offset: 0,
     status_entry_size: 432,
     st_state_offset: 232,
