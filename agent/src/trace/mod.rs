@@ -297,7 +297,14 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if ended_early {
         note!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }
-    let sql_facts = sql_facts::fetch(&options, layout_source, &session, &probe_results, pgss_start).await;
+    let sql_facts = sql_facts::fetch(
+        &options,
+        layout_source,
+        &session,
+        &probe_results,
+        pgss_start.as_ref(),
+    )
+    .await;
     session.add_waits_without_stack(
         WaitWithoutStack::from_totals(&off_cpu_totals).chain(WaitWithoutStack::from_open(&open_waits)),
     );
@@ -308,7 +315,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         start_unix_nanos,
         elapsed,
         sql_facts,
-        pgss_start,
+        pgss_start: pgss_start.map(|start| start.info),
     };
     report::finish(&options, &target, session, measured)
 }

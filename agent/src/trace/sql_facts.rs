@@ -32,19 +32,30 @@ fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Conne
     })
 }
 
+/// pg_stat_statements' counters before the trace, for the findings.
+#[derive(Clone, Debug)]
+pub struct PgssStart {
+    pub info: sql::PgssInfo,
+    /// The database its view was read in: [`fetch`] reads the counters at the end there too,
+    /// without searching again.
+    pub database: String,
+}
+
 /// pg_stat_statements' eviction counter before the trace, for the findings; None (quietly)
 /// where the extension is not there or the instance cannot be reached.
-pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<sql::PgssInfo> {
+pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<PgssStart> {
     let read = async {
         let target = connect_target(options, pid)?;
         let client = sql::connect(&target).await?;
         match sql::find_pgss(&target, client).await? {
-            sql::PgssConnection::Found { client, .. } => sql::pgss_info(&client).await,
+            sql::PgssConnection::Found { client, database } => Ok(sql::pgss_info(&client)
+                .await?
+                .map(|info| PgssStart { info, database })),
             sql::PgssConnection::Absent { .. } => Ok(None),
         }
     };
     match tokio::time::timeout(PGSS_TIMEOUT, read).await {
-        Ok(Ok(Some(info))) => Some(info),
+        Ok(Ok(Some(start))) => Some(start),
         Ok(Ok(None)) => {
             tracing::debug!("no pg_stat_statements counters: the extension is created in no database");
             None
@@ -64,7 +75,7 @@ pub async fn fetch(
     pid: u32,
     session: &Session,
     probe_results: &ProbeResults,
-    pgss_start: Option<sql::PgssInfo>,
+    pgss_start: Option<&PgssStart>,
 ) -> SqlFacts {
     let query_ids = wanted_query_ids(session, probe_results);
     let texts = !query_ids.is_empty();
@@ -120,8 +131,20 @@ pub async fn fetch(
         return facts;
     }
     // pg_stat_statements' entries are the instance's, but its view is only where the
-    // extension was created: usually the application's database, not `postgres`.
-    let pgss = match sql::find_pgss(&target, client).await {
+    // extension was created: usually the application's database, not `postgres`. Where the
+    // start found it, it is read there again.
+    let known = match pgss_start {
+        Some(start) => sql::connect_db(&target, Some(&start.database))
+            .await
+            .ok()
+            .map(|client| (client, start.database.clone())),
+        None => None,
+    };
+    let found = match known {
+        Some((client, database)) => Ok(sql::PgssConnection::Found { client, database }),
+        None => sql::find_pgss(&target, client).await,
+    };
+    let pgss = match found {
         Ok(sql::PgssConnection::Found { client, database }) => {
             tracing::debug!(database, "reading pg_stat_statements");
             client
