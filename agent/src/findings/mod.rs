@@ -140,8 +140,7 @@ pub fn render<'a>(findings: &[Finding], text_of: impl Fn(QueryId) -> Option<&'a 
 /// How much of a statement's text a finding shows.
 pub const STATEMENT_TEXT_CHARS: usize = 100;
 
-/// `12.3%`.
-/// A share that is not zero never reads `0.0%`: below 0.1% it keeps two significant digits
+/// `12.3%`. A share that is not zero never reads `0.0%`: below 0.1% it keeps two significant digits
 /// (`0.0014%`), so that a small figure still says what supports it.
 fn percent(share: f64) -> String {
     let pct = share * 100.0;

@@ -301,7 +301,6 @@ fn query_row(page: &mut String, row: &QueryRow, total: f64) {
     page.push_str("</td></tr>\n");
 }
 
-/// Text cut to `limit` characters, with an ellipsis when cut.
 /// Text for HTML content and double-quoted attribute values.
 fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
