@@ -316,6 +316,7 @@ mod tests {
             query_ids: vec![QueryId(query_id)],
             frames: Vec::new(),
             action: "consider".into(),
+            cause: None,
         }
     }
 

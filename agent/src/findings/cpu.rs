@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{percent, Finding, Severity};
+use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
 
@@ -20,9 +20,11 @@ pub(super) fn statements(queries: &[StatementCpu]) -> impl Iterator<Item = &Stat
 /// Top CPU consumers named, always (those with at least `TOP_MIN_SHARE` of the samples).
 const TOP: usize = 3;
 const TOP_MIN_SHARE: f64 = 0.01;
-/// Planning (parse, analysis, plan) at least this share of a statement's CPU: unusual for
-/// anything but the shortest statements, and invisible to pg_stat_statements by default.
-const PLANNING_WARN: f64 = 0.30;
+/// Planning (parse, analysis, plan) at least this share of a statement's CPU: more than the
+/// shortest statements spend (pgbench's statements under the simple protocol spend 31-33%,
+/// measured here), and invisible to pg_stat_statements by default.
+const PLANNING_WARN: f64 = 0.50;
+const PLANNING_CRITICAL: f64 = 0.70;
 /// Spinning at least this share of a query's (or all) CPU.
 const SPIN_WARN: f64 = 0.05;
 const SPIN_CRITICAL: f64 = 0.20;
@@ -62,6 +64,7 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
                 action:
                     "the flamegraph filtered on this queryid shows where; pg_stat_statements has its text"
                         .into(),
+                cause: None,
             }
         })
         .collect()
@@ -69,7 +72,7 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
 
 /// Statements whose CPU goes mostly to parse, analysis and planning: pg_stat_statements times
 /// execution only (planning with track_planning, off by default; parsing never).
-pub fn planning_dominated(queries: &[StatementCpu]) -> Vec<Finding> {
+pub fn planning_dominated(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let parse = q.phase(Phase::Parse) + q.phase(Phase::Analyze);
@@ -77,7 +80,7 @@ pub fn planning_dominated(queries: &[StatementCpu]) -> Vec<Finding> {
             let share = (parse + plan) as f64 / q.samples as f64;
             (share >= PLANNING_WARN).then(|| Finding {
                 kind: "planning_dominated",
-                severity: if share >= 0.6 { Severity::Critical } else { Severity::Warning },
+                severity: if share >= PLANNING_CRITICAL { Severity::Critical } else { Severity::Warning },
                 title: format!(
                     "queryid {} spends {} of its CPU parsing and planning, which pg_stat_statements does not time by default",
                     q.query_id,
@@ -95,6 +98,13 @@ pub fn planning_dominated(queries: &[StatementCpu]) -> Vec<Finding> {
                          time, check plan_cache_mode and whether custom plans keep winning; \
                          pg_stat_statements.track_planning = on shows planning time there"
                     .into(),
+                cause: Some(StatementCause {
+                    cause: "spend most of their CPU parsing and planning, which pg_stat_statements \
+                            does not time by default"
+                        .into(),
+                    figures: vec![format!("{} of its CPU", percent(share))],
+                    cost_ns: (parse + plan) * period_ns,
+                }),
             })
         })
         .collect()
@@ -160,13 +170,14 @@ pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
                  pg_stat_statements' pgss_store it is each statement's entry, hot when one queryid runs \
                  many thousand times a second"
             .into(),
+        cause: None,
     }]
 }
 
 /// Cached generic plans that spend the statement's time locking relations: GetCachedPlan
 /// locks every relation a generic plan references before run-time pruning, every partition
 /// of a partitioned table included.
-pub fn generic_plan_locking(queries: &[StatementCpu]) -> Vec<Finding> {
+pub fn generic_plan_locking(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let share = q.plan_locking as f64 / q.samples as f64;
@@ -193,6 +204,11 @@ pub fn generic_plan_locking(queries: &[StatementCpu]) -> Vec<Finding> {
                          execution and locks only what the plan keeps; fewer partitions help too \
                          (`--probes LockRelationOid,GetCachedPlan` counts the locks per execution)"
                     .into(),
+                cause: Some(StatementCause {
+                    cause: "spend most of their CPU locking relations for their cached plans".into(),
+                    figures: vec![format!("{} of its CPU", percent(share))],
+                    cost_ns: q.plan_locking * period_ns,
+                }),
             })
         })
         .collect()
@@ -213,10 +229,14 @@ mod tests {
                 7,
                 "plan",
                 &["PostgresMain", "pg_plan_queries", "planner", "standard_planner"],
-                50,
+                60,
             ),
             sample(7, "parse", &["PostgresMain", "pg_parse_query"], 10),
-            sample(7, "run", &["PostgresMain", "PortalRun"], 40),
+            sample(7, "run", &["PostgresMain", "PortalRun"], 30),
+            // A third of a short statement's CPU parsing and planning is usual.
+            sample(6, "plan", &["PostgresMain", "pg_plan_queries", "planner"], 30),
+            sample(6, "parse", &["PostgresMain", "pg_parse_query"], 3),
+            sample(6, "run", &["PostgresMain", "PortalRun"], 67),
             sample(8, "plan", &["PostgresMain", "pg_plan_queries", "planner"], 10),
             sample(8, "run", &["PostgresMain", "PortalRun"], 90),
             // A cached plan revalidated and locked: the plan phase, but no planning.
@@ -228,16 +248,16 @@ mod tests {
             ),
             sample(9, "run", &["PostgresMain", "PortalRun"], 40),
         ]);
-        let found = planning_dominated(&table(&p));
+        let found = planning_dominated(&table(&p), 1);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
         // Too few samples to say anything.
         let few = profile(vec![sample(9, "plan", &["pg_plan_queries", "planner"], 5)]);
-        assert!(planning_dominated(&table(&few)).is_empty());
+        assert!(planning_dominated(&table(&few), 1).is_empty());
         // Queryid 0: parsing before any queryid is known, not a statement.
         let unknown = profile(vec![sample(0, "parse", &["pg_parse_query", "raw_parser"], 100)]);
-        assert!(planning_dominated(&table(&unknown)).is_empty());
+        assert!(planning_dominated(&table(&unknown), 1).is_empty());
     }
 
     #[test]
@@ -265,7 +285,7 @@ mod tests {
             plan_locking,
             ..StatementCpu::default()
         };
-        let found = generic_plan_locking(&[statement(7, 60), statement(8, 10), statement(0, 90)]);
+        let found = generic_plan_locking(&[statement(7, 60), statement(8, 10), statement(0, 90)], 1);
         assert_eq!(named(&found), vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);
     }

@@ -118,6 +118,7 @@ mod tests {
             query_ids: vec![QueryId(7)],
             frames: frames.iter().map(|f| f.to_string()).collect(),
             action: "act".into(),
+            cause: None,
         }
     }
 

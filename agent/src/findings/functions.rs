@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use exporters::Profile;
 
-use super::{percent, Finding, Severity};
+use super::{percent, Finding, Severity, StatementCause};
 use crate::bpf::abi::Function;
 use crate::model::statements::share_with_frame;
 use crate::model::{ProbeRow, QueryId, StatementTime};
@@ -143,6 +143,11 @@ pub fn dominating(
             query_ids: vec![query_id],
             frames: vec![function.name().to_string()],
             action: action.into(),
+            cause: Some(StatementCause {
+                cause: format!("spend most of their {of} in {}", function.name()),
+                figures: vec![format!("{} of its {of}", percent(share.min(1.0)))],
+                cost_ns: (share.min(1.0) * statement_ns as f64) as u64,
+            }),
         });
     }
     findings

@@ -5,7 +5,7 @@
 //! lock at once.
 
 use super::cpu::statements;
-use super::{percent, Finding, Severity};
+use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
 
 /// Starting index scans this share of a statement's CPU: a prepared primary-key lookup, whose
@@ -14,7 +14,7 @@ use crate::model::StatementCpu;
 const DESCENTS_WARN: f64 = 0.35;
 const DESCENTS_CRITICAL: f64 = 0.60;
 
-pub fn repeated_descents(queries: &[StatementCpu]) -> Vec<Finding> {
+pub fn repeated_descents(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
     statements(queries)
         .filter_map(|q| {
             let share = q.index_descents as f64 / q.samples as f64;
@@ -41,6 +41,13 @@ pub fn repeated_descents(queries: &[StatementCpu]) -> Vec<Finding> {
                          compare the outer side's estimated and actual rows — a misestimate makes the \
                          planner pick the loop); `--probes _bt_getroot` counts the descents"
                     .into(),
+                cause: Some(StatementCause {
+                    cause: "spend most of their CPU descending B-tree indexes from their root, \
+                            starting index scans over and over"
+                        .into(),
+                    figures: vec![format!("{} of its CPU", percent(share))],
+                    cost_ns: q.index_descents * period_ns,
+                }),
             })
         })
         .collect()
@@ -85,7 +92,7 @@ mod tests {
             sample(8, "parse", &["pg_parse_query", "raw_parser"], 45),
             sample(8, "run", &["PortalRun", "ExecIndexScan", "index_fetch_heap"], 50),
         ]);
-        let found = repeated_descents(&table(&p));
+        let found = repeated_descents(&table(&p), 1);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].query_ids, vec![QueryId(7)]);
         assert_eq!(found[0].severity, Severity::Critical);

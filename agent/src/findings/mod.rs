@@ -7,6 +7,8 @@
 mod cpu;
 mod facts;
 mod functions;
+mod group;
+mod hot_function;
 mod indexes;
 mod pgss;
 mod phases;
@@ -15,6 +17,8 @@ mod spin_sites;
 mod waits;
 
 use std::fmt::Write as _;
+
+pub use group::StatementCause;
 
 use crate::model::{shorten, Analysis, QueryId};
 
@@ -53,6 +57,9 @@ pub struct Finding {
     pub frames: Vec<String>,
     /// What to consider doing.
     pub action: String,
+    /// For a finding about statements: the cause they share, each one's figure and what it
+    /// cost; findings of one rule over the same functions are grouped by it.
+    pub cause: Option<StatementCause>,
 }
 
 /// Information findings at most, after the warnings and criticals: the busiest statements and
@@ -65,9 +72,10 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     let measured = &analysis.measured;
     let statements = &analysis.statements;
     let mut findings = Vec::new();
-    findings.extend(cpu::planning_dominated(statements));
-    findings.extend(phases::unusual_phase(statements));
-    findings.extend(indexes::repeated_descents(statements));
+    let period = analysis.period_ns();
+    findings.extend(cpu::planning_dominated(statements, period));
+    findings.extend(phases::unusual_phase(statements, period));
+    findings.extend(indexes::repeated_descents(statements, period));
     let share_of = match measured.off_cpu {
         Some(_) => functions::ShareOf::Time,
         None => functions::ShareOf::CpuSamples(measured.on_cpu),
@@ -85,14 +93,24 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         analysis.seconds(),
     ));
     findings.extend(cpu::spinning(statements, analysis.cpu_samples()));
-    findings.extend(cpu::generic_plan_locking(statements));
+    findings.extend(cpu::generic_plan_locking(statements, period));
     findings.extend(probes::locks_per_execution(measured.probes));
     findings.extend(pgss::evictions(measured.pgss.as_ref(), analysis.waits.as_ref()));
+    findings.extend(hot_function::unexplained(statements, &findings, period));
+    let mut findings = group::group_and_weigh(
+        findings,
+        group::InstanceTime {
+            backend_ns: analysis.backend_time_ns(),
+            seconds: analysis.seconds(),
+        },
+    );
     findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
     findings.extend(waits::top_waiters(analysis.waits.as_ref()));
     if let Some(instance) = measured.instance {
         facts::annotate(&mut findings, instance);
     }
+    // Most severe first; within a severity, the order above (statement causes by their cost
+    // to the instance, then the top consumers).
     findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
     cap_info(&mut findings);
     findings
@@ -117,14 +135,8 @@ pub fn render<'a>(findings: &[Finding], text_of: impl Fn(QueryId) -> Option<&'a 
     let mut out = String::new();
     for finding in findings {
         let _ = writeln!(out, "[{}] {}", finding.severity.name(), finding.title);
-        for &query_id in &finding.query_ids {
-            if let Some(text) = text_of(query_id) {
-                let _ = writeln!(
-                    out,
-                    "    statement {query_id}: {}",
-                    shorten(text, STATEMENT_TEXT_CHARS)
-                );
-            }
+        for line in statement_lines(finding, &text_of) {
+            let _ = writeln!(out, "    {line}");
         }
         for (what, value) in &finding.numbers {
             let _ = writeln!(out, "    {what}: {value}");
@@ -135,6 +147,38 @@ pub fn render<'a>(findings: &[Finding], text_of: impl Fn(QueryId) -> Option<&'a 
         let _ = writeln!(out, "    → {}", finding.action);
     }
     out
+}
+
+/// The statements `finding` covers, one line each (`statement <queryid> (<its figure>):
+/// <text>`), at most [`group::MAX_LISTED`] and a count of the rest. A statement with neither
+/// a figure nor a known text is left to the title.
+pub fn statement_lines<'a>(finding: &Finding, text_of: &impl Fn(QueryId) -> Option<&'a str>) -> Vec<String> {
+    let figures = finding.cause.as_ref().map(|c| c.figures.as_slice());
+    let grouped = finding.query_ids.len() > 1;
+    let mut lines = Vec::new();
+    for (i, &query_id) in finding.query_ids.iter().enumerate() {
+        if i == group::MAX_LISTED {
+            lines.push(format!(
+                "… and {} more statements",
+                finding.query_ids.len() - group::MAX_LISTED
+            ));
+            break;
+        }
+        let figure = figures
+            .and_then(|f| f.get(i))
+            .filter(|f| grouped && !f.is_empty())
+            .map(|f| format!(" ({f})"))
+            .unwrap_or_default();
+        match text_of(query_id) {
+            Some(text) => lines.push(format!(
+                "statement {query_id}{figure}: {}",
+                shorten(text, STATEMENT_TEXT_CHARS)
+            )),
+            None if !figure.is_empty() => lines.push(format!("statement {query_id}{figure}")),
+            None => {}
+        }
+    }
+    lines
 }
 
 /// How much of a statement's text a finding shows.
@@ -173,6 +217,7 @@ pub(crate) mod tests {
             query_ids: vec![QueryId(query_id)],
             frames: Vec::new(),
             action: String::new(),
+            cause: None,
         }
     }
 

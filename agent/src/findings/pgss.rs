@@ -77,6 +77,7 @@ pub fn evictions(pgss: Option<&PgssEvidence>, waits: Option<&WaitTables>) -> Vec
                  finishing a statement queues behind it; fewer distinct statements (parameters \
                  instead of literals) help too"
             .into(),
+        cause: None,
     }]
 }
 

@@ -7,7 +7,7 @@
 //! WAL: a COMMIT statement is all commit) is not unusual, so only deferred work counts there.
 
 use super::cpu::statements;
-use super::{percent, Finding, Severity};
+use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
 
@@ -72,11 +72,12 @@ const UNUSUAL: [Unusual; 3] = [
 ];
 
 /// Statements dominated by executor start, finish or commit.
-pub fn unusual_phase(queries: &[StatementCpu]) -> Vec<Finding> {
+pub fn unusual_phase(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
     let mut findings = Vec::new();
     for q in statements(queries) {
         for unusual in &UNUSUAL {
-            let share = (unusual.counted)(q) as f64 / q.samples as f64;
+            let counted = (unusual.counted)(q);
+            let share = counted as f64 / q.samples as f64;
             if share < DOMINANT {
                 continue;
             }
@@ -105,6 +106,14 @@ pub fn unusual_phase(queries: &[StatementCpu]) -> Vec<Finding> {
                 query_ids: vec![q.query_id],
                 frames: unusual.frames.iter().map(|f| f.to_string()).collect(),
                 action: unusual.action.into(),
+                cause: Some(StatementCause {
+                    cause: format!(
+                        "spend most of their CPU in {}, not running the statement",
+                        unusual.phase.label()
+                    ),
+                    figures: vec![format!("{} of its CPU", percent(share))],
+                    cost_ns: counted * period_ns,
+                }),
             });
         }
     }
@@ -140,7 +149,7 @@ mod tests {
             sample(9, "executor_start", &["PortalStart", "InitPlan"], 45),
             sample(9, "run", &["PortalRun"], 55),
         ]);
-        let found = unusual_phase(&table(&p));
+        let found = unusual_phase(&table(&p), 1);
         let named: Vec<(QueryId, Severity)> = found.iter().map(|f| (f.query_ids[0], f.severity)).collect();
         assert_eq!(
             named,
@@ -153,8 +162,8 @@ mod tests {
     #[test]
     fn too_few_samples_or_queryid_0_say_nothing() {
         let few = profile(vec![sample(7, "commit", &["CommitTransactionCommand"], 10)]);
-        assert!(unusual_phase(&table(&few)).is_empty());
+        assert!(unusual_phase(&table(&few), 1).is_empty());
         let unknown = profile(vec![sample(0, "finish", &["PortalDrop"], 100)]);
-        assert!(unusual_phase(&table(&unknown)).is_empty());
+        assert!(unusual_phase(&table(&unknown), 1).is_empty());
     }
 }

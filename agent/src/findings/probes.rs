@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Finding, Severity};
+use super::{Finding, Severity, StatementCause};
 use crate::bpf::abi::Function;
 use crate::model::{ProbeRow, QueryId};
 
@@ -59,6 +59,11 @@ pub fn locks_per_execution(rows: &[ProbeRow]) -> Vec<Finding> {
                          statement locks only what each plan keeps; fewer partitions help too; beyond 16 \
                          locks a backend leaves the fast path and takes the lock manager's LWLocks"
                     .into(),
+                cause: Some(StatementCause {
+                    cause: "take many relation locks per execution of their cached plans".into(),
+                    figures: vec![format!("{per_execution:.0} locks per execution")],
+                    cost_ns: plan_ns,
+                }),
             })
         })
         .collect()

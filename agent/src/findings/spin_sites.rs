@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{percent, Finding, Severity};
+use super::{percent, Finding, Severity, StatementCause};
 use crate::bpf::abi::Function;
 use crate::model::{ProbeRow, QueryId, SpinSiteRow, StatementTime};
 
@@ -116,6 +116,11 @@ pub fn spinning_sites(
             query_ids: vec![query_id],
             frames: vec![format!("{function} → s_lock")],
             action: action.to_string(),
+            cause: Some(StatementCause {
+                cause: format!("spin on the spinlock at {site}"),
+                figures: vec![format!("{} of its time", percent(share))],
+                cost_ns: ns,
+            }),
         });
     }
     findings

@@ -57,6 +57,7 @@ pub fn top_waiters(waits: Option<&WaitTables>) -> Vec<Finding> {
                 action: "the off-CPU flamegraph filtered on this queryid shows where it waits; the \
                          wait event names what it waited for (a lock, I/O, a CPU: `preempted`)"
                     .into(),
+                cause: None,
             }
         })
         .collect()

@@ -81,6 +81,22 @@ impl<'a> Analysis<'a> {
         self.measured.on_cpu.meta.period
     }
 
+    /// All the time the traced processes were busy, in nanoseconds: on CPU (samples × period)
+    /// and, where off-CPU time was measured, blocked, without the waits for a client (idle
+    /// or within a transaction: the client's time, not the database's).
+    pub fn backend_time_ns(&self) -> u64 {
+        let on_cpu = self.cpu_samples() * self.period_ns();
+        let blocked: u64 = self
+            .measured
+            .off_cpu
+            .iter()
+            .flat_map(|p| &p.samples)
+            .filter(|s| !s.is_client_time())
+            .map(|s| s.count)
+            .sum();
+        on_cpu + blocked
+    }
+
     /// Seconds measured.
     pub fn seconds(&self) -> f64 {
         self.measured.on_cpu.meta.duration_nanos as f64 / 1e9

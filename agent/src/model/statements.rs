@@ -20,6 +20,11 @@ pub struct StatementCpu {
     pub by_phase: [u64; Phase::ALL.len()],
     /// The function most samples of this query were in (self time).
     pub hottest_function: Option<String>,
+    /// The samples in [`Self::hottest_function`] itself.
+    pub hottest_self: u64,
+    /// The named callers it was most often reached through, nearest last (up to
+    /// [`CALLERS_SHOWN`]; static functions of a stripped build skipped).
+    pub hottest_callers: Vec<String>,
     /// Samples in s_lock, per caller (the frame above it).
     pub spinning: BTreeMap<String, u64>,
     /// Samples locking a relation (LockRelationOid) under GetCachedPlan.
@@ -57,13 +62,24 @@ impl StatementCpu {
     }
 
     /// Adds one sample's weight: its phase, its leaf, and the functions on its stack.
-    fn add(&mut self, phase: Option<Phase>, names: &[&str], count: u64, leaves: &mut HashMap<String, u64>) {
+    fn add(&mut self, phase: Option<Phase>, names: &[&str], count: u64, leaves: &mut Leaves) {
         self.samples += count;
         if let Some(index) = phase.and_then(|phase| Phase::ALL.iter().position(|p| *p == phase)) {
             self.by_phase[index] += count;
         }
-        if let Some(leaf) = names.last() {
-            *leaves.entry(leaf.to_string()).or_insert(0) += count;
+        if let Some((leaf, callers)) = names.split_last() {
+            let (samples, paths) = leaves.entry(leaf.to_string()).or_default();
+            *samples += count;
+            // Named callers: a stripped build's `file+0x…` frames say nothing to a DBA.
+            let mut nearest: Vec<String> = callers
+                .iter()
+                .rev()
+                .filter(|c| !c.contains("+0x"))
+                .take(CALLERS_SHOWN)
+                .map(|c| c.to_string())
+                .collect();
+            nearest.reverse();
+            *paths.entry(nearest).or_default() += count;
         }
         // Root first: a function's callers come before it.
         if let Some(at) = names.iter().position(|n| *n == "s_lock") {
@@ -98,6 +114,12 @@ impl StatementCpu {
     }
 }
 
+/// Callers of a statement's hottest function shown with it.
+pub const CALLERS_SHOWN: usize = 3;
+
+/// Per leaf function: its samples, and per path of its nearest callers, theirs.
+type Leaves = HashMap<String, (u64, HashMap<Vec<String>, u64>)>;
+
 /// User frames' names, root first.
 fn user_names(frames: &[Frame]) -> Vec<&str> {
     frames
@@ -111,7 +133,7 @@ fn user_names(frames: &[Frame]) -> Vec<&str> {
 /// (processes with no status entry, or no attribution) are left out; queryid 0 is kept (what
 /// runs before a statement's queryid is known), for the rules to leave out.
 pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
-    let mut queries: HashMap<QueryId, (StatementCpu, HashMap<String, u64>)> = HashMap::new();
+    let mut queries: HashMap<QueryId, (StatementCpu, Leaves)> = HashMap::new();
     for sample in &profile.samples {
         let Some(query_id) = sample.query_id() else {
             continue;
@@ -130,10 +152,18 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
     let mut out: Vec<StatementCpu> = queries
         .into_values()
         .map(|(mut statement, leaves)| {
-            statement.hottest_function = leaves
+            let hottest = leaves
                 .into_iter()
-                .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
-                .map(|(name, _)| name);
+                .max_by(|a, b| a.1 .0.cmp(&b.1 .0).then_with(|| b.0.cmp(&a.0)));
+            if let Some((name, (samples, paths))) = hottest {
+                statement.hottest_function = Some(name);
+                statement.hottest_self = samples;
+                statement.hottest_callers = paths
+                    .into_iter()
+                    .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
+                    .map(|(path, _)| path)
+                    .unwrap_or_default();
+            }
             statement
         })
         .collect();

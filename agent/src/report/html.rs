@@ -167,11 +167,17 @@ fn findings_section(page: &mut String, recording: &Recording, findings: &[Findin
             }
             page.push_str("</table>\n");
         }
-        for &query_id in &finding.query_ids {
+        let figures = finding.cause.as_ref().map(|c| c.figures.as_slice());
+        for (i, &query_id) in finding.query_ids.iter().enumerate() {
             let text = recording.query_text(query_id).unwrap_or("");
+            let figure = figures
+                .and_then(|f| f.get(i))
+                .filter(|f| finding.query_ids.len() > 1 && !f.is_empty())
+                .map(|f| format!(" ({})", escape(f)))
+                .unwrap_or_default();
             let _ = writeln!(
                 page,
-                "<p>queryid <a href=\"#q{query_id}\"><code>{query_id}</code></a> <code>{}</code></p>",
+                "<p>queryid <a href=\"#q{query_id}\"><code>{query_id}</code></a>{figure} <code>{}</code></p>",
                 escape(&shorten(text, 160))
             );
         }

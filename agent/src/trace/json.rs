@@ -66,6 +66,19 @@ pub struct FindingJson {
     pub query_texts: BTreeMap<String, String>,
     pub functions: Vec<String>,
     pub action: String,
+    /// Each statement the finding covers with its own figure (a grouped finding covers
+    /// several), in the order of `queryids`.
+    pub statements: Vec<FindingStatementJson>,
+    /// What the cause cost over the window, in nanoseconds of backend time; absent for a
+    /// finding about the instance as a whole.
+    pub cost_ns: Option<u64>,
+}
+
+#[derive(Serialize)]
+pub struct FindingStatementJson {
+    pub queryid: String,
+    /// What the finding measured of this statement ("62.0% of its CPU").
+    pub figure: String,
 }
 
 #[derive(Serialize)]
@@ -96,6 +109,20 @@ impl FindingJson {
                 .collect(),
             functions: finding.frames.clone(),
             action: finding.action.clone(),
+            statements: finding
+                .query_ids
+                .iter()
+                .enumerate()
+                .map(|(i, q)| FindingStatementJson {
+                    queryid: q.to_string(),
+                    figure: finding
+                        .cause
+                        .as_ref()
+                        .and_then(|c| c.figures.get(i).cloned())
+                        .unwrap_or_default(),
+                })
+                .collect(),
+            cost_ns: finding.cause.as_ref().map(|c| c.cost_ns),
         }
     }
 }
