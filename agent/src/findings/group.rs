@@ -107,13 +107,14 @@ fn merge(members: Vec<Finding>) -> Finding {
             figures.push(member_figures.and_then(|f| f.get(i).cloned()).unwrap_or_default());
         }
     }
-    let mut numbers = vec![("statements".to_string(), query_ids.len().to_string())];
-    numbers.extend(
-        first
-            .numbers
-            .iter()
-            .map(|(what, value)| (format!("{what} (queryid {})", first_id(first)), value.clone())),
-    );
+    let mut numbers = vec![
+        ("statements".to_string(), query_ids.len().to_string()),
+        (
+            "figures below are of".to_string(),
+            format!("queryid {}, the costliest", first_id(first)),
+        ),
+    ];
+    numbers.extend(first.numbers.iter().cloned());
     Finding {
         kind: first.kind,
         severity,
