@@ -7,6 +7,7 @@
 pub mod activity;
 pub mod agent;
 pub mod agreement;
+pub mod app_database;
 pub mod bpf_objects;
 pub mod cluster;
 pub mod compare;
@@ -14,6 +15,7 @@ pub mod connection;
 pub mod container_pg;
 pub mod debuginfod;
 pub mod fault_pyroscope;
+pub mod findings_json;
 pub mod install;
 pub mod perf;
 pub mod pgbench;
