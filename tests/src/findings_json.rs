@@ -115,18 +115,26 @@ fn parse(finding: &Value) -> Result<JsonFinding> {
     })
 }
 
-/// Runs `trace` (with `--json` into a temporary file) while `workload` runs, then ends it and
-/// returns what it printed and its findings.
-pub fn findings_while(
-    trace: Trace,
-    workload: impl FnOnce() -> Result<()>,
-) -> Result<(TraceOutput, Vec<JsonFinding>)> {
+/// What a trace run around a workload gave: its output, its findings and what the workload
+/// measured meanwhile.
+pub struct TracedWorkload<T> {
+    pub output: TraceOutput,
+    pub findings: Vec<JsonFinding>,
+    pub measured: T,
+}
+
+/// Runs `trace` (with `--json` into a temporary file) while `workload` runs, then ends it.
+pub fn findings_while<T>(trace: Trace, workload: impl FnOnce() -> Result<T>) -> Result<TracedWorkload<T>> {
     let dir = tempfile::tempdir().context("cannot create a directory for the summary")?;
     let json = dir.path().join("summary.json");
     let running = trace.duration_secs(600).json(&json).spawn()?;
-    workload()?;
+    let measured = workload()?;
     let output = running.interrupt()?;
-    Ok((output, read_findings(&json)?))
+    Ok(TracedWorkload {
+        output,
+        findings: read_findings(&json)?,
+        measured,
+    })
 }
 
 /// One line per finding, for the test's log: severity, kind, statements and figures.

@@ -35,6 +35,7 @@ pub mod session;
 pub mod spin_calls;
 pub mod summary;
 pub mod system;
+pub mod uprobe_count;
 pub mod watch;
 pub mod workload;
 

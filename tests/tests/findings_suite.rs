@@ -4,9 +4,12 @@
 //! raises no warning or critical finding. Assertions read the `--json` findings (rule,
 //! severity, statements, figures), not the console's wording.
 
+use std::time::Duration;
+
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
 use pgscope_tests::findings_json::{describe_findings, findings_while, JsonFinding};
+use pgscope_tests::uprobe_count::UprobeEvent;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
@@ -56,12 +59,12 @@ fn evictions_in_app_database(max: &str) -> Result<EvictionRun> {
         n.parse().with_context(|| format!("dealloc is `{n}`"))
     };
     let before = dealloc()?;
-    let (_, findings) = findings_while(Trace::instance(cluster.data_dir()), || {
+    let traced = findings_while(Trace::instance(cluster.data_dir()), || {
         pgbench_in(&cluster, "app", &args).map(drop)
     })?;
     let after = dealloc()?;
     Ok(EvictionRun {
-        findings,
+        findings: traced.findings,
         dealloc_increase: after - before,
     })
 }
@@ -116,7 +119,7 @@ fn evictions_with_the_extension_in_an_application_database_are_named_with_their_
     Ok(())
 }
 
-/// What a trace of the hot select found, and pg_stat_statements' own counts of it.
+/// What a trace of the hot select found, and what Postgres and perf counted of it meanwhile.
 struct HotSelectRun {
     findings: Vec<JsonFinding>,
     queryid: String,
@@ -124,10 +127,32 @@ struct HotSelectRun {
     /// update each.
     calls: f64,
     plans: f64,
+    /// s_lock calls from pg_stat_statements.c in the clients' backends, counted by perf's own
+    /// uprobe over [`SPIN_WINDOW`]: entry updates that found the spinlock taken.
+    spun: f64,
 }
 
-/// Eight clients running pgbench's select-only statement over the simple protocol (planned at
-/// every execution, so that with track_planning = on its entry is updated twice per execution),
+/// How long the clients run (perf counts over all of it).
+const SPIN_WINDOW: Duration = Duration::from_secs(5);
+const CLIENTS: usize = 8;
+
+/// The pids of the backends serving connections named `application_name`.
+fn backends_named(cluster: &PgCluster, application_name: &str) -> Result<Vec<u32>> {
+    cluster
+        .psql(&format!(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = '{application_name}'"
+        ))?
+        .lines()
+        .map(|pid| {
+            pid.parse()
+                .with_context(|| format!("pg_stat_activity gave pid `{pid}`"))
+        })
+        .collect()
+}
+
+/// [`CLIENTS`] clients running pgbench's select-only statement over the simple protocol
+/// (planned at every execution, so that with track_planning = on its entry is updated twice per
+/// execution; a prepared statement with a generic plan is planned once and would not show it),
 /// traced with pgss_store and s_lock probed at every call.
 fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> {
     let cluster = PgCluster::start_with_pg_stat_statements(
@@ -136,13 +161,27 @@ fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> 
     )?;
     cluster.pgbench(&["-i", "-q", "-s", "1"])?;
     cluster.psql("SELECT pg_stat_statements_reset()")?;
+    // s_lock(lock, file, line, func): the file, in the second argument's register, tells the
+    // entry's spinlock (pg_stat_statements.c) from any other.
+    let spins = UprobeEvent::add(
+        &cluster.install().bin("postgres"),
+        "s_lock",
+        Some("file=+0(%si):string"),
+    )?
+    .filtered("file ~ \"*pg_stat_statements.c\"");
     let trace = Trace::instance(cluster.data_dir())
         .probes("pgss_store,s_lock")
         .probe_budget("none");
-    let (_, findings) = findings_while(trace, || {
-        cluster
-            .pgbench(&["-n", "-S", "-M", "simple", "-c", "8", "-j", "2", "-T", "5"])
-            .map(drop)
+    let clients = CLIENTS.to_string();
+    let traced = findings_while(trace, || {
+        let pgbench = cluster.spawn_pgbench(
+            &["-n", "-S", "-M", "simple", "-c", &clients, "-j", "2", "-T", "600"],
+            CLIENTS,
+        )?;
+        let backends = backends_named(&cluster, pgbench.tag())?;
+        let spun = spins.count_in(&backends, SPIN_WINDOW)?;
+        pgbench.stop()?;
+        Ok(spun)
     })?;
     let queryid = cluster.pgbench_select_queryid()?;
     let counts = cluster.psql(&format!(
@@ -153,10 +192,11 @@ fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> 
         .and_then(|(c, p)| Some((c.parse().ok()?, p.parse().ok()?)))
         .with_context(|| format!("pg_stat_statements gave `{counts}` for calls and plans"))?;
     Ok(HotSelectRun {
-        findings,
+        findings: traced.findings,
         queryid,
         calls,
         plans,
+        spun: traced.measured as f64,
     })
 }
 
@@ -182,11 +222,13 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         .find(|f| f.kind == "spin_site" && f.queryids.contains(&on.queryid) && f.names_function("pgss_store"))
         .with_context(|| {
             format!(
-                "8 clients updating queryid {}'s entry twice per execution ({} calls, {} plans), \
-                 yet no finding names its spinlock in pgss_store:\n{}",
+                "{CLIENTS} clients updating queryid {}'s entry twice per execution ({} calls, {} \
+                 plans, {} spins counted by perf), yet no finding names its spinlock in \
+                 pgss_store:\n{}",
                 on.queryid,
                 on.calls,
                 on.plans,
+                on.spun,
                 describe_findings(&on.findings)
             )
         })?;
@@ -197,10 +239,13 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         .and_then(|n| n.trim().parse().ok())
         .with_context(|| format!("no count of the entry's updates in {finding:#?}"))?;
     let independent = on.calls + on.plans;
+    let spun = finding.leading_number("acquisitions that spun")?;
     eprintln!(
-        "entry updates: pgscope {updates} pgss_store calls, pg_stat_statements calls + plans {independent}; \
-         spun {:?}, severity {}",
-        finding.number("acquisitions that spun"),
+        "entry updates: pgscope {updates} pgss_store calls, pg_stat_statements calls + plans \
+         {independent}\nspins on the entry: pgscope {spun} s_lock calls, perf's uprobe {}; \
+         share of the statement's time {:?}, severity {}",
+        on.spun,
+        finding.number("share of the statement's time"),
         finding.severity
     );
     ensure!(
@@ -210,13 +255,20 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         on.calls,
         on.plans
     );
+    ensure!(
+        within_factor(spun, on.spun),
+        "pgscope counted {spun} acquisitions of the entry's spinlock that spun, perf's uprobe on \
+         s_lock {}: not within a factor of {AGREEMENT_FACTOR}",
+        on.spun
+    );
 
     let off = hot_select_with_track_planning("off")?;
     eprintln!(
-        "track_planning = off: queryid {} calls {} plans {}\n{}",
+        "track_planning = off: queryid {} calls {} plans {}, perf's uprobe counted {} spins\n{}",
         off.queryid,
         off.calls,
         off.plans,
+        off.spun,
         describe_findings(&off.findings)
     );
     ensure!(
@@ -243,11 +295,12 @@ fn a_plain_pgbench_at_defaults_raises_no_warning() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     cluster.pgbench(&["-i", "-q", "-s", "10"])?;
-    let (output, findings) = findings_while(Trace::instance(cluster.data_dir()), || {
+    let traced = findings_while(Trace::instance(cluster.data_dir()), || {
         cluster
             .pgbench(&["-n", "-c", "2", "-j", "2", "-T", "8"])
             .map(drop)
     })?;
+    let (output, findings) = (traced.output, traced.findings);
     eprintln!("pgbench TPC-B-like:\n{}", describe_findings(&findings));
     ensure!(
         output.stdout.contains("UPDATE pgbench_accounts"),

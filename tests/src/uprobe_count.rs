@@ -1,0 +1,92 @@
+//! Calls of a function counted by perf's own uprobe (`perf probe` + `perf stat`): a count taken
+//! by another tool than pgscope, for figures a finding cites. The event is added under a name of
+//! this process's own, so that tests of other engineers on the machine do not collide with it,
+//! and removed on drop.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::process::{output_with_timeout, run_checked};
+
+/// `perf probe` reads the binary's symbols; `perf stat` lasts the window asked plus this.
+const PERF_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A uprobe event in the kernel's tracefs, removed on drop.
+pub struct UprobeEvent {
+    /// `group:name`, as `perf stat -e` takes it.
+    event: String,
+    /// The filter `perf stat --filter` applies to each hit, if any.
+    filter: Option<String>,
+}
+
+impl UprobeEvent {
+    /// A uprobe on `function` of `binary`, fetching `fetch` (perf probe's argument syntax, e.g.
+    /// `file=+0(%si):string` for a string second argument) when given.
+    pub fn add(binary: &Path, function: &str, fetch: Option<&str>) -> Result<Self> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let event = format!(
+            "pgscope_tests:{function}_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let spec = match fetch {
+            Some(fetch) => format!("{event}={function} {fetch}"),
+            None => format!("{event}={function}"),
+        };
+        let mut cmd = Command::new("perf");
+        cmd.args(["probe", "-q", "-x"]).arg(binary).args(["-a", &spec]);
+        run_checked(&mut cmd, PERF_TIMEOUT).with_context(|| {
+            format!(
+                "cannot add a perf uprobe on `{function}` of `{}`",
+                binary.display()
+            )
+        })?;
+        Ok(Self { event, filter: None })
+    }
+
+    /// Counts only hits matching `filter` (`perf stat --filter`, over the fetched arguments).
+    pub fn filtered(mut self, filter: &str) -> Self {
+        self.filter = Some(filter.to_owned());
+        self
+    }
+
+    /// Hits by the processes `pids` over `window`.
+    pub fn count_in(&self, pids: &[u32], window: Duration) -> Result<u64> {
+        if pids.is_empty() {
+            bail!("no process to count `{}` in", self.event);
+        }
+        let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+        let mut cmd = Command::new("perf");
+        cmd.args(["stat", "-x", ",", "-e", &self.event]);
+        if let Some(filter) = &self.filter {
+            cmd.args(["--filter", filter]);
+        }
+        cmd.args(["-p", &pids.join(","), "--", "sleep"])
+            .arg(format!("{}", window.as_secs_f64()));
+        let output = output_with_timeout(&mut cmd, window + PERF_TIMEOUT)?;
+        // perf stat writes its counts to stderr: `count,,event,…`.
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.contains(&self.event))
+            .with_context(|| format!("perf stat printed no count of `{}`: {stderr}", self.event))?;
+        let count = line.split(',').next().unwrap_or_default();
+        count
+            .parse()
+            .with_context(|| format!("perf stat counted `{count}` hits of `{}`: {line}", self.event))
+    }
+}
+
+impl Drop for UprobeEvent {
+    fn drop(&mut self) {
+        let mut cmd = Command::new("perf");
+        cmd.args(["probe", "-q", "-d", &self.event]);
+        if let Err(e) = run_checked(&mut cmd, PERF_TIMEOUT) {
+            eprintln!("cannot remove the perf uprobe `{}`: {e:#}", self.event);
+        }
+    }
+}
