@@ -89,6 +89,11 @@ fn evictions_with_the_extension_in_an_application_database_are_named_with_their_
                 describe_findings(&storm.findings)
             )
         })?;
+    ensure!(
+        finding.number("pg_stat_statements.max") == Some("100"),
+        "the eviction finding does not cite the setting that causes it, \
+         pg_stat_statements.max = 100: {finding:#?}"
+    );
     let evictions = finding.leading_number("evictions")?;
     eprintln!(
         "evictions: pgscope {evictions}, pg_stat_statements_info.dealloc in app rose by {}",
@@ -238,6 +243,11 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         .and_then(|v| v.split(" of ").nth(1))
         .and_then(|n| n.trim().parse().ok())
         .with_context(|| format!("no count of the entry's updates in {finding:#?}"))?;
+    ensure!(
+        finding.number("pg_stat_statements.track_planning") == Some("on"),
+        "the finding does not cite the setting that doubles the entry's updates, \
+         pg_stat_statements.track_planning = on: {finding:#?}"
+    );
     let independent = on.calls + on.plans;
     let spun = finding.leading_number("acquisitions that spun")?;
     eprintln!(
