@@ -1,7 +1,7 @@
 //! The pathology suite's cases beside those of `findings.rs`: each a real cluster set up the way
 //! real ones are, a few seconds of load, the finding that names the mechanism with its figure
-//! checked against one Postgres measures on its own, and a control of the same shape that
-//! raises no warning or critical finding. Assertions read the `--json` findings (rule,
+//! checked against a measurement pgscope takes no part in (Postgres' own views, perf's own
+//! uprobe), and a control of the same shape that raises no warning or critical finding. Assertions read the `--json` findings (rule,
 //! severity, statements, figures), not the console's wording.
 
 use std::time::Duration;
@@ -22,7 +22,7 @@ fn within_factor(pgscope: f64, independent: f64) -> bool {
         && independent / pgscope <= AGREEMENT_FACTOR
 }
 
-/// The warning and critical findings, listed for an assertion's message.
+/// The warning and critical findings: what a DBA is asked to act on.
 fn alarms(findings: &[JsonFinding]) -> Vec<&JsonFinding> {
     findings.iter().filter(|f| f.is_alarm()).collect()
 }
