@@ -2,7 +2,7 @@
 //! expensive part (naming frames) runs once per distinct frame at the end, and still works after
 //! a backend has exited.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::bpf::abi::OffCpuClass;
@@ -181,6 +181,22 @@ impl StackAggregator {
         let mut sorted: Vec<_> = counts.into_iter().collect();
         sorted.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         sorted
+    }
+
+    /// Per queryid (0 left out), the samples taken in each database (`MyDatabaseId`, 0 left
+    /// out).
+    pub fn databases_by_query(&self) -> BTreeMap<i64, BTreeMap<u32, u64>> {
+        let mut out: BTreeMap<i64, BTreeMap<u32, u64>> = BTreeMap::new();
+        for (key, &count) in &self.stacks {
+            let attribution = &key.attribution;
+            if let (Some(query_id), Some(oid)) = (
+                attribution.query_id.filter(|&q| q != 0),
+                attribution.database_oid.filter(|&d| d != 0),
+            ) {
+                add_weight(out.entry(query_id).or_default().entry(oid).or_insert(0), count);
+            }
+        }
+        out
     }
 
     /// The databases samples were taken in (`MyDatabaseId`), 0 (no database) left out.

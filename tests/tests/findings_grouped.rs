@@ -3,16 +3,20 @@
 //! dominated by the same function, the finding names the function once, lists the statements
 //! with their text and says what they cost together — checked against pg_stat_statements'
 //! own execution time of those statements. The same workload where nothing dominates raises
-//! nothing above information.
+//! nothing above information. The statements run in an application database, whose catalog
+//! (not `postgres`') is what the finding quotes.
 
 use std::collections::BTreeSet;
 
 use anyhow::{ensure, Context, Result};
+use pgscope_tests::app_database::{pgbench_in, psql_in};
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 use serde_json::Value;
 
 /// Tables vacuumed in turn, each its own statement.
 const TABLES: u32 = 6;
+/// The database they are in.
+const APP: &str = "app";
 
 /// pg_stat_statements' total execution time in ms, by queryid.
 type ExecMs = Vec<(String, f64)>;
@@ -23,17 +27,24 @@ type ExecMs = Vec<(String, f64)>;
 /// VACUUMs by queryid, over the same window.
 fn vacuums_beside(relations: u32) -> Result<(Vec<Value>, ExecMs)> {
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql(&format!("CREATE DATABASE {APP}"))?;
     for table in 1..=TABLES {
-        cluster.psql(&format!(
-            "CREATE TABLE t{table} (x int); INSERT INTO t{table} VALUES (1)"
-        ))?;
+        psql_in(
+            &cluster,
+            APP,
+            &format!("CREATE TABLE t{table} (x int); INSERT INTO t{table} VALUES (1)"),
+        )?;
     }
-    cluster.psql(&format!(
-        // A commit every thousand views: each holds a lock until its transaction ends.
-        "DO $$ BEGIN FOR i IN 1..{relations} LOOP \
+    psql_in(
+        &cluster,
+        APP,
+        &format!(
+            // A commit every thousand views: each holds a lock until its transaction ends.
+            "DO $$ BEGIN FOR i IN 1..{relations} LOOP \
          EXECUTE format('CREATE VIEW v%s AS SELECT 1 AS x', i); \
          IF i % 1000 = 0 THEN COMMIT; END IF; END LOOP; END $$"
-    ))?;
+        ),
+    )?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("vacuum.sql");
     std::fs::write(&script, format!("\\set n random(1, {TABLES})\nVACUUM t:n;\n"))?;
@@ -46,7 +57,7 @@ fn vacuums_beside(relations: u32) -> Result<(Vec<Value>, ExecMs)> {
         .duration_secs(600)
         .spawn()?;
     let script = script.display().to_string();
-    cluster.pgbench(&["-n", "-c", "1", "-T", "6", "-f", &script])?;
+    pgbench_in(&cluster, APP, &["-n", "-c", "1", "-T", "6", "-f", &script])?;
     let output = trace.interrupt()?;
     eprintln!("{}", output.stdout);
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
@@ -100,6 +111,17 @@ fn one_function_dominating_the_same_command_on_many_tables_is_one_finding() -> R
         naming.len()
     );
     let finding = naming[0];
+    // The catalog VACUUM scans is the application database's, where the views are.
+    let quoted = finding["numbers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|n| n["what"] == format!("pg_class rows (database {APP})"))
+        .and_then(|n| n["value"].as_str()?.parse::<u64>().ok());
+    ensure!(
+        quoted.is_some_and(|rows| rows >= 20_000),
+        "the finding does not quote the {APP} database's pg_class ({quoted:?} rows): {finding:#}"
+    );
     let covered = queryids(finding);
     ensure!(
         covered.len() >= 2 && covered.is_subset(&vacuums),

@@ -53,6 +53,35 @@ fn plan_cache_mode_of(query_ids: &[QueryId], facts: &InstanceFacts) -> (String, 
     (shown, main.to_string())
 }
 
+/// pg_class's rows as the statements `query_ids` saw them: in each database they ran in,
+/// where that catalog was read; else pgscope's own database's, saying so.
+fn pg_class_rows(query_ids: &[QueryId], facts: &InstanceFacts) -> Vec<(String, String)> {
+    let mut databases: Vec<&str> = query_ids
+        .iter()
+        .flat_map(|q| facts.databases_by_query.get(&q.to_string()).into_iter().flatten())
+        .map(String::as_str)
+        .collect();
+    databases.sort_unstable();
+    databases.dedup();
+    let read: Vec<(String, String)> = databases
+        .iter()
+        .filter_map(|db| {
+            let rows = facts.relations_by_database.get(*db)?;
+            Some((format!("pg_class rows (database {db})"), rows.to_string()))
+        })
+        .collect();
+    if !read.is_empty() {
+        return read;
+    }
+    vec![(
+        format!(
+            "pg_class rows (database {}, pgscope's connection: the statements' was not read)",
+            facts.database
+        ),
+        facts.relations.to_string(),
+    )]
+}
+
 pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
     for finding in findings {
         let frames = |name: &str| finding.frames.iter().any(|f| f == name);
@@ -80,10 +109,7 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                 }
             }
             "function_dominance" if frames(Function::VacUpdateDatfrozenxid.name()) => {
-                finding.numbers.push((
-                    format!("pg_class rows (database {})", facts.database),
-                    facts.relations.to_string(),
-                ));
+                finding.numbers.extend(pg_class_rows(&finding.query_ids, facts));
             }
             "function_dominance" | "pgss_evictions" | "spin_site"
                 if finding
@@ -127,9 +153,11 @@ mod tests {
         let facts = InstanceFacts {
             plan_cache_mode: "force_generic_plan".into(),
             track_planning: Some(true),
-            database: "app".into(),
-            relations: 20412,
+            database: "postgres".into(),
+            relations: 410,
             plan_cache_modes_by_query: BTreeMap::new(),
+            relations_by_database: BTreeMap::from([("app".to_string(), 20412)]),
+            databases_by_query: BTreeMap::from([("7".to_string(), vec!["app".to_string()])]),
         };
         let mut findings = vec![
             finding("generic_plan_locks", &["GetCachedPlan", "LockRelationOid"]),
@@ -144,6 +172,20 @@ mod tests {
         assert_eq!(
             findings[1].numbers,
             vec![("pg_class rows (database app)".to_string(), "20412".to_string())]
+        );
+        // A statement whose database was not read: pgscope's own, said to be.
+        let mut elsewhere = vec![Finding {
+            query_ids: vec![QueryId(8)],
+            ..finding("function_dominance", &["vac_update_datfrozenxid"])
+        }];
+        annotate(&mut elsewhere, &facts);
+        assert_eq!(
+            elsewhere[0].numbers,
+            vec![(
+                "pg_class rows (database postgres, pgscope's connection: the statements' was not read)"
+                    .to_string(),
+                "410".to_string()
+            )]
         );
         assert_eq!(
             findings[2].numbers,
@@ -166,6 +208,8 @@ mod tests {
                 ("7".to_string(), modes(&[("force_generic_plan", 90)])),
                 ("8".to_string(), modes(&[("auto", 25), ("force_custom_plan", 75)])),
             ]),
+            relations_by_database: BTreeMap::new(),
+            databases_by_query: BTreeMap::new(),
         };
         let quoted = |query_id: i64| {
             let mut found = vec![Finding {

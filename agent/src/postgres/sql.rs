@@ -348,6 +348,16 @@ pub async fn pgss_info(client: &Client) -> Result<Option<PgssInfo>> {
 
 /// `pg_database.datname` by OID, as `pg_stat_activity.datname` shows it (pg_database is shared
 /// by all databases, so any connection sees every one).
+/// The rows of pg_class in the database `client` is connected to.
+pub async fn pg_class_rows(client: &Client) -> Result<i64> {
+    client
+        .query_one("SELECT count(*) FROM pg_class", &[])
+        .await
+        .context("counting pg_class rows")?
+        .try_get(0)
+        .context("count(*)")
+}
+
 pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
     let rows = client
         .query("SELECT oid, datname::text FROM pg_database", &[])
@@ -378,6 +388,13 @@ pub struct InstanceFacts {
     /// vac_update_datfrozenxid scans.
     pub database: String,
     pub relations: i64,
+    /// pg_class rows of each database statements were sampled in, read there: a catalog is
+    /// per database, and the statements' is rarely pgscope's.
+    #[serde(default)]
+    pub relations_by_database: BTreeMap<String, i64>,
+    /// The databases each statement was sampled in, by queryid, most samples first.
+    #[serde(default)]
+    pub databases_by_query: BTreeMap<String, Vec<String>>,
 }
 
 pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
@@ -398,5 +415,7 @@ pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
         track_planning: track_planning.map(|v| v == "on"),
         database: row.try_get(2).context("current_database()")?,
         relations: row.try_get(3).context("count(*) FROM pg_class")?,
+        relations_by_database: BTreeMap::new(),
+        databases_by_query: BTreeMap::new(),
     })
 }

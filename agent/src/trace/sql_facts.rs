@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use super::probes::ProbeResults;
 use super::{Session, TraceOptions};
+use crate::bpf::abi::Function;
 use crate::postgres::sql;
 use crate::redact::{self, Secret};
 
@@ -123,6 +124,9 @@ pub async fn fetch(
             if let Some(seen) = &session.settings_seen {
                 instance.plan_cache_modes_by_query = seen.plan_cache_modes();
             }
+            if probe_results.attached.contains(&Function::VacUpdateDatfrozenxid) {
+                catalogs_where_sampled(&target, session, &facts.database_names, &mut instance).await;
+            }
             facts.instance = Some(instance);
         }
         Err(error) => tracing::debug!("no settings for the findings: {}", shown(&error)),
@@ -179,6 +183,49 @@ pub async fn fetch(
         }
     }
     facts
+}
+
+/// Databases whose catalog is read at most: one connection each, at the end of a trace.
+const MAX_CATALOG_DATABASES: usize = 8;
+
+/// The databases each statement was sampled in, and the pg_class rows of each (the busiest
+/// [`MAX_CATALOG_DATABASES`]), read in that database: what `vac_update_datfrozenxid` scans
+/// is the catalog of the database VACUUM runs in.
+async fn catalogs_where_sampled(
+    target: &sql::Connect,
+    session: &Session,
+    names: &HashMap<u32, String>,
+    instance: &mut sql::InstanceFacts,
+) {
+    let Some(stacks) = session.on_cpu() else {
+        return;
+    };
+    let mut samples_by_database: HashMap<&str, u64> = HashMap::new();
+    for (query_id, databases) in stacks.databases_by_query() {
+        let mut named: Vec<(&str, u64)> = databases
+            .iter()
+            .filter_map(|(oid, n)| Some((names.get(oid)?.as_str(), *n)))
+            .collect();
+        named.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        for (name, n) in &named {
+            *samples_by_database.entry(name).or_default() += n;
+        }
+        instance.databases_by_query.insert(
+            query_id.to_string(),
+            named.iter().map(|(name, _)| name.to_string()).collect(),
+        );
+    }
+    let mut busiest: Vec<(&str, u64)> = samples_by_database.into_iter().collect();
+    busiest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    for (database, _) in busiest.into_iter().take(MAX_CATALOG_DATABASES) {
+        let rows = async { sql::pg_class_rows(&sql::connect_db(target, Some(database)).await?).await };
+        match rows.await {
+            Ok(rows) => {
+                instance.relations_by_database.insert(database.to_string(), rows);
+            }
+            Err(error) => tracing::debug!(database, "no pg_class size: {}", shown(&error)),
+        }
+    }
 }
 
 /// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a
