@@ -173,6 +173,7 @@ impl AgentFindings {
                 function: row.call.function,
                 calls: row.calls,
                 total_ns: row.total_ns,
+                detail: row.call.detail,
             })
             .collect();
         let found = findings::evaluate(&Analysis::new(Measurements {

@@ -163,6 +163,7 @@ mod tests {
             function,
             calls,
             total_ns,
+            detail: 0,
         }
     }
 

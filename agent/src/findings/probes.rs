@@ -79,6 +79,7 @@ mod tests {
             function,
             calls,
             total_ns: calls * 1000,
+            detail: 0,
         }
     }
 

@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 
 use super::{percent, Finding, Severity, StatementCause};
-use crate::bpf::abi::Function;
 use crate::model::{ProbeRow, QueryId, SpinSiteRow, StatementTime};
 
 /// Spinning this share of a statement's time.
@@ -72,7 +71,7 @@ pub fn spinning_sites(
     let entry_updates = |query_id: QueryId| -> u64 {
         probes
             .iter()
-            .filter(|p| p.query_id == query_id && p.function == Function::PgssStore)
+            .filter(|p| p.query_id == query_id && p.updates_pgss_entry())
             .map(|p| p.calls)
             .sum()
     };
@@ -134,6 +133,7 @@ fn short_path(file: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bpf::abi::Function;
 
     fn site(query_id: i64, file: &str, calls: u64, total_ns: u64) -> SpinSiteRow {
         SpinSiteRow {
@@ -156,12 +156,16 @@ mod tests {
             // Not a statement.
             site(0, pgss, 10, 900_000_000),
         ];
-        let probes = vec![ProbeRow {
+        let store = |calls, detail| ProbeRow {
             query_id: QueryId(7),
             function: Function::PgssStore,
-            calls: 30_000,
+            calls,
             total_ns: 0,
-        }];
+            detail,
+        };
+        // The exec stores update the entry; the text-only ones (simple protocol: every
+        // execution parses anew) take no spinlock and are not updates.
+        let probes = vec![store(30_000, 3), store(30_000, crate::model::PGSS_TEXT_ONLY)];
         let found = spinning_sites(&sites, &probes, &time, 10.0);
         assert_eq!(found.len(), 2, "{found:?}");
         assert_eq!(

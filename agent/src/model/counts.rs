@@ -14,6 +14,21 @@ pub struct ProbeRow {
     pub function: Function,
     pub calls: u64,
     pub total_ns: u64,
+    /// pgss_store: its `pgssStoreKind` + 2 ([`PGSS_TEXT_ONLY`], plan 2, exec 3); 0 for other
+    /// functions, or not known (a recording of an older pgscope).
+    pub detail: u32,
+}
+
+/// `ProbeRow::detail` of a pgss_store call that only stores the statement's text (a new
+/// statement's first sight, after parse analysis): it takes no entry's spinlock.
+pub const PGSS_TEXT_ONLY: u32 = 1;
+
+impl ProbeRow {
+    /// A pgss_store call that updates the statement's entry (its counters, under the
+    /// entry's spinlock): the plan and exec stores, not the text-only one.
+    pub fn updates_pgss_entry(&self) -> bool {
+        self.function == Function::PgssStore && self.detail != PGSS_TEXT_ONLY
+    }
 }
 
 /// One call site's spins for one queryid (`--probes s_lock`).

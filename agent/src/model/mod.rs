@@ -18,6 +18,8 @@ use std::collections::HashMap;
 
 use exporters::Profile;
 
+#[cfg(test)]
+pub use counts::PGSS_TEXT_ONLY;
 pub use counts::{PgssEvidence, ProbeRow, SpinSiteRow};
 pub use query_id::{shorten, QueryId};
 pub use statements::StatementCpu;

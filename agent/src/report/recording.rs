@@ -51,6 +51,9 @@ pub struct RecordedProbe {
     pub function: String,
     pub calls: u64,
     pub total_ns: u64,
+    /// `ProbeRow::detail` (pgss_store's kind); absent from recordings of older versions.
+    #[serde(default)]
+    pub detail: u32,
 }
 
 impl RecordedProbe {
@@ -60,6 +63,7 @@ impl RecordedProbe {
             function: row.function.name().to_string(),
             calls: row.calls,
             total_ns: row.total_ns,
+            detail: row.detail,
         }
     }
 
@@ -70,6 +74,7 @@ impl RecordedProbe {
             function: Function::ALL.into_iter().find(|f| f.name() == self.function)?,
             calls: self.calls,
             total_ns: self.total_ns,
+            detail: self.detail,
         })
     }
 }
@@ -207,12 +212,14 @@ mod tests {
                     function: Function::LockRelationOid,
                     calls: 7,
                     total_ns: 70,
+                    detail: 0,
                 }),
                 RecordedProbe {
                     queryid: "-42".into(),
                     function: "a_function_of_a_later_version".into(),
                     calls: 1,
                     total_ns: 1,
+                    detail: 0,
                 },
             ],
             pgss: None,
@@ -240,6 +247,7 @@ mod tests {
                 function: Function::LockRelationOid,
                 calls: 7,
                 total_ns: 70,
+                detail: 0,
             }],
             "unknown functions are left out"
         );

@@ -81,6 +81,7 @@ pub(super) fn finish(
             function: call.function,
             calls: stats.calls,
             total_ns: stats.total_ns,
+            detail: call.detail,
         })
         .collect();
     let pgss = pgss_start.zip(pgss_end).map(|(start, end)| PgssEvidence {
