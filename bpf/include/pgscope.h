@@ -160,9 +160,13 @@ struct pgscope_pg_layout {
 	 * (generated in alphabetical order from 17 on). Never 0. */
 	__u32 state_idle;
 	__u32 wait_client_read;
+	/* offsetof(PgBackendStatus, st_activity_start_timestamp): when the statement (or the
+	 * protocol message) began, the same before and after its queryid is known. */
+	__u32 st_activity_start_offset;
+	__u32 _pad;
 };
 
-_Static_assert(sizeof(struct pgscope_pg_layout) == 48, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_pg_layout) == 56, "read by agent/src/bpf/abi.rs");
 
 /* Why a process was off CPU, from the scheduler's and the syscall's point of view. Postgres'
  * own view (the wait event in force) comes with it. */
@@ -302,11 +306,15 @@ struct pgscope_sample {
 	__u64 off_cpu_ns;	/* off-CPU records: how long the process was off CPU */
 	__u32 off_cpu_syscall;	/* off-CPU records: the syscall it blocked in (x86-64 number) */
 	__u32 off_cpu_flags;	/* enum pgscope_off_cpu_flags */
+	/* On-CPU samples of a backend: its statement's st_activity_start_timestamp, so that user
+	 * space can give a sample taken before the queryid was reported (parsing, analysis) the
+	 * queryid the same statement reports later; else 0. */
+	__u64 statement_start;
 	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
 	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
 };
 
-#define PGSCOPE_SAMPLE_HEADER_SIZE 104
+#define PGSCOPE_SAMPLE_HEADER_SIZE 112
 #define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
 
 _Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,

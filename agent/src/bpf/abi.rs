@@ -149,6 +149,8 @@ pub struct SampleHeader {
     pub off_cpu_syscall: u32,
     /// `enum pgscope_off_cpu_flags`.
     pub off_cpu_flags: u32,
+    /// On-CPU samples of a backend: its statement's `st_activity_start_timestamp`; else 0.
+    pub statement_start: u64,
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
 
@@ -166,7 +168,7 @@ macro_rules! at_sample_offset {
 
 at_sample_offset!(
     tgid, tid, time_ns, cpu, kernel_frames, user_ip, user_sp, user_bp, user_stack_len,
-    off_cpu_ns, off_cpu_syscall, off_cpu_flags, kernel_stack;
+    off_cpu_ns, off_cpu_syscall, off_cpu_flags, statement_start, kernel_stack;
     query_id = query_id, wait_event_info = wait_event_info, backend_type = backend_type,
     database_id = database_id, backend_state = backend_state, attribution = flags,
     off_cpu_class = off_cpu_class
@@ -312,6 +314,7 @@ impl SampleHeader {
             off_cpu_ns: 0,
             off_cpu_syscall: 0,
             off_cpu_flags: 0,
+            statement_start: 0,
             kernel_stack: [0; KERNEL_FRAMES_MAX],
         }
     }

@@ -9,6 +9,7 @@ pub mod off_cpu;
 pub mod probes;
 pub mod session;
 pub mod settings_seen;
+mod statement_link;
 mod wait_reassembly;
 
 use aya::maps::{MapData, RingBuf};

@@ -12,6 +12,7 @@ use super::instance::InstanceContext;
 use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
 use super::settings_seen::SettingsSeen;
+use super::statement_link::{Held, StatementLink};
 use super::wait_reassembly::{OpenPart, PendingWait, WaitReassembly};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
@@ -69,6 +70,8 @@ pub struct Session {
     /// Settings as the sampled backends ran them, per statement, for `trace`'s findings; the
     /// agent keeps none (it would grow with every queryid it ever sees).
     pub settings_seen: Option<SettingsSeen>,
+    /// On-CPU samples taken before their statement reported its queryid, until it does.
+    statements: StatementLink,
 }
 
 impl Session {
@@ -91,6 +94,7 @@ impl Session {
             live,
             waits: WaitReassembly::default(),
             settings_seen: None,
+            statements: StatementLink::default(),
         }
     }
 
@@ -144,6 +148,7 @@ impl Session {
     /// The stacks of every instance, leaving empty ones in their place (the agent's upload
     /// interval), with the symbolizer that names their frames.
     pub fn take_stacks(&mut self) -> (Vec<(u32, InstanceStacks)>, &mut Symbolizer) {
+        self.release_held_samples();
         let taken = self
             .instances
             .iter_mut()
@@ -245,7 +250,11 @@ impl Session {
             return;
         };
         let attribution = Self::attribution(instance, &header);
-        if let Some(wanted) = self.query_filter {
+        // On CPU before its statement's queryid is reported: held until it is (the filter
+        // then applies to the queryid it gets).
+        let before_query_id =
+            header.off_cpu_class == 0 && header.statement_start != 0 && attribution.query_id == Some(0);
+        if let Some(wanted) = self.query_filter.filter(|_| !before_query_id) {
             if attribution.query_id != Some(wanted) {
                 self.filtered_out += 1;
                 return;
@@ -288,23 +297,65 @@ impl Session {
                 header.off_cpu_ns,
             ),
             None => {
-                instance.on_cpu_samples += 1;
-                if let Some(live) = &mut self.live {
-                    live.record(&attribution);
+                let held = Held {
+                    root,
+                    tgid: header.tgid,
+                    attribution,
+                    kernel: record.kernel_stack().to_vec(),
+                    user,
+                };
+                if before_query_id {
+                    let released = self.statements.hold(header.tid, header.statement_start, held);
+                    self.add_on_cpu(released);
+                    return;
                 }
-                if let (Some(seen), Some(table), Some(query_id)) = (
-                    &mut self.settings_seen,
-                    instance.context.version,
-                    attribution.query_id.filter(|&q| q != 0),
-                ) {
-                    seen.record(root, header.tgid, query_id, table);
+                if let Some(query_id) = held.attribution.query_id.filter(|&q| q != 0) {
+                    let released = self
+                        .statements
+                        .resolve(header.tid, header.statement_start, query_id);
+                    self.add_on_cpu(released);
                 }
-                instance
-                    .stacks
-                    .on_cpu
-                    .add(header.tgid, attribution, record.kernel_stack(), user);
+                self.add_on_cpu(vec![held]);
             }
         }
+    }
+
+    /// Adds on-CPU samples to their instances' stacks, `--queryid` applied.
+    fn add_on_cpu(&mut self, samples: Vec<Held>) {
+        for held in samples {
+            if let Some(wanted) = self.query_filter {
+                if held.attribution.query_id != Some(wanted) {
+                    self.filtered_out += 1;
+                    continue;
+                }
+            }
+            let Some(instance) = self.instances.get_mut(&held.root) else {
+                self.unowned += 1;
+                continue;
+            };
+            instance.on_cpu_samples += 1;
+            if let Some(live) = &mut self.live {
+                live.record(&held.attribution);
+            }
+            if let (Some(seen), Some(table), Some(query_id)) = (
+                &mut self.settings_seen,
+                instance.context.version,
+                held.attribution.query_id.filter(|&q| q != 0),
+            ) {
+                seen.record(held.root, held.tgid, query_id, table);
+            }
+            instance
+                .stacks
+                .on_cpu
+                .add(held.tgid, held.attribution, &held.kernel, held.user);
+        }
+    }
+
+    /// Adds the samples still waiting for their statement's queryid as they are (queryid 0):
+    /// before the stacks are read (the end of a trace, an agent interval).
+    pub fn release_held_samples(&mut self) {
+        let held = self.statements.release_all();
+        self.add_on_cpu(held);
     }
 
     /// A wait whose stacks came when it began has ended: they get its blocked time, or are
@@ -422,6 +473,8 @@ impl Session {
         }
         if !exited.is_empty() {
             self.waits.forget_processes(&exited);
+            let held = self.statements.release_processes(&exited);
+            self.add_on_cpu(held);
         }
         exited
     }

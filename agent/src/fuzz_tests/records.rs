@@ -87,10 +87,11 @@ fn check_parsers(bytes: &[u8]) {
             let frames = (u32_at(bytes, 20) as usize).min(KERNEL_FRAMES_MAX);
             assert_eq!(record.kernel_stack().len(), frames);
             for (i, &frame) in record.kernel_stack().iter().enumerate() {
-                assert_eq!(frame, u64_at(bytes, 104 + 8 * i));
+                assert_eq!(frame, u64_at(bytes, 112 + 8 * i));
             }
             assert_eq!(record.header.tgid, u32_at(bytes, 0));
             assert_eq!(record.header.off_cpu_ns, u64_at(bytes, 88));
+            assert_eq!(record.header.statement_start, u64_at(bytes, 104));
         }
     }
 }
@@ -354,6 +355,7 @@ struct SampleFields {
     stack: Vec<u8>,
     attr: (u64, u32, u32, u32, u32, u32, u32),
     off_cpu: (u64, u32, u32),
+    statement_start: u64,
 }
 
 impl SampleFields {
@@ -379,6 +381,7 @@ impl SampleFields {
         out.extend(ns.to_le_bytes());
         out.extend(syscall.to_le_bytes());
         out.extend(off_flags.to_le_bytes());
+        out.extend(self.statement_start.to_le_bytes());
         for slot in 0..KERNEL_FRAMES_MAX {
             out.extend(self.kernel.get(slot).copied().unwrap_or(0).to_le_bytes());
         }
@@ -396,15 +399,19 @@ fn sample_fields() -> impl Strategy<Value = SampleFields> {
         (0..=USER_STACK_MAX, any::<u64>()).prop_map(|(len, seed)| noise(len, seed)),
         any::<(u64, u32, u32, u32, u32, u32, u32)>(),
         any::<(u64, u32, u32)>(),
+        any::<u64>(),
     )
-        .prop_map(|(ids, kernel, regs, stack, attr, off_cpu)| SampleFields {
-            ids,
-            kernel,
-            regs,
-            stack,
-            attr,
-            off_cpu,
-        })
+        .prop_map(
+            |(ids, kernel, regs, stack, attr, off_cpu, statement_start)| SampleFields {
+                ids,
+                kernel,
+                regs,
+                stack,
+                attr,
+                off_cpu,
+                statement_start,
+            },
+        )
 }
 
 #[test]

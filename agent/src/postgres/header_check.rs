@@ -106,6 +106,11 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             table.st_query_id_offset,
         ),
         (
+            "st_activity_start_timestamp",
+            "offsetof(PgBackendStatus, st_activity_start_timestamp)",
+            table.st_activity_start_offset,
+        ),
+        (
             "status entry size",
             "sizeof(PgBackendStatus)",
             table.status_entry_size,

@@ -56,6 +56,9 @@ pub struct VersionTable {
     pub st_state_offset: u32,
     /// `offsetof(PgBackendStatus, st_query_id)`.
     pub st_query_id_offset: u32,
+    /// `offsetof(PgBackendStatus, st_activity_start_timestamp)`: when the current statement
+    /// began, the same before and after its queryid is reported.
+    pub st_activity_start_offset: u32,
     /// `STATE_IDLE`: 1, and 2 in 18 (`STATE_STARTING` came before it). With
     /// `wait_event_client_read`, what tells a backend idle between statements at switch-out.
     pub state_idle: u32,
@@ -264,6 +267,8 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
         st_query_id_offset: table.st_query_id_offset,
         state_idle: table.state_idle,
         wait_client_read: table.wait_event_client_read,
+        st_activity_start_offset: table.st_activity_start_offset,
+        _pad: 0,
     };
     Ok((layout, table))
 }

@@ -294,6 +294,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     };
     // Detach before the slow part (symbolization, output): the database is left alone at once.
     drop(probes);
+    // Samples whose statement never reported a queryid are what they are.
+    session.release_held_samples();
     if ended_early {
         note!("pgscope: stopped early after {:.1} s", elapsed.as_secs_f64());
     }

@@ -1,0 +1,73 @@
+//! Time before Postgres reports a statement's queryid belongs to that statement. Raw parsing
+//! and parse analysis run before `pgstat_report_query_id`, so the backend's status reads
+//! queryid 0 while they do; a statement that is mostly parsing (a 100000-element IN list, sent
+//! as text each time) showed a third of its CPU under queryid 0. pgscope links those samples
+//! to the queryid the same statement (same backend, same statement start) reports next.
+
+use anyhow::{ensure, Result};
+use pgscope_tests::{require_root_and_bpf, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace};
+
+#[test]
+fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
+    let dir = tempfile::tempdir()?;
+    let list: Vec<String> = (1..=100_000).map(|i| i.to_string()).collect();
+    let script = dir.path().join("long_in.sql");
+    std::fs::write(
+        &script,
+        format!("SELECT count(*) FROM t WHERE x IN ({});\n", list.join(",")),
+    )?;
+    let pprof = dir.path().join("profile.pb.gz");
+    let trace = Trace::instance(cluster.data_dir())
+        .pprof(&pprof)
+        .duration_secs(600)
+        .spawn()?;
+    let script = script.display().to_string();
+    cluster.pgbench(&["-n", "-c", "1", "-T", "5", "-f", &script])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
+        .trim()
+        .to_string();
+    ensure!(
+        !queryid.is_empty(),
+        "no pg_stat_statements entry for the statement"
+    );
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
+    let all = profile.count_where(client);
+    let unknown = profile.count_where(|s| client(s) && s.label("queryid") == Some("0"));
+    let statement = profile.count_where(|s| client(s) && s.label("queryid") == Some(queryid.as_str()));
+    let parsing = profile.count_where(|s| {
+        client(s)
+            && s.label("queryid") == Some(queryid.as_str())
+            && matches!(s.label("phase"), Some("parse" | "analyze"))
+    });
+    eprintln!(
+        "client backend samples {all}: queryid {queryid} {statement} (parse + analysis {parsing}), \
+         queryid 0 {unknown}"
+    );
+    eprintln!(
+        "queryid 0 by phase: {:?}\n{}",
+        profile.label_values("phase", |s| client(s) && s.label("queryid") == Some("0")),
+        profile.examples_where(|s| client(s) && s.label("queryid") == Some("0"), 4)
+    );
+    ensure!(all >= 100, "{all} client backend samples:\n{}", output.stdout);
+    // What stays on 0: the statement the trace ended in, and pgbench's own few statements.
+    ensure!(
+        unknown * 10 <= all,
+        "{unknown} of {all} client backend samples kept queryid 0"
+    );
+    ensure!(
+        parsing * 10 >= statement,
+        "the statement's parsing and analysis are {parsing} of its {statement} samples"
+    );
+    let phases = profile.label_values("phase", |s| s.label("queryid") == Some(queryid.as_str()));
+    ensure!(
+        phases.get(&Some("parse".to_string())).is_some_and(|&n| n > 0),
+        "no parse samples carry queryid {queryid}: {phases:?}"
+    );
+    Ok(())
+}
