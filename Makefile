@@ -56,9 +56,10 @@ fuzz: deps
 	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p exporters --lib -- redact
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
-# cluster per test).
+# cluster per test). Every test file runs even after one fails, so that a CI run reports all
+# its failures at once.
 integration-test: build pg-nofp pg-majors pyroscope-server
-	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests -- --test-threads=1
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1
 
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
 # pgscope (stacks, attribution, phases). Ends with its measurements, one line per major:
