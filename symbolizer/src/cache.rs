@@ -51,6 +51,11 @@ impl ModuleCache {
         }
     }
 
+    /// Every module read so far.
+    pub fn modules(&self) -> impl Iterator<Item = &Arc<ModuleData>> {
+        self.by_id.values()
+    }
+
     pub fn get(&self, id: &ModuleId) -> Option<&Arc<ModuleData>> {
         self.by_id.get(id)
     }

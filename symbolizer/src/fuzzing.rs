@@ -27,3 +27,32 @@ pub fn debuginfod_debug_file(
     });
     Ok(client.debug_file(&elf, module).map(|debug| debug.path))
 }
+
+/// The code addresses that machine code `code`, placed at `start`, stores into
+/// `PlanState.ExecProcNode`, as the executor-node naming reads an `ExecInit*` function; None
+/// when the bytes do not decode.
+pub fn exec_proc_node_stores(code: &[u8], start: u64) -> Option<Vec<u64>> {
+    let function = start..start.saturating_add(code.len() as u64);
+    crate::exec_nodes::stored_at_exec_proc_node(code, &function).map(|stored| stored.into_iter().collect())
+}
+
+/// The executor-node functions named in the ELF file `bytes` (labelled `label`) where no symbol
+/// names them, by start address: what frames in them are called.
+pub fn exec_node_names(label: PathBuf, bytes: Vec<u8>) -> Result<Vec<(u64, String)>, Error> {
+    let elf = ElfData::from_bytes(label.clone(), bytes)?;
+    let search = crate::debuginfo::DebugSearch {
+        mapped_path: &label,
+        root: Path::new("/nonexistent"),
+        debug_dirs: &[],
+        debuginfod: None,
+    };
+    let module = crate::module::ModuleData::new(elf, &label, 0, &search);
+    let mut names: Vec<(u64, String)> = module
+        .exec_nodes()
+        .derived
+        .iter()
+        .map(|(start, name)| (*start, name.to_string()))
+        .collect();
+    names.sort();
+    Ok(names)
+}

@@ -11,8 +11,11 @@
 //! function: the `.eh_frame` FDE containing it gives the function start, and the name is a
 //! symbol starting exactly there (`.symtab` or the debug file's `.symtab` before `.dynsym`;
 //! among aliases global before weak before local, then the shortest, then alphabetical),
-//! else a sized symbol containing the address, else `module+0x<function start>`. Without an
-//! FDE: a sized symbol containing the address, else `module+0x<address>`.
+//! else a sized symbol containing the address, else a name identified without a symbol (by the
+//! caller through [`Symbolizer::name_function`], or an executor node function `Exec<Node>`
+//! found by decoding the exported `ExecInit<Node>` that installs it), else
+//! `module+0x<function start>`. Without an FDE: a sized symbol containing the address, else
+//! `module+0x<address>`.
 //!
 //! # framehop behaviour worth knowing
 //! - The first frame is the sampled `ip` itself (not minus 1); later frames are return
@@ -54,6 +57,7 @@ mod debuginfod;
 mod eh_frame_hdr;
 mod elf;
 mod error;
+mod exec_nodes;
 mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -68,7 +72,7 @@ mod symbols;
 mod unwind;
 mod vdso;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -438,6 +442,17 @@ impl Symbolizer {
                 .filter_map(|target| elf.code_file_offset(target))
                 .collect(),
         })
+    }
+
+    /// The executor's per-node functions of every file read so far, by the name frames in them
+    /// get (`ExecSeqScan`, `MultiExecHash`), with their plan node type (`SeqScan`, `Hash`). On
+    /// a stripped Postgres they are named by decoding the exported `ExecInit<Node>` functions
+    /// that install them into `PlanState.ExecProcNode` (see the crate docs).
+    pub fn plan_node_functions(&self) -> BTreeMap<Arc<str>, Arc<str>> {
+        self.modules
+            .modules()
+            .flat_map(|module| module.exec_nodes().node_types.clone())
+            .collect()
     }
 
     /// Forget per-process state (mappings, unwinder) of an exited process; parsed files stay

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::debuginfo::{find_debug_file, DebugSearch};
 use crate::elf::{hex, ElfData};
+use crate::exec_nodes::ExecNodes;
 use crate::functions::FunctionRanges;
 use crate::symbols::{Origin, SymbolTable};
 
@@ -70,6 +71,8 @@ pub(crate) struct ModuleData {
     /// Functions no symbol names but the caller identified otherwise (by their start address),
     /// e.g. `pgss_store` through pg_stat_statements' hook functions.
     identified: Mutex<HashMap<u64, Arc<str>>>,
+    /// The executor's per-node functions, named from the `ExecInit*` functions installing them.
+    exec_nodes: OnceLock<ExecNodes>,
 }
 
 impl ModuleData {
@@ -89,6 +92,7 @@ impl ModuleData {
             functions: OnceLock::new(),
             symbols: OnceLock::new(),
             identified: Mutex::new(HashMap::new()),
+            exec_nodes: OnceLock::new(),
         }
     }
 
@@ -103,6 +107,7 @@ impl ModuleData {
             functions: OnceLock::new(),
             symbols: OnceLock::new(),
             identified: Mutex::new(HashMap::new()),
+            exec_nodes: OnceLock::new(),
         }
     }
 
@@ -176,7 +181,19 @@ impl ModuleData {
 
     fn identified_at(&self, start: u64) -> Option<Arc<str>> {
         let identified = self.identified.lock().unwrap_or_else(|e| e.into_inner());
-        identified.get(&start).cloned()
+        if let Some(name) = identified.get(&start) {
+            return Some(name.clone());
+        }
+        self.exec_nodes().derived.get(&start).cloned()
+    }
+
+    /// The executor's per-node functions of this module (decoded on first use; empty for a
+    /// module that exports no `ExecInit*`).
+    pub fn exec_nodes(&self) -> &ExecNodes {
+        self.exec_nodes.get_or_init(|| match &self.elf {
+            Some(elf) => ExecNodes::derive(elf, self.symbols(), self.functions()),
+            None => ExecNodes::default(),
+        })
     }
 
     /// The name of the function containing `svma` (see the crate docs for the rules).

@@ -148,6 +148,22 @@ impl SymbolTable {
             .map(|s| s.addr)
     }
 
+    /// The functions whose name starts with `prefix`, each once (from its preferred table):
+    /// name, start and size (0 when unknown).
+    pub fn with_prefix(&self, prefix: &str) -> Vec<(Arc<str>, u64, u64)> {
+        let mut chosen: std::collections::BTreeMap<&str, &Sym> = std::collections::BTreeMap::new();
+        for sym in self.all.iter().filter(|s| s.name.starts_with(prefix)) {
+            let entry = chosen.entry(&sym.name).or_insert(sym);
+            if sym.rank < entry.rank {
+                *entry = sym;
+            }
+        }
+        chosen
+            .into_values()
+            .map(|s| (s.name.clone(), s.addr, s.size))
+            .collect()
+    }
+
     /// The preferred symbol starting exactly at `svma`.
     pub fn at(&self, svma: u64) -> Option<&Arc<str>> {
         let i = self.all.partition_point(|s| s.addr < svma);

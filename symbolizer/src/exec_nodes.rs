@@ -1,0 +1,367 @@
+//! Names for the executor's per-node functions of a stripped Postgres (`ExecSeqScan`,
+//! `ExecHashJoin`, `ExecAgg`, …), read from the exported functions that install them.
+//!
+//! Each per-node function is static, so a stripped build has no symbol for it, but the exported
+//! `ExecInit<Node>` that builds the node's state stores its address into
+//! `PlanState.ExecProcNode` (`scanstate->ss.ps.ExecProcNode = ExecSeqScan;`). In position-
+//! independent x86-64 code that is a `lea reg, [rip+X]` followed by `mov [base+0x18], reg`:
+//! decoding `ExecInit<Node>` finds `X`, which is then named `Exec<Node>`. Nothing is guessed: an
+//! `ExecInit*` storing several distinct functions there names none of them, and only a
+//! function start (an `.eh_frame` FDE) that no symbol names is named.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+
+use iced_x86::{Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
+
+use crate::elf::ElfData;
+use crate::functions::FunctionRanges;
+use crate::symbols::SymbolTable;
+
+/// Offset of `ExecProcNode` in `PlanState` (`NodeTag type; Plan *plan; EState *state;
+/// ExecProcNodeMtd ExecProcNode;`), the same on x86-64 from Postgres 10 through 18 (checked
+/// against the server headers of 14, 15, 16, 17 and 18).
+const EXEC_PROC_NODE_OFFSET: u64 = 0x18;
+
+/// The exported functions that install a node's `ExecProcNode`.
+const INIT_PREFIX: &str = "ExecInit";
+
+/// `ExecInitNode` is the dispatcher, not a node type: it installs the wrapper
+/// `ExecProcNodeFirst` (through an inlined `ExecSetExecProcNode`) into every node.
+const NOT_A_NODE: &[&str] = &["Node"];
+
+/// The plan node functions of one module: the function each exported `ExecInit<Node>` installs,
+/// by start address, with its node type (`SeqScan`).
+#[derive(Debug, Default)]
+pub(crate) struct ExecNodes {
+    /// Start (stated address) of each installed function no symbol names, with its derived
+    /// name `Exec<Node>`.
+    pub derived: HashMap<u64, Arc<str>>,
+    /// Every function that runs a node of a type, by name (`ExecSeqScan` → `SeqScan`): the
+    /// installed ones (named by symbol or derived) and the exported `MultiExec<Node>` of nodes
+    /// that return a bitmap or a hash table instead of tuples (`MultiExecHash`).
+    pub node_types: BTreeMap<Arc<str>, Arc<str>>,
+}
+
+impl ExecNodes {
+    /// Decodes every exported `ExecInit<Node>` of `elf`; empty for a module without them.
+    pub fn derive(elf: &ElfData, symbols: &SymbolTable, functions: &FunctionRanges) -> ExecNodes {
+        let mut found = ExecNodes::default();
+        for (init, start, size) in symbols.with_prefix(INIT_PREFIX) {
+            let node = &init[INIT_PREFIX.len()..];
+            if node.is_empty() || NOT_A_NODE.contains(&node) {
+                continue;
+            }
+            // The extent from the FDE starting at the symbol, else the symbol's own size.
+            let extent = match functions.lookup(start) {
+                Some(fde) if fde.start == start => fde,
+                _ if size > 0 => start..start.saturating_add(size),
+                _ => continue,
+            };
+            let Some(code) = elf.code_bytes(&extent) else {
+                continue;
+            };
+            let Some(stored) = stored_at_exec_proc_node(code, &extent) else {
+                continue;
+            };
+            // Several distinct functions: which is which is in the source, not in the code.
+            let mut targets = stored.into_iter();
+            let (Some(target), None) = (targets.next(), targets.next()) else {
+                continue;
+            };
+            if functions.lookup(target).is_none_or(|f| f.start != target) {
+                continue;
+            }
+            let node_type: Arc<str> = Arc::from(node);
+            let name = match symbols.at(target) {
+                Some(symbol) => symbol.clone(),
+                None => {
+                    let name: Arc<str> = Arc::from(format!("Exec{node}"));
+                    found.derived.insert(target, name.clone());
+                    name
+                }
+            };
+            found.node_types.insert(name, node_type.clone());
+            let multi = format!("MultiExec{node}");
+            if symbols.address_of(&multi).is_some() {
+                found.node_types.insert(Arc::from(multi), node_type);
+            }
+        }
+        found
+    }
+}
+
+/// The code addresses that `code` (the bytes of `function`) stores at offset
+/// [`EXEC_PROC_NODE_OFFSET`] of a structure, as `lea reg, [rip+X]` then `mov [base+0x18], reg`;
+/// None when an instruction cannot be decoded (wrong extent or bytes: better no answer).
+pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Option<BTreeSet<u64>> {
+    let mut decoder = Decoder::with_ip(64, code, function.start, DecoderOptions::NONE);
+    let mut instruction = Instruction::default();
+    // 64-bit registers holding a rip-relative address, by the `lea` that set them.
+    let mut loaded: HashMap<Register, u64> = HashMap::new();
+    let mut stored = BTreeSet::new();
+    while decoder.can_decode() {
+        decoder.decode_out(&mut instruction);
+        if instruction.is_invalid() {
+            return None;
+        }
+        match instruction.mnemonic() {
+            Mnemonic::Lea
+                if instruction.op0_kind() == OpKind::Register
+                    && is_gpr64(instruction.op0_register())
+                    && instruction.is_ip_rel_memory_operand() =>
+            {
+                loaded.insert(instruction.op0_register(), instruction.ip_rel_memory_address());
+            }
+            Mnemonic::Mov if instruction.op0_kind() == OpKind::Memory => {
+                let to_field = is_gpr64(instruction.memory_base())
+                    && instruction.memory_index() == Register::None
+                    && instruction.memory_displacement64() == EXEC_PROC_NODE_OFFSET
+                    && instruction.op1_kind() == OpKind::Register;
+                if let Some(&target) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
+                    stored.insert(target);
+                }
+            }
+            // A call clobbers registers, and the code after an unconditional jump or a return
+            // is reached from elsewhere, with other register contents.
+            Mnemonic::Call | Mnemonic::Jmp | Mnemonic::Ret => loaded.clear(),
+            _ => forget_written(&instruction, &mut loaded),
+        }
+    }
+    Some(stored)
+}
+
+/// Drops what an instruction may overwrite. Which operands an instruction writes is not known
+/// without iced's instruction-info tables, so this is conservative: a general-purpose register
+/// destination (or any alias of it: `eax`, `r12d`, `al`) drops that register, any other
+/// register destination (vector registers, which can also be written from a GPR's value) and
+/// the exchanges (which write their source too) drop them all.
+fn forget_written(instruction: &Instruction, loaded: &mut HashMap<Register, u64>) {
+    if loaded.is_empty() {
+        return;
+    }
+    let exchanges = matches!(
+        instruction.mnemonic(),
+        Mnemonic::Xchg | Mnemonic::Xadd | Mnemonic::Cmpxchg
+    );
+    if exchanges {
+        loaded.clear();
+        return;
+    }
+    if instruction.op_count() == 0 || instruction.op0_kind() != OpKind::Register {
+        return;
+    }
+    match gpr64_of(instruction.op0_register()) {
+        Some(register) => {
+            loaded.remove(&register);
+        }
+        None => loaded.clear(),
+    }
+}
+
+/// The 64-bit register that a general-purpose register (of any width) is part of. iced's own
+/// `full_register` needs its instruction-info feature; the numbering (`AL`…`R15L`, `AX`…`R15W`,
+/// `EAX`…`R15D`, `RAX`…`R15`, each in `rax rcx rdx rbx rsp rbp rsi rdi r8`… order, with
+/// `AH`…`BH` after `BL`) is iced's stable public enum.
+fn gpr64_of(register: Register) -> Option<Register> {
+    let number = register as u32;
+    let index = match number {
+        n if (Register::AL as u32..=Register::BL as u32).contains(&n) => n - Register::AL as u32,
+        n if (Register::AH as u32..=Register::BH as u32).contains(&n) => n - Register::AH as u32,
+        n if (Register::SPL as u32..=Register::R15L as u32).contains(&n) => n - Register::SPL as u32 + 4,
+        n if (Register::AX as u32..=Register::R15W as u32).contains(&n) => n - Register::AX as u32,
+        n if (Register::EAX as u32..=Register::R15D as u32).contains(&n) => n - Register::EAX as u32,
+        n if (Register::RAX as u32..=Register::R15 as u32).contains(&n) => n - Register::RAX as u32,
+        _ => return None,
+    };
+    GPR64.get(usize::try_from(index).ok()?).copied()
+}
+
+const GPR64: [Register; 16] = [
+    Register::RAX,
+    Register::RCX,
+    Register::RDX,
+    Register::RBX,
+    Register::RSP,
+    Register::RBP,
+    Register::RSI,
+    Register::RDI,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
+];
+
+/// `rax` … `r15` (iced's own test needs its instruction-info feature).
+fn is_gpr64(register: Register) -> bool {
+    (Register::RAX as u32..=Register::R15 as u32).contains(&(register as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rel32` little-endian bytes of `target - next_ip`.
+    fn rel32(target: u64, next_ip: u64) -> [u8; 4] {
+        let delta = i32::try_from(target as i64 - next_ip as i64).expect("in range");
+        delta.to_le_bytes()
+    }
+
+    #[test]
+    fn finds_a_lea_stored_at_the_field_through_any_base() {
+        let mut code = Vec::new();
+        // 0x1000: lea rax, [rip+…] → 0x5000
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x5000, 0x1007));
+        // 0x1007: mov [rbx+0x18], rax
+        code.extend_from_slice(&[0x48, 0x89, 0x43, 0x18]);
+        // 0x100b: lea rdx, [rip+…] → 0x6000, stored at +0x20 (another field): not kept
+        code.extend_from_slice(&[0x48, 0x8d, 0x15]);
+        code.extend_from_slice(&rel32(0x6000, 0x1012));
+        // 0x1012: mov [r12+0x20], rdx
+        code.extend_from_slice(&[0x49, 0x89, 0x54, 0x24, 0x20]);
+        // 0x1017: mov [r12+0x18], rdx (a nested struct's base): kept
+        code.extend_from_slice(&[0x49, 0x89, 0x54, 0x24, 0x18]);
+        // 0x101c: ret
+        code.push(0xc3);
+        let function = 0x1000..0x1000 + code.len() as u64;
+        let stored = stored_at_exec_proc_node(&code, &function).expect("valid code");
+        assert_eq!(stored, BTreeSet::from([0x5000, 0x6000]));
+    }
+
+    #[test]
+    fn an_overwritten_register_or_a_call_forgets_the_address() {
+        let mut code = Vec::new();
+        // 0x1000: lea rax, [rip+…] → 0x5000
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x5000, 0x1007));
+        // 0x1007: mov eax, 1 (a 32-bit write zero-extends into rax)
+        code.extend_from_slice(&[0xb8, 0x01, 0x00, 0x00, 0x00]);
+        // 0x100c: mov [rbx+0x18], rax
+        code.extend_from_slice(&[0x48, 0x89, 0x43, 0x18]);
+        // 0x1010: lea rcx, [rip+…] → 0x5000
+        code.extend_from_slice(&[0x48, 0x8d, 0x0d]);
+        code.extend_from_slice(&rel32(0x5000, 0x1017));
+        // 0x1017: call rax
+        code.extend_from_slice(&[0xff, 0xd0]);
+        // 0x1019: mov [rbx+0x18], rcx
+        code.extend_from_slice(&[0x48, 0x89, 0x4b, 0x18]);
+        code.push(0xc3);
+        let function = 0x1000..0x1000 + code.len() as u64;
+        let stored = stored_at_exec_proc_node(&code, &function).expect("valid code");
+        assert!(stored.is_empty(), "{stored:x?}");
+    }
+
+    #[test]
+    fn register_aliases_map_to_their_64_bit_register() {
+        assert_eq!(gpr64_of(Register::AH), Some(Register::RAX));
+        assert_eq!(gpr64_of(Register::BL), Some(Register::RBX));
+        assert_eq!(gpr64_of(Register::SIL), Some(Register::RSI));
+        assert_eq!(gpr64_of(Register::R12D), Some(Register::R12));
+        assert_eq!(gpr64_of(Register::R15L), Some(Register::R15));
+        assert_eq!(gpr64_of(Register::DI), Some(Register::RDI));
+        assert_eq!(gpr64_of(Register::R9), Some(Register::R9));
+        assert_eq!(gpr64_of(Register::XMM0), None);
+    }
+
+    #[test]
+    fn undecodable_code_gives_no_answer() {
+        // `lea rax, [rip+…]` cut short by the function's end.
+        let code = [0x48, 0x8d, 0x05, 0x00];
+        assert_eq!(stored_at_exec_proc_node(&code, &(0x1000..0x1004)), None);
+    }
+
+    /// Exported functions after a node function among which one names its node.
+    const FOLLOWING: usize = 3;
+
+    /// The distro's stripped Postgres 15: its per-node functions have no symbol at all.
+    const DISTRO_POSTGRES: &str = "/usr/lib/postgresql/15/bin/postgres";
+
+    fn distro_postgres() -> (ElfData, SymbolTable, FunctionRanges) {
+        let path = std::path::Path::new(DISTRO_POSTGRES);
+        let elf = ElfData::open(path)
+            .unwrap_or_else(|e| panic!("{DISTRO_POSTGRES} is needed for this test (postgresql-15): {e}"));
+        assert!(!elf.has_symtab, "the distro build is stripped");
+        let mut symbols = SymbolTable::default();
+        symbols.add(&elf.object().expect("parse"), crate::symbols::Origin::DynSym);
+        symbols.finish();
+        let functions = FunctionRanges::from_elf(&elf);
+        (elf, symbols, functions)
+    }
+
+    #[test]
+    fn names_the_node_functions_of_the_stripped_distro_postgres() {
+        let (elf, symbols, functions) = distro_postgres();
+        let nodes = ExecNodes::derive(&elf, &symbols, &functions);
+        let by_name: HashMap<&str, u64> = nodes.derived.iter().map(|(a, n)| (&**n, *a)).collect();
+        assert_eq!(
+            by_name.len(),
+            nodes.derived.len(),
+            "one function per name: {by_name:x?}"
+        );
+        for node in [
+            "SeqScan",
+            "IndexScan",
+            "IndexOnlyScan",
+            "BitmapHeapScan",
+            "HashJoin",
+            "NestLoop",
+            "MergeJoin",
+            "Sort",
+            "Agg",
+            "Limit",
+            "Material",
+            "Append",
+            "Gather",
+            "Result",
+            "ProjectSet",
+            "ModifyTable",
+            "Unique",
+            "Memoize",
+        ] {
+            let name = format!("Exec{node}");
+            let Some(&start) = by_name.get(name.as_str()) else {
+                panic!("{name} not derived: {by_name:x?}");
+            };
+            assert_eq!(functions.lookup(start).map(|f| f.start), Some(start), "{name}");
+            assert_eq!(symbols.at(start), None, "{name} had a symbol");
+            assert_eq!(nodes.node_types.get(name.as_str()).map(|t| &**t), Some(node));
+            // A static function sits in its node's source file (`nodeSeqscan.c`): the exported
+            // functions right after it belong to the same node (`ExecSeqScanEstimate`,
+            // `ExecInitSeqScan`, …). Node functions are often the file's first function, so
+            // the one before it is another file's.
+            let mut after: Vec<(Arc<str>, u64, u64)> = symbols
+                .with_prefix("")
+                .into_iter()
+                .filter(|(_, addr, _)| *addr > start)
+                .collect();
+            after.sort_by_key(|(_, addr, _)| *addr);
+            let next: Vec<&str> = after.iter().take(FOLLOWING).map(|(n, _, _)| &**n).collect();
+            assert!(
+                next.iter().any(|n| n.contains(node)),
+                "{name} at {start:#x} is followed by {next:?}"
+            );
+        }
+        // Hash's ExecProcNode only raises an error (the hash table is built by
+        // `MultiExecHash`), so the compiler puts it among the cold code of every file;
+        // nodeWindowAgg.c's exported functions are the window-function API (`WinGetFuncArg…`).
+        for (name, node) in [("ExecHash", "Hash"), ("ExecWindowAgg", "WindowAgg")] {
+            let start = by_name
+                .get(name)
+                .copied()
+                .unwrap_or_else(|| panic!("{name} not derived"));
+            assert_eq!(symbols.at(start), None);
+            assert_eq!(nodes.node_types.get(name).map(|t| &**t), Some(node));
+        }
+        assert_eq!(nodes.node_types.get("MultiExecHash").map(|t| &**t), Some("Hash"));
+        // The dispatcher's wrapper is no node, and expression or slot set-up is no node either.
+        assert!(!by_name
+            .keys()
+            .any(|n| matches!(*n, "ExecNode" | "ExecExpr" | "ExecQual")));
+    }
+}
