@@ -10,6 +10,7 @@ pub mod counts;
 #[cfg(test)]
 pub mod fixtures;
 pub mod labels;
+pub mod plan_nodes;
 mod query_id;
 pub mod statements;
 pub mod waits;
@@ -21,6 +22,7 @@ use exporters::Profile;
 #[cfg(test)]
 pub use counts::PGSS_TEXT_ONLY;
 pub use counts::{PgssEvidence, ProbeRow, SpinSiteRow};
+pub use plan_nodes::{NodeFunctions, StatementPlanNodes};
 pub use query_id::{shorten, QueryId};
 pub use statements::StatementCpu;
 pub use waits::WaitTables;
@@ -58,6 +60,9 @@ pub struct Analysis<'a> {
     pub waits: Option<WaitTables>,
     /// Per queryid, its time on and off CPU.
     pub statement_time: StatementTime,
+    /// Per queryid, its on-CPU samples by innermost plan node; empty unless
+    /// [`Analysis::with_plan_nodes`] was given the executor's per-node functions.
+    pub plan_nodes: Vec<StatementPlanNodes>,
 }
 
 impl<'a> Analysis<'a> {
@@ -70,7 +75,15 @@ impl<'a> Analysis<'a> {
             statements,
             waits,
             statement_time,
+            plan_nodes: Vec::new(),
         }
+    }
+
+    /// Adds each statement's CPU by plan node type, given which functions run which node
+    /// (from the symbolizer: see [`plan_nodes`]).
+    pub fn with_plan_nodes(mut self, functions: &NodeFunctions) -> Self {
+        self.plan_nodes = plan_nodes::plan_nodes(self.measured.on_cpu, functions);
+        self
     }
 
     /// On-CPU samples in all.

@@ -15,7 +15,7 @@ use crate::bpf::Counters;
 use crate::collect::probes::Extrapolation;
 use crate::findings::Finding;
 use crate::model::labels;
-use crate::model::{StatementCpu, WaitTables};
+use crate::model::{StatementCpu, StatementPlanNodes, WaitTables};
 use crate::postgres::phase::Phase;
 use crate::target::Target;
 
@@ -32,6 +32,10 @@ pub struct Summary {
     pub samples: SamplesJson,
     pub top_functions: Vec<FunctionJson>,
     pub queries: Vec<QueryJson>,
+    /// Per queryid, its on-CPU samples by the innermost plan node on the stack (the executor's
+    /// per-node function nearest the leaf: `ExecHashJoin` → `HashJoin`); statements that never
+    /// ran a plan node are left out.
+    pub plan_nodes: Vec<PlanNodesJson>,
     pub processes: Vec<ProcessJson>,
     /// Per probed function, over all backends and queries.
     pub probes: Vec<ProbeJson>,
@@ -285,6 +289,26 @@ pub struct QueryJson {
 }
 
 #[derive(Serialize)]
+pub struct PlanNodesJson {
+    pub queryid: String,
+    /// All of the statement's on-CPU samples.
+    pub samples: u64,
+    /// Most samples first.
+    pub nodes: Vec<PlanNodeJson>,
+    /// Samples with no plan node on the stack (parsing, planning, commit, client I/O).
+    pub outside_nodes_samples: u64,
+}
+
+#[derive(Serialize)]
+pub struct PlanNodeJson {
+    /// The plan node type as EXPLAIN spells it without spaces (`HashJoin`, `SeqScan`, `Agg`).
+    pub node: String,
+    pub samples: u64,
+    /// Share of the statement's samples.
+    pub share_pct: f64,
+}
+
+#[derive(Serialize)]
 pub struct ProcessJson {
     pub pid: u32,
     pub backend_type: Option<String>,
@@ -302,6 +326,7 @@ pub struct SummaryInputs<'a> {
     pub profile: &'a Profile,
     pub functions: &'a [FunctionShare],
     pub queries: &'a [StatementCpu],
+    pub plan_nodes: &'a [StatementPlanNodes],
     pub probes: &'a ProbeResults,
     pub query_texts: &'a std::collections::HashMap<i64, String>,
     /// The off-CPU tables (idle waits included) and the stack threshold in ns.
@@ -370,6 +395,24 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     phases,
                     hottest_function: q.hottest_function.clone(),
                 }
+            })
+            .collect(),
+        plan_nodes: inputs
+            .plan_nodes
+            .iter()
+            .map(|statement| PlanNodesJson {
+                queryid: statement.query_id.to_string(),
+                samples: statement.samples,
+                nodes: statement
+                    .by_node
+                    .iter()
+                    .map(|(node, samples)| PlanNodeJson {
+                        node: node.clone(),
+                        samples: *samples,
+                        share_pct: statement.pct(*samples),
+                    })
+                    .collect(),
+                outside_nodes_samples: statement.outside_nodes(),
             })
             .collect(),
         processes: processes(inputs.profile),

@@ -3,6 +3,7 @@
 
 mod json;
 pub(crate) mod off_cpu;
+mod plan_nodes;
 mod probes;
 mod progress;
 pub(crate) mod queries;

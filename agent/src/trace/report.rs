@@ -108,7 +108,8 @@ pub(super) fn finish(
         spin_sites: &spin_sites,
         pgss,
         instance: instance.as_ref(),
-    });
+    })
+    .with_plan_nodes(&session.symbolizer.plan_node_functions());
     let total = analysis.cpu_samples();
     let shares = exporters::top_functions(&profile, options.top);
     let queries = &analysis.statements;
@@ -122,6 +123,10 @@ pub(super) fn finish(
             out!("by query (phases in % of the query's samples):");
             out!("{}", super::queries::render(queries, total, options.top));
             print_query_texts(queries, &query_texts, options.top);
+            if !analysis.plan_nodes.is_empty() {
+                out!("by plan node (innermost executor node on the stack, % of the query's samples):");
+                out!("{}", super::plan_nodes::render(&analysis.plan_nodes, options.top));
+            }
             if queries.iter().all(|q| !q.query_id.is_statement()) {
                 out!(
                     "note: every queryid is 0: queryids are not computed; set compute_query_id = on \
@@ -277,6 +282,7 @@ pub(super) fn finish(
             profile: &profile,
             functions: &shares,
             queries,
+            plan_nodes: &analysis.plan_nodes,
             probes: &probe_results,
             query_texts: &query_texts,
             off_cpu: analysis

@@ -1,0 +1,168 @@
+//! Each statement's on-CPU time by plan node type: a plan-shaped profile without EXPLAIN
+//! ANALYZE. A sample belongs to the innermost executor node on its stack (the node whose
+//! per-node function, `ExecHashJoin`, `ExecSort`, `MultiExecHash`, … is nearest the leaf), so
+//! a node's share is the time spent in that node itself and in what it calls outside other
+//! nodes (its expressions, its tuple reads), not in its child nodes.
+//!
+//! Which functions are per-node functions comes from the symbolizer, which derives them from
+//! the exported `ExecInit<Node>` functions that install them (named there even on a stripped
+//! build); helpers such as `ExecScan` or `ExecProcNode` are no node type.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use exporters::{FrameKind, Profile};
+
+use super::labels::SampleLabels;
+use super::QueryId;
+
+/// Per-node function name (`ExecHashJoin`) → its plan node type (`HashJoin`).
+pub type NodeFunctions = BTreeMap<Arc<str>, Arc<str>>;
+
+/// One statement's on-CPU samples split by the innermost plan node on the stack.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StatementPlanNodes {
+    pub query_id: QueryId,
+    /// All of the statement's on-CPU samples.
+    pub samples: u64,
+    /// Samples per plan node type, most first (ties: by name).
+    pub by_node: Vec<(String, u64)>,
+}
+
+impl StatementPlanNodes {
+    /// Samples with no executor node on the stack (parsing, planning, commit, client I/O).
+    pub fn outside_nodes(&self) -> u64 {
+        self.samples - self.by_node.iter().map(|(_, n)| n).sum::<u64>()
+    }
+
+    /// `samples` as a share of the statement's samples, in percent.
+    pub fn pct(&self, samples: u64) -> f64 {
+        if self.samples == 0 {
+            0.0
+        } else {
+            100.0 * samples as f64 / self.samples as f64
+        }
+    }
+}
+
+/// Per queryid (most samples first, ties by queryid), its samples by innermost plan node.
+/// Statements none of whose samples ran in a plan node are left out; so are samples without a
+/// queryid label.
+pub fn plan_nodes(profile: &Profile, functions: &NodeFunctions) -> Vec<StatementPlanNodes> {
+    if functions.is_empty() {
+        return Vec::new();
+    }
+    let mut by_query: HashMap<QueryId, (u64, HashMap<Arc<str>, u64>)> = HashMap::new();
+    for sample in &profile.samples {
+        let Some(query_id) = sample.query_id() else {
+            continue;
+        };
+        let (samples, nodes) = by_query.entry(query_id).or_default();
+        *samples += sample.count;
+        // Frames are root first: the innermost node is the last one.
+        let innermost = sample
+            .frames
+            .iter()
+            .rev()
+            .filter(|f| f.kind == FrameKind::User)
+            .find_map(|f| functions.get(&f.name));
+        if let Some(node) = innermost {
+            *nodes.entry(node.clone()).or_insert(0) += sample.count;
+        }
+    }
+    let mut out: Vec<StatementPlanNodes> = by_query
+        .into_iter()
+        .filter(|(_, (_, nodes))| !nodes.is_empty())
+        .map(|(query_id, (samples, nodes))| {
+            let mut by_node: Vec<(String, u64)> =
+                nodes.into_iter().map(|(node, n)| (node.to_string(), n)).collect();
+            by_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            StatementPlanNodes {
+                query_id,
+                samples,
+                by_node,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.query_id.cmp(&b.query_id)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fixtures::{profile, sample};
+
+    fn functions() -> NodeFunctions {
+        [
+            ("ExecHashJoin", "HashJoin"),
+            ("MultiExecHash", "Hash"),
+            ("ExecSeqScan", "SeqScan"),
+            ("ExecSort", "Sort"),
+        ]
+        .into_iter()
+        .map(|(f, n)| (Arc::from(f), Arc::from(n)))
+        .collect()
+    }
+
+    #[test]
+    fn each_sample_goes_to_its_innermost_node() {
+        let p = profile(vec![
+            // The scan under the join: the scan's.
+            sample(
+                7,
+                "run",
+                &[
+                    "PortalRun",
+                    "ExecSort",
+                    "ExecHashJoin",
+                    "ExecSeqScan",
+                    "heapgettup",
+                ],
+                5,
+            ),
+            // Building the hash table: Hash, not the join above it.
+            sample(
+                7,
+                "run",
+                &[
+                    "PortalRun",
+                    "ExecSort",
+                    "ExecHashJoin",
+                    "MultiExecHash",
+                    "ExecScan",
+                ],
+                3,
+            ),
+            // Probing: the join's own work, through a helper that is no node.
+            sample(
+                7,
+                "run",
+                &["PortalRun", "ExecSort", "ExecHashJoin", "ExecScanHashBucket"],
+                4,
+            ),
+            sample(7, "run", &["PortalRun", "ExecSort", "tuplesort_gettuple"], 2),
+            sample(7, "plan", &["PortalStart", "standard_planner"], 6),
+            // A statement that never reached a node is left out.
+            sample(8, "parse", &["exec_simple_query", "raw_parser"], 9),
+        ]);
+        let found = plan_nodes(&p, &functions());
+        assert_eq!(found.len(), 1);
+        let statement = &found[0];
+        assert_eq!(statement.query_id, QueryId(7));
+        assert_eq!(statement.samples, 20);
+        let by_node: Vec<(&str, u64)> = statement.by_node.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+        assert_eq!(
+            by_node,
+            vec![("SeqScan", 5), ("HashJoin", 4), ("Hash", 3), ("Sort", 2)]
+        );
+        assert_eq!(statement.outside_nodes(), 6);
+        assert!((statement.pct(5) - 25.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn nothing_without_node_functions() {
+        let p = profile(vec![sample(7, "run", &["PortalRun", "ExecSort"], 5)]);
+        assert!(plan_nodes(&p, &NodeFunctions::new()).is_empty());
+    }
+}
