@@ -1,0 +1,253 @@
+//! The executor's per-node functions named on the stripped distro build, and each statement's
+//! CPU by plan node type. The distro `postgres` has no symbol for `ExecHashJoin`, `ExecSort`,
+//! `ExecAgg`, …; pgscope names them from the exported `ExecInit*` functions that install them.
+//! A backend runs a hash join under an aggregate under a sort in a loop while traced: its
+//! stacks must name the node functions, no `postgres+0x…` frame may be one of them (found here
+//! independently with `objdump`), and the plan node types the `--json` summary reports for the
+//! statement must be exactly those its EXPLAIN shows, each heavy one with samples.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Profile, Trace};
+use serde_json::Value;
+
+/// Rows of the probe side; the build side has a tenth of them, the aggregate one group per
+/// build row, so the join, the aggregation and the sort each take a visible share.
+const ROWS: u64 = 300_000;
+/// Executions of the statement while traced.
+const EXECUTIONS: u64 = 25;
+
+const QUERY: &str = "SELECT b.t, count(*), sum(a.v) FROM plan_a a JOIN plan_b b ON a.k = b.k \
+                     GROUP BY b.t ORDER BY sum(a.v) DESC, b.t";
+
+/// Plan node types that must have samples: the ones doing the statement's work.
+const HEAVY: &[&str] = &["SeqScan", "HashJoin", "Agg", "Sort"];
+
+#[test]
+fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::distro()?;
+    let named = node_functions_by_objdump(&install.bin("postgres"))?;
+    ensure!(
+        ["ExecHashJoin", "ExecSort", "ExecAgg", "ExecSeqScan"]
+            .iter()
+            .all(|f| named.values().any(|n| n == f)),
+        "objdump found too few node functions: {named:x?}"
+    );
+    // One backend, no parallel workers: its own stacks hold every node of the plan.
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &install,
+        &[("max_parallel_workers_per_gather", "0"), ("jit", "off")],
+    )?;
+    cluster.psql(&format!(
+        "CREATE TABLE plan_a AS SELECT g AS v, g % {build} AS k FROM generate_series(1, {ROWS}) g; \
+         CREATE TABLE plan_b AS SELECT g AS k, md5(g::text) AS t FROM generate_series(0, {build}) g; \
+         ANALYZE plan_a; ANALYZE plan_b",
+        build = ROWS / 10
+    ))?;
+    let mut connection = cluster.connect()?;
+    let plan = connection.query(&format!("EXPLAIN (FORMAT JSON) {QUERY}"))?;
+    let explained = explain_node_types(&plan)?;
+    eprintln!("EXPLAIN: {explained:?}");
+    for heavy in HEAVY {
+        ensure!(explained.contains(*heavy), "the plan has no {heavy}:\n{plan}");
+    }
+
+    let dir = tempfile::tempdir()?;
+    let (json, folded) = (dir.path().join("summary.json"), dir.path().join("stacks.folded"));
+    let trace = Trace::pid(connection.pid())
+        .duration_secs(600)
+        .frequency(499)
+        .json(&json)
+        .folded(&folded)
+        .spawn()?;
+    for _ in 0..EXECUTIONS {
+        connection.query(QUERY)?;
+    }
+    let output = trace.interrupt()?;
+    let queryid = connection
+        .query("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT b.t, count(*)%plan_a%'")?;
+    ensure!(!queryid.is_empty(), "the statement is not in pg_stat_statements");
+
+    let profile = Profile::read_folded(&folded)?;
+    let frames: BTreeSet<&str> = profile
+        .stacks
+        .iter()
+        .flat_map(|s| s.frames.iter().map(String::as_str))
+        .collect();
+    for function in ["ExecHashJoin", "ExecSort", "ExecAgg", "ExecSeqScan"] {
+        ensure!(frames.contains(function), "no frame names {function}");
+    }
+    let unnamed: Vec<&str> = frames
+        .iter()
+        .copied()
+        .filter(|frame| {
+            frame
+                .strip_prefix("postgres+0x")
+                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+                .is_some_and(|addr| named.contains_key(&addr))
+        })
+        .collect();
+    ensure!(unnamed.is_empty(), "node functions left unnamed: {unnamed:?}");
+
+    let by_node = plan_node_samples(&json, &queryid)?;
+    eprintln!("pgscope, queryid {queryid}: {by_node:?}");
+    let reported: BTreeSet<&str> = by_node.keys().map(String::as_str).collect();
+    let expected: BTreeSet<&str> = explained.iter().map(String::as_str).collect();
+    ensure!(
+        reported.is_subset(&expected),
+        "pgscope reports node types EXPLAIN does not show: {:?}",
+        reported.difference(&expected).collect::<Vec<_>>()
+    );
+    for heavy in HEAVY {
+        ensure!(
+            by_node.get(*heavy).is_some_and(|&n| n > 0),
+            "no samples for {heavy}: {by_node:?}"
+        );
+    }
+    ensure!(
+        output
+            .stdout
+            .contains("by plan node (innermost executor node on the stack"),
+        "the summary has no plan node section:\n{}",
+        output.stdout
+    );
+    Ok(())
+}
+
+/// The plan node types of an `EXPLAIN (FORMAT JSON)` output, spelt as the executor's
+/// `ExecInit<Node>` functions do (`Hash Join` → `HashJoin`, `Aggregate` → `Agg`).
+fn explain_node_types(plan: &str) -> Result<BTreeSet<String>> {
+    fn walk(node: &Value, types: &mut BTreeSet<String>) -> Result<()> {
+        let name = node
+            .get("Node Type")
+            .and_then(Value::as_str)
+            .context("a plan node without `Node Type`")?;
+        types.insert(match name {
+            "Aggregate" => "Agg".to_string(),
+            "Nested Loop" => "NestLoop".to_string(),
+            "Materialize" => "Material".to_string(),
+            other => other.replace(' ', ""),
+        });
+        for child in node.get("Plans").and_then(Value::as_array).into_iter().flatten() {
+            walk(child, types)?;
+        }
+        Ok(())
+    }
+    let json: Value = serde_json::from_str(plan).with_context(|| format!("EXPLAIN output:\n{plan}"))?;
+    let root = json
+        .get(0)
+        .and_then(|p| p.get("Plan"))
+        .context("EXPLAIN (FORMAT JSON) has no Plan")?;
+    let mut types = BTreeSet::new();
+    walk(root, &mut types)?;
+    Ok(types)
+}
+
+/// `plan_nodes` of the `--json` summary for `queryid`: samples per node type.
+fn plan_node_samples(path: &Path, queryid: &str) -> Result<BTreeMap<String, u64>> {
+    let text = std::fs::read_to_string(path)?;
+    let json: Value = serde_json::from_str(&text)?;
+    let statements = json
+        .get("plan_nodes")
+        .and_then(Value::as_array)
+        .context("the summary has no `plan_nodes`")?;
+    let Some(statement) = statements
+        .iter()
+        .find(|s| s.get("queryid").and_then(Value::as_str) == Some(queryid))
+    else {
+        bail!("no plan_nodes entry for queryid {queryid}: {statements:?}");
+    };
+    let nodes = statement
+        .get("nodes")
+        .and_then(Value::as_array)
+        .context("an entry without `nodes`")?;
+    nodes
+        .iter()
+        .map(|n| {
+            let node = n.get("node").and_then(Value::as_str).context("`node`")?;
+            let samples = n.get("samples").and_then(Value::as_u64).context("`samples`")?;
+            Ok((node.to_string(), samples))
+        })
+        .collect()
+}
+
+/// The functions each exported `ExecInit<Node>` of `postgres` stores into
+/// `PlanState.ExecProcNode` (offset 0x18): `lea X(%rip),%reg` then `mov %reg,0x18(%base)`, read
+/// from `objdump`'s disassembly, independently of pgscope's decoder. Only the `ExecInit*` that
+/// store one single function; `ExecInitNode` (the dispatcher) is left out.
+fn node_functions_by_objdump(postgres: &Path) -> Result<BTreeMap<u64, String>> {
+    let symbols = Command::new("nm")
+        .args(["-D", "--defined-only", "-S"])
+        .arg(postgres)
+        .output()
+        .context("nm is needed (binutils)")?;
+    let mut named = BTreeMap::new();
+    for line in String::from_utf8_lossy(&symbols.stdout).lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [addr, size, _, name] = fields.as_slice() else {
+            continue;
+        };
+        let Some(node) = name.strip_prefix("ExecInit") else {
+            continue;
+        };
+        if node == "Node" {
+            continue;
+        }
+        let (start, size) = (u64::from_str_radix(addr, 16)?, u64::from_str_radix(size, 16)?);
+        let disassembly = Command::new("objdump")
+            .args(["-d", "--no-show-raw-insn"])
+            .arg(format!("--start-address={start:#x}"))
+            .arg(format!("--stop-address={:#x}", start + size))
+            .arg(postgres)
+            .output()
+            .context("objdump is needed (binutils)")?;
+        let stored = stores_at_exec_proc_node(&String::from_utf8_lossy(&disassembly.stdout));
+        if let [target] = stored.iter().collect::<Vec<_>>().as_slice() {
+            named.insert(**target, format!("Exec{node}"));
+        }
+    }
+    Ok(named)
+}
+
+/// Targets of `lea X(%rip),%reg` later stored by `mov %reg,0x18(%base)` in AT&T disassembly.
+fn stores_at_exec_proc_node(disassembly: &str) -> BTreeSet<u64> {
+    let mut loaded: BTreeMap<String, u64> = BTreeMap::new();
+    let mut stored = BTreeSet::new();
+    for line in disassembly.lines() {
+        // `  3347ac:\tlea    -0x123(%rip),%rax        # 334690 <…>`
+        let Some((_, instruction)) = line.split_once('\t') else {
+            continue;
+        };
+        let Some((mnemonic, operands)) = instruction.trim().split_once(char::is_whitespace) else {
+            continue;
+        };
+        let operands = operands.trim();
+        if mnemonic == "lea" && operands.contains("(%rip)") {
+            let register = operands
+                .split(',')
+                .nth(1)
+                .map(|r| r.split_whitespace().next().unwrap_or(""));
+            let target = operands
+                .split('#')
+                .nth(1)
+                .and_then(|t| t.split_whitespace().next())
+                .and_then(|t| u64::from_str_radix(t, 16).ok());
+            if let (Some(register), Some(target)) = (register, target) {
+                loaded.insert(register.to_string(), target);
+            }
+        } else if mnemonic == "mov" {
+            if let Some((source, destination)) = operands.split_once(',') {
+                if destination.starts_with("0x18(%") {
+                    if let Some(&target) = loaded.get(source) {
+                        stored.insert(target);
+                    }
+                }
+            }
+        }
+    }
+    stored
+}
