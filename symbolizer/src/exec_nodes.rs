@@ -8,6 +8,11 @@
 //! decoding `ExecInit<Node>` finds `X`, which is then named `Exec<Node>`. Nothing is guessed: an
 //! `ExecInit*` storing several distinct functions there names none of them, and only a
 //! function start (an `.eh_frame` FDE) that no symbol names is named.
+//!
+//! Scan nodes tail-call the exported `ExecScan` with their access method as second argument
+//! (`return ExecScan(&node->ss, SeqNext, SeqRecheck);`), so `ExecSeqScan` leaves no frame on
+//! the stack: the access method, decoded the same way from the node function (`lea rsi,
+//! [rip+X]` before `jmp ExecScan`), is named (`SeqNext`) and counted as the scan node.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
@@ -31,58 +36,89 @@ const INIT_PREFIX: &str = "ExecInit";
 /// `ExecProcNodeFirst` (through an inlined `ExecSetExecProcNode`) into every node.
 const NOT_A_NODE: &[&str] = &["Node"];
 
+/// The scan nodes whose per-node function tail-calls the exported `ExecScan` with one access
+/// method (`return ExecScan(&node->ss, SeqNext, SeqRecheck);`), and that method's name in the
+/// Postgres source (the same in 13 through 18, read from the symbol tables of those builds).
+/// The tail call leaves no frame of `ExecSeqScan` on the stack, only `ExecScan` (shared by all
+/// scans) and the access method below it: the access method is what says which scan it is.
+/// `IndexScan` has two (`IndexNext`, `IndexNextWithReorder`), chosen at run time, so neither
+/// gets a name, but both still count as an index scan.
+const SCAN_ACCESS_METHODS: &[(&str, &str)] = &[
+    ("SeqScan", "SeqNext"),
+    ("IndexOnlyScan", "IndexOnlyNext"),
+    ("BitmapHeapScan", "BitmapHeapNext"),
+    ("SampleScan", "SampleNext"),
+    ("TidScan", "TidNext"),
+    ("TidRangeScan", "TidRangeNext"),
+    ("FunctionScan", "FunctionNext"),
+    ("ValuesScan", "ValuesNext"),
+    ("CteScan", "CteScanNext"),
+    ("SubqueryScan", "SubqueryNext"),
+    ("ForeignScan", "ForeignNext"),
+    ("WorkTableScan", "WorkTableScanNext"),
+    ("NamedTuplestoreScan", "NamedTuplestoreScanNext"),
+    ("TableFuncScan", "TableFuncNext"),
+];
+
+/// The exported function the scan nodes tail-call with their access method.
+const EXEC_SCAN: &str = "ExecScan";
+
 /// The plan node functions of one module: the function each exported `ExecInit<Node>` installs,
 /// by start address, with its node type (`SeqScan`).
 #[derive(Debug, Default)]
 pub(crate) struct ExecNodes {
     /// Start (stated address) of each installed function no symbol names, with its derived
-    /// name `Exec<Node>`.
+    /// name: `Exec<Node>`, or the scan access method's name (`SeqNext`).
     pub derived: HashMap<u64, Arc<str>>,
-    /// Every function that runs a node of a type, by name (`ExecSeqScan` → `SeqScan`): the
-    /// installed ones (named by symbol or derived) and the exported `MultiExec<Node>` of nodes
-    /// that return a bitmap or a hash table instead of tuples (`MultiExecHash`).
+    /// Every function that runs a node of a type, by the name its frames get (`ExecSeqScan` →
+    /// `SeqScan`): the installed ones and the scans' access methods (named by symbol, derived,
+    /// or left `module+0x<start>` when the code does not say which is which), and the exported
+    /// `MultiExec<Node>` of nodes that return a bitmap or a hash table instead of tuples
+    /// (`MultiExecHash`).
     pub node_types: BTreeMap<Arc<str>, Arc<str>>,
 }
 
 impl ExecNodes {
-    /// Decodes every exported `ExecInit<Node>` of `elf`; empty for a module without them.
-    pub fn derive(elf: &ElfData, symbols: &SymbolTable, functions: &FunctionRanges) -> ExecNodes {
+    /// Decodes every exported `ExecInit<Node>` of `elf`, whose frames are named after
+    /// `basename` where nothing names them; empty for a module without them.
+    pub fn derive(
+        elf: &ElfData,
+        symbols: &SymbolTable,
+        functions: &FunctionRanges,
+        basename: &str,
+    ) -> ExecNodes {
         let mut found = ExecNodes::default();
+        let exec_scan = symbols.address_of(EXEC_SCAN);
         for (init, start, size) in symbols.with_prefix(INIT_PREFIX) {
             let node = &init[INIT_PREFIX.len()..];
             if node.is_empty() || NOT_A_NODE.contains(&node) {
                 continue;
             }
-            // The extent from the FDE starting at the symbol, else the symbol's own size.
-            let extent = match functions.lookup(start) {
-                Some(fde) if fde.start == start => fde,
-                _ if size > 0 => start..start.saturating_add(size),
-                _ => continue,
-            };
-            let Some(code) = elf.code_bytes(&extent) else {
-                continue;
-            };
-            let Some(stored) = stored_at_exec_proc_node(code, &extent) else {
-                continue;
-            };
-            // Several distinct functions: which is which is in the source, not in the code.
-            let mut targets = stored.into_iter();
-            let (Some(target), None) = (targets.next(), targets.next()) else {
-                continue;
-            };
-            if functions.lookup(target).is_none_or(|f| f.start != target) {
-                continue;
-            }
             let node_type: Arc<str> = Arc::from(node);
-            let name = match symbols.at(target) {
-                Some(symbol) => symbol.clone(),
-                None => {
-                    let name: Arc<str> = Arc::from(format!("Exec{node}"));
-                    found.derived.insert(target, name.clone());
-                    name
-                }
+            let Some(installed) = decode(elf, functions, start, size, |code, extent| {
+                stored_at_exec_proc_node(code, extent)
+            }) else {
+                continue;
             };
-            found.node_types.insert(name, node_type.clone());
+            let installed = function_starts(installed, functions);
+            // Several distinct functions: which is which is in the source, not in the code.
+            found.name_if_single(&installed, symbols, || format!("Exec{node}"));
+            let access = SCAN_ACCESS_METHODS.iter().find(|(scan, _)| *scan == node);
+            for &function in &installed {
+                found.count_as(function, &node_type, symbols, basename);
+                let methods = exec_scan.and_then(|exec_scan| {
+                    decode(elf, functions, function, 0, |code, extent| {
+                        passed_to(code, extent, exec_scan, Register::RSI)
+                    })
+                });
+                let methods = function_starts(methods.unwrap_or_default(), functions);
+                if let Some((_, method)) = access.filter(|_| installed.len() == 1) {
+                    found.name_if_single(&methods, symbols, || method.to_string());
+                }
+                for &method in &methods {
+                    found.count_as(method, &node_type, symbols, basename);
+                }
+            }
             let multi = format!("MultiExec{node}");
             if symbols.address_of(&multi).is_some() {
                 found.node_types.insert(Arc::from(multi), node_type);
@@ -90,22 +126,117 @@ impl ExecNodes {
         }
         found
     }
+
+    /// Names the one function of `starts` when it is alone and no symbol names it.
+    fn name_if_single(
+        &mut self,
+        starts: &BTreeSet<u64>,
+        symbols: &SymbolTable,
+        name: impl FnOnce() -> String,
+    ) {
+        let mut all = starts.iter();
+        if let (Some(&start), None) = (all.next(), all.next()) {
+            if symbols.at(start).is_none() {
+                self.derived.insert(start, Arc::from(name()));
+            }
+        }
+    }
+
+    /// Counts the frames of the function at `start` as node `node_type`, under the name they
+    /// get (see [`crate::module`]'s naming: a symbol, a derived name, else `module+0x<start>`).
+    fn count_as(&mut self, start: u64, node_type: &Arc<str>, symbols: &SymbolTable, basename: &str) {
+        let name = match (symbols.at(start), self.derived.get(&start)) {
+            (Some(symbol), _) => symbol.clone(),
+            (None, Some(derived)) => derived.clone(),
+            (None, None) => Arc::from(format!("{basename}+0x{start:x}")),
+        };
+        self.node_types.insert(name, node_type.clone());
+    }
+}
+
+/// Runs `read` over the code of the function starting at `start`; its extent is the FDE starting
+/// there, else `size` bytes when a symbol gives a size. None when neither is known, the bytes
+/// are not in the file, or `read` gives no answer.
+fn decode<T>(
+    elf: &ElfData,
+    functions: &FunctionRanges,
+    start: u64,
+    size: u64,
+    read: impl FnOnce(&[u8], &Range<u64>) -> Option<T>,
+) -> Option<T> {
+    let extent = match functions.lookup(start) {
+        Some(fde) if fde.start == start => fde,
+        _ if size > 0 => start..start.saturating_add(size),
+        _ => return None,
+    };
+    read(elf.code_bytes(&extent)?, &extent)
+}
+
+/// The addresses of `addresses` at which a function (an FDE) starts.
+fn function_starts(addresses: BTreeSet<u64>, functions: &FunctionRanges) -> BTreeSet<u64> {
+    addresses
+        .into_iter()
+        .filter(|&a| functions.lookup(a).is_some_and(|f| f.start == a))
+        .collect()
 }
 
 /// The code addresses that `code` (the bytes of `function`) stores at offset
 /// [`EXEC_PROC_NODE_OFFSET`] of a structure, as `lea reg, [rip+X]` then `mov [base+0x18], reg`;
 /// None when an instruction cannot be decoded (wrong extent or bytes: better no answer).
 pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Option<BTreeSet<u64>> {
+    let mut stored = BTreeSet::new();
+    track_leas(code, function, |instruction, loaded| {
+        if instruction.mnemonic() != Mnemonic::Mov || instruction.op0_kind() != OpKind::Memory {
+            return;
+        }
+        let to_field = is_gpr64(instruction.memory_base())
+            && instruction.memory_index() == Register::None
+            && instruction.memory_displacement64() == EXEC_PROC_NODE_OFFSET
+            && instruction.op1_kind() == OpKind::Register;
+        if let Some(&target) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
+            stored.insert(target);
+        }
+    })?;
+    Some(stored)
+}
+
+/// The code addresses `code` (the bytes of `function`) passes in `register` (loaded by a
+/// `lea reg, [rip+X]`) to a direct call or jump to `callee`.
+pub(crate) fn passed_to(
+    code: &[u8],
+    function: &Range<u64>,
+    callee: u64,
+    register: Register,
+) -> Option<BTreeSet<u64>> {
+    let mut passed = BTreeSet::new();
+    track_leas(code, function, |instruction, loaded| {
+        let branch = matches!(instruction.mnemonic(), Mnemonic::Call | Mnemonic::Jmp)
+            && instruction.op0_kind() == OpKind::NearBranch64
+            && instruction.near_branch64() == callee;
+        if let Some(&argument) = loaded.get(&register).filter(|_| branch) {
+            passed.insert(argument);
+        }
+    })?;
+    Some(passed)
+}
+
+/// Decodes `code`, the bytes of `function`, and shows `visit` each instruction with the 64-bit
+/// registers that hold a rip-relative address set by a `lea` (and not overwritten since) before
+/// it. None when an instruction cannot be decoded.
+fn track_leas(
+    code: &[u8],
+    function: &Range<u64>,
+    mut visit: impl FnMut(&Instruction, &HashMap<Register, u64>),
+) -> Option<()> {
     let mut decoder = Decoder::with_ip(64, code, function.start, DecoderOptions::NONE);
     let mut instruction = Instruction::default();
-    // 64-bit registers holding a rip-relative address, by the `lea` that set them.
     let mut loaded: HashMap<Register, u64> = HashMap::new();
-    let mut stored = BTreeSet::new();
     while decoder.can_decode() {
         decoder.decode_out(&mut instruction);
         if instruction.is_invalid() {
             return None;
         }
+        visit(&instruction, &loaded);
         match instruction.mnemonic() {
             Mnemonic::Lea
                 if instruction.op0_kind() == OpKind::Register
@@ -114,22 +245,13 @@ pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Op
             {
                 loaded.insert(instruction.op0_register(), instruction.ip_rel_memory_address());
             }
-            Mnemonic::Mov if instruction.op0_kind() == OpKind::Memory => {
-                let to_field = is_gpr64(instruction.memory_base())
-                    && instruction.memory_index() == Register::None
-                    && instruction.memory_displacement64() == EXEC_PROC_NODE_OFFSET
-                    && instruction.op1_kind() == OpKind::Register;
-                if let Some(&target) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
-                    stored.insert(target);
-                }
-            }
             // A call clobbers registers, and the code after an unconditional jump or a return
             // is reached from elsewhere, with other register contents.
             Mnemonic::Call | Mnemonic::Jmp | Mnemonic::Ret => loaded.clear(),
             _ => forget_written(&instruction, &mut loaded),
         }
     }
-    Some(stored)
+    Some(())
 }
 
 /// Drops what an instruction may overwrite. Which operands an instruction writes is not known
@@ -258,6 +380,28 @@ mod tests {
     }
 
     #[test]
+    fn finds_the_argument_passed_to_a_tail_call() {
+        let mut code = Vec::new();
+        // 0x1000: lea rdx, [rip+…] → 0x5000 (the recheck method, third argument)
+        code.extend_from_slice(&[0x48, 0x8d, 0x15]);
+        code.extend_from_slice(&rel32(0x5000, 0x1007));
+        // 0x1007: lea rsi, [rip+…] → 0x6000 (the access method, second argument)
+        code.extend_from_slice(&[0x48, 0x8d, 0x35]);
+        code.extend_from_slice(&rel32(0x6000, 0x100e));
+        // 0x100e: jmp 0x9000 (ExecScan)
+        code.push(0xe9);
+        code.extend_from_slice(&rel32(0x9000, 0x1013));
+        // 0x1013: lea rsi, [rip+…] → 0x7000, then call 0x8000 (another function): not kept
+        code.extend_from_slice(&[0x48, 0x8d, 0x35]);
+        code.extend_from_slice(&rel32(0x7000, 0x101a));
+        code.push(0xe8);
+        code.extend_from_slice(&rel32(0x8000, 0x101f));
+        let function = 0x1000..0x1000 + code.len() as u64;
+        let passed = passed_to(&code, &function, 0x9000, Register::RSI).expect("valid code");
+        assert_eq!(passed, BTreeSet::from([0x6000]));
+    }
+
+    #[test]
     fn register_aliases_map_to_their_64_bit_register() {
         assert_eq!(gpr64_of(Register::AH), Some(Register::RAX));
         assert_eq!(gpr64_of(Register::BL), Some(Register::RBX));
@@ -297,7 +441,7 @@ mod tests {
     #[test]
     fn names_the_node_functions_of_the_stripped_distro_postgres() {
         let (elf, symbols, functions) = distro_postgres();
-        let nodes = ExecNodes::derive(&elf, &symbols, &functions);
+        let nodes = ExecNodes::derive(&elf, &symbols, &functions, "postgres");
         let by_name: HashMap<&str, u64> = nodes.derived.iter().map(|(a, n)| (&**n, *a)).collect();
         assert_eq!(
             by_name.len(),
@@ -359,6 +503,33 @@ mod tests {
             assert_eq!(nodes.node_types.get(name).map(|t| &**t), Some(node));
         }
         assert_eq!(nodes.node_types.get("MultiExecHash").map(|t| &**t), Some("Hash"));
+        // The scans' access methods, below the shared `ExecScan` their node functions
+        // tail-call: named where the node has one, counted as the node either way.
+        for (method, node) in [("SeqNext", "SeqScan"), ("IndexOnlyNext", "IndexOnlyScan")] {
+            let start = by_name
+                .get(method)
+                .copied()
+                .unwrap_or_else(|| panic!("{method} not derived"));
+            assert_eq!(functions.lookup(start).map(|f| f.start), Some(start));
+            assert_eq!(symbols.at(start), None);
+            assert_eq!(nodes.node_types.get(method).map(|t| &**t), Some(node));
+        }
+        let index_scan: Vec<&str> = nodes
+            .node_types
+            .iter()
+            .filter(|(_, node)| &***node == "IndexScan")
+            .map(|(name, _)| &**name)
+            .collect();
+        assert_eq!(
+            index_scan.len(),
+            3,
+            "ExecIndexScan and its two access methods: {index_scan:?}"
+        );
+        assert!(index_scan.contains(&"ExecIndexScan"));
+        assert_eq!(
+            index_scan.iter().filter(|n| n.starts_with("postgres+0x")).count(),
+            2
+        );
         // The dispatcher's wrapper is no node, and expression or slot set-up is no node either.
         assert!(!by_name
             .keys()

@@ -191,7 +191,7 @@ impl ModuleData {
     /// module that exports no `ExecInit*`).
     pub fn exec_nodes(&self) -> &ExecNodes {
         self.exec_nodes.get_or_init(|| match &self.elf {
-            Some(elf) => ExecNodes::derive(elf, self.symbols(), self.functions()),
+            Some(elf) => ExecNodes::derive(elf, self.symbols(), self.functions(), &self.basename),
             None => ExecNodes::default(),
         })
     }

@@ -32,7 +32,7 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
     let install = PgInstall::distro()?;
     let named = node_functions_by_objdump(&install.bin("postgres"))?;
     ensure!(
-        ["ExecHashJoin", "ExecSort", "ExecAgg", "ExecSeqScan"]
+        ["ExecHashJoin", "ExecSort", "ExecAgg", "ExecSeqScan", "SeqNext"]
             .iter()
             .all(|f| named.values().any(|n| n == f)),
         "objdump found too few node functions: {named:x?}"
@@ -78,7 +78,9 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
         .iter()
         .flat_map(|s| s.frames.iter().map(String::as_str))
         .collect();
-    for function in ["ExecHashJoin", "ExecSort", "ExecAgg", "ExecSeqScan"] {
+    // `ExecSeqScan` tail-calls `ExecScan`: its own frame is seldom on a stack, its access
+    // method `SeqNext` is under every scan.
+    for function in ["ExecHashJoin", "ExecSort", "ExecAgg", "SeqNext"] {
         ensure!(frames.contains(function), "no frame names {function}");
     }
     let unnamed: Vec<&str> = frames
@@ -210,6 +212,29 @@ fn node_functions_by_objdump(postgres: &Path) -> Result<BTreeMap<u64, String>> {
             named.insert(**target, format!("Exec{node}"));
         }
     }
+    // `ExecSeqScan` is `return ExecScan(&node->ss, SeqNext, SeqRecheck)`: SeqNext is the
+    // `lea …(%rip),%rsi` before the jump to ExecScan.
+    let seq_scan = named
+        .iter()
+        .find(|(_, name)| *name == "ExecSeqScan")
+        .map(|(addr, _)| *addr)
+        .context("no ExecSeqScan")?;
+    let disassembly = Command::new("objdump")
+        .args(["-d", "--no-show-raw-insn"])
+        .arg(format!("--start-address={seq_scan:#x}"))
+        .arg(format!("--stop-address={:#x}", seq_scan + 0x20))
+        .arg(postgres)
+        .output()?;
+    let text = String::from_utf8_lossy(&disassembly.stdout);
+    let seq_next = text
+        .lines()
+        .take_while(|line| !line.contains("<ExecScan@@Base>"))
+        .filter(|line| line.contains("(%rip),%rsi"))
+        .filter_map(|line| line.split('#').nth(1)?.split_whitespace().next())
+        .filter_map(|hex| u64::from_str_radix(hex, 16).ok())
+        .last()
+        .with_context(|| format!("no access method passed to ExecScan:\n{text}"))?;
+    named.insert(seq_next, "SeqNext".to_string());
     Ok(named)
 }
 
