@@ -1,10 +1,11 @@
 //! pgscope and perf (DWARF unwinding) profiling the same backend at the same time agree on where
 //! its CPU time goes.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use pgscope_tests::perf::{comparable_name, is_unnamed};
+use pgscope_tests::perf::{comparable_name, is_unnamed, PERF_UNKNOWN};
 use pgscope_tests::workload::CPU_BOUND;
 use pgscope_tests::{
     compare_top, disagreements, format_comparison, require_root_and_bpf, FunctionDiff, PerfRecording,
@@ -26,14 +27,23 @@ const TOP: usize = 10;
 /// empty `.eh_frame`) and is no reference any more.
 const MIN_PERF_ROOTED: f64 = 0.95;
 
-/// The distro build is stripped and has no debug files: neither profiler can name its static
-/// functions, so both sides merge them into `[unknown]` (pgscope's `postgres+0x…` frames
-/// included) and only the exported functions are compared by name.
+/// The distro build is stripped and has no debug files: perf cannot name its static functions,
+/// so both sides merge them into `[unknown]` (pgscope's `postgres+0x…` frames included) and
+/// only the exported functions are compared by name. pgscope names some static functions
+/// without a symbol (the executor's per-node functions, from the `ExecInit*` that install
+/// them); perf never prints those names, so they join `[unknown]` too.
 #[test]
 fn top_self_functions_agree_with_perf() -> Result<()> {
     require_root_and_bpf();
-    let rows = compare_self_time(&PgInstall::distro()?, comparable_name)?;
+    let rows = compare_self_time(&PgInstall::distro()?, comparable_name, MergeNamesPerfLacks::Yes)?;
     ensure_agreement(&rows)
+}
+
+/// Whether pgscope's names that perf never prints count as perf's `[unknown]`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MergeNamesPerfLacks {
+    Yes,
+    No,
 }
 
 /// The build without frame pointers has debug files: pgscope (`--debug-dir`) and perf (through
@@ -42,7 +52,11 @@ fn top_self_functions_agree_with_perf() -> Result<()> {
 #[test]
 fn top_self_functions_agree_with_perf_by_name_with_debug_files() -> Result<()> {
     require_root_and_bpf();
-    let rows = compare_self_time(&PgInstall::no_frame_pointers()?, str::to_owned)?;
+    let rows = compare_self_time(
+        &PgInstall::no_frame_pointers()?,
+        str::to_owned,
+        MergeNamesPerfLacks::No,
+    )?;
     let unnamed: Vec<&str> = rows
         .iter()
         .map(|r| r.name.as_str())
@@ -59,7 +73,11 @@ fn top_self_functions_agree_with_perf_by_name_with_debug_files() -> Result<()> {
 /// given the build's debug files, if any), checks perf unwound its stacks, prints the top-[`TOP`]
 /// self-time tables side by side and returns the rows. Functions are compared under the names
 /// `name` gives them.
-fn compare_self_time(install: &PgInstall, name: fn(&str) -> String) -> Result<Vec<FunctionDiff>> {
+fn compare_self_time(
+    install: &PgInstall,
+    name: fn(&str) -> String,
+    merge: MergeNamesPerfLacks,
+) -> Result<Vec<FunctionDiff>> {
     let cluster = PgCluster::start(install)?;
     let session = cluster.spawn_session(CPU_BOUND)?;
     let dir = tempfile::tempdir()?;
@@ -90,7 +108,20 @@ fn compare_self_time(install: &PgInstall, name: fn(&str) -> String) -> Result<Ve
         perf.examples_where(|s| !s.starts_at_process_root(), 5)
     );
 
-    let rows = compare_top(&pgscope.self_table(name), &perf.self_table(name), TOP);
+    let perf_names: HashSet<String> = perf
+        .stacks
+        .iter()
+        .flat_map(|s| s.frames.iter().map(|f| name(f)))
+        .collect();
+    let pgscope_name = |frame: &str| {
+        let named = name(frame);
+        if merge == MergeNamesPerfLacks::Yes && !perf_names.contains(&named) {
+            PERF_UNKNOWN.to_owned()
+        } else {
+            named
+        }
+    };
+    let rows = compare_top(&pgscope.self_table(pgscope_name), &perf.self_table(name), TOP);
     eprintln!(
         "{}: top-{TOP} self time, pgscope ({} samples) vs perf ({} samples, {:.1}% reach the root):\n{}",
         install.label,
