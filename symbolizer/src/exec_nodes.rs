@@ -193,8 +193,8 @@ pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Op
             && instruction.memory_index() == Register::None
             && instruction.memory_displacement64() == EXEC_PROC_NODE_OFFSET
             && instruction.op1_kind() == OpKind::Register;
-        if let Some(&target) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
-            stored.insert(target);
+        if let Some(targets) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
+            stored.extend(targets);
         }
     })?;
     Some(stored)
@@ -213,45 +213,125 @@ pub(crate) fn passed_to(
         let branch = matches!(instruction.mnemonic(), Mnemonic::Call | Mnemonic::Jmp)
             && instruction.op0_kind() == OpKind::NearBranch64
             && instruction.near_branch64() == callee;
-        if let Some(&argument) = loaded.get(&register).filter(|_| branch) {
-            passed.insert(argument);
+        if let Some(arguments) = loaded.get(&register).filter(|_| branch) {
+            passed.extend(arguments);
         }
     })?;
     Some(passed)
 }
 
-/// Decodes `code`, the bytes of `function`, and shows `visit` each instruction with the 64-bit
-/// registers that hold a rip-relative address set by a `lea` (and not overwritten since) before
-/// it. None when an instruction cannot be decoded.
+/// What is known of the registers before an instruction: the 64-bit registers that hold a
+/// rip-relative address set by a `lea`, with every address they can hold there.
+type Loaded = HashMap<Register, BTreeSet<u64>>;
+
+/// Decodes `code`, the bytes of `function`, and shows `visit` each instruction with what
+/// [`Loaded`] says before it. Branches are followed: where paths join (a `jmp` to a shared
+/// `mov [rbx+0x18], rax` after one `lea rax` per case), a register is known only if every path
+/// into the join sets it, and may then hold any of their addresses. The target of a backward
+/// branch (a loop) knows nothing, and after a jump through a switch table only what held at
+/// that jump holds. None when an instruction cannot be decoded.
 fn track_leas(
     code: &[u8],
     function: &Range<u64>,
-    mut visit: impl FnMut(&Instruction, &HashMap<Register, u64>),
+    mut visit: impl FnMut(&Instruction, &Loaded),
 ) -> Option<()> {
     let mut decoder = Decoder::with_ip(64, code, function.start, DecoderOptions::NONE);
-    let mut instruction = Instruction::default();
-    let mut loaded: HashMap<Register, u64> = HashMap::new();
+    let mut instructions = Vec::new();
+    // Per branch target inside the function: whether a branch at or after it goes there.
+    let mut targets: HashMap<u64, bool> = HashMap::new();
     while decoder.can_decode() {
-        decoder.decode_out(&mut instruction);
+        let instruction = decoder.decode();
         if instruction.is_invalid() {
             return None;
         }
-        visit(&instruction, &loaded);
-        match instruction.mnemonic() {
+        if is_jump(&instruction) && function.contains(&instruction.near_branch64()) {
+            let backward = instruction.near_branch64() <= instruction.ip();
+            *targets.entry(instruction.near_branch64()).or_insert(false) |= backward;
+        }
+        instructions.push(instruction);
+    }
+    let mut loaded = Some(Loaded::new());
+    // States carried by forward branches to their targets, merged.
+    let mut incoming: HashMap<u64, Loaded> = HashMap::new();
+    // The states at the jumps through a switch table so far, merged.
+    let mut dispatched: Option<Loaded> = None;
+    for instruction in &instructions {
+        match targets.get(&instruction.ip()) {
+            Some(true) => loaded = Some(Loaded::new()),
+            Some(false) => {
+                if let Some(carried) = incoming.remove(&instruction.ip()) {
+                    loaded = Some(match loaded {
+                        Some(fallen_through) => merge(&fallen_through, &carried),
+                        None => carried,
+                    });
+                }
+            }
+            None => {}
+        }
+        // Any instruction after a switch's jump may be one of its cases: what holds there
+        // must hold at the jump too. (Cases lie after the jump, as GCC and Clang lay them out;
+        // blocks after a `jmp` or `ret` start knowing nothing anyway.)
+        if let (Some(state), Some(switch)) = (loaded.as_mut(), dispatched.as_ref()) {
+            *state = merge(state, switch);
+        }
+        // Reached by no branch and not by falling through (after a `jmp` or `ret`).
+        let state = loaded.get_or_insert_with(Loaded::new);
+        visit(instruction, state);
+        let mnemonic = instruction.mnemonic();
+        if mnemonic == Mnemonic::Jmp && instruction.op0_kind() != OpKind::NearBranch64 {
+            dispatched = Some(match dispatched {
+                Some(earlier) => merge(&earlier, state),
+                None => state.clone(),
+            });
+            loaded = None;
+            continue;
+        }
+        if is_jump(instruction) {
+            let target = instruction.near_branch64();
+            if function.contains(&target) && target > instruction.ip() {
+                let carried = match incoming.remove(&target) {
+                    Some(earlier) => merge(&earlier, state),
+                    None => state.clone(),
+                };
+                incoming.insert(target, carried);
+            }
+            if mnemonic == Mnemonic::Jmp {
+                loaded = None;
+            }
+            continue;
+        }
+        match mnemonic {
             Mnemonic::Lea
                 if instruction.op0_kind() == OpKind::Register
                     && is_gpr64(instruction.op0_register())
                     && instruction.is_ip_rel_memory_operand() =>
             {
-                loaded.insert(instruction.op0_register(), instruction.ip_rel_memory_address());
+                let address = BTreeSet::from([instruction.ip_rel_memory_address()]);
+                state.insert(instruction.op0_register(), address);
             }
-            // A call clobbers registers, and the code after an unconditional jump or a return
-            // is reached from elsewhere, with other register contents.
-            Mnemonic::Call | Mnemonic::Jmp | Mnemonic::Ret => loaded.clear(),
-            _ => forget_written(&instruction, &mut loaded),
+            // A call clobbers registers.
+            Mnemonic::Call => state.clear(),
+            Mnemonic::Ret => loaded = None,
+            _ => forget_written(instruction, state),
         }
     }
     Some(())
+}
+
+/// Whether `instruction` is a direct jump, conditional or not (`jmp`, `jcc`, `loop`, …): every
+/// instruction with a near branch target but `call`.
+fn is_jump(instruction: &Instruction) -> bool {
+    instruction.op0_kind() == OpKind::NearBranch64 && instruction.mnemonic() != Mnemonic::Call
+}
+
+/// What holds where two paths join: the registers both know, with the addresses of either.
+fn merge(a: &Loaded, b: &Loaded) -> Loaded {
+    a.iter()
+        .filter_map(|(register, addresses)| {
+            let other = b.get(register)?;
+            Some((*register, addresses.union(other).copied().collect()))
+        })
+        .collect()
 }
 
 /// Drops what an instruction may overwrite. Which operands an instruction writes is not known
@@ -259,7 +339,7 @@ fn track_leas(
 /// destination (or any alias of it: `eax`, `r12d`, `al`) drops that register, any other
 /// register destination (vector registers, which can also be written from a GPR's value) and
 /// the exchanges (which write their source too) drop them all.
-fn forget_written(instruction: &Instruction, loaded: &mut HashMap<Register, u64>) {
+fn forget_written(instruction: &Instruction, loaded: &mut Loaded) {
     if loaded.is_empty() {
         return;
     }
@@ -373,6 +453,60 @@ mod tests {
         code.extend_from_slice(&[0xff, 0xd0]);
         // 0x1019: mov [rbx+0x18], rcx
         code.extend_from_slice(&[0x48, 0x89, 0x4b, 0x18]);
+        code.push(0xc3);
+        let function = 0x1000..0x1000 + code.len() as u64;
+        let stored = stored_at_exec_proc_node(&code, &function).expect("valid code");
+        assert!(stored.is_empty(), "{stored:x?}");
+    }
+
+    #[test]
+    fn paths_joining_at_the_store_give_every_address() {
+        // PG18's ExecInitSeqScan: one `lea rax` per case, each jumping to one shared store.
+        let mut code = Vec::new();
+        // 0x1000: je 0x1010
+        code.extend_from_slice(&[0x0f, 0x84]);
+        code.extend_from_slice(&rel32(0x1010, 0x1006));
+        // 0x1006: lea rax, [rip+…] → 0x5000
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x5000, 0x100d));
+        // 0x100d: jmp short 0x1017
+        code.extend_from_slice(&[0xeb, 0x08]);
+        // 0x100f: nop
+        code.push(0x90);
+        // 0x1010: lea rax, [rip+…] → 0x6000, falling through to the store
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x6000, 0x1017));
+        // 0x1017: mov [rbx+0x18], rax
+        code.extend_from_slice(&[0x48, 0x89, 0x43, 0x18]);
+        code.push(0xc3);
+        let function = 0x1000..0x1000 + code.len() as u64;
+        let stored = stored_at_exec_proc_node(&code, &function).expect("valid code");
+        assert_eq!(stored, BTreeSet::from([0x5000, 0x6000]));
+    }
+
+    #[test]
+    fn a_loop_head_or_a_switch_case_knows_only_what_holds_on_every_path() {
+        let mut code = Vec::new();
+        // 0x1000: lea rax, [rip+…] → 0x5000
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x5000, 0x1007));
+        // 0x1007: mov [rbx+0x18], rax (a loop head: reached again from below)
+        code.extend_from_slice(&[0x48, 0x89, 0x43, 0x18]);
+        // 0x100b: lea rcx, [rip+…] → 0x6000
+        code.extend_from_slice(&[0x48, 0x8d, 0x0d]);
+        code.extend_from_slice(&rel32(0x6000, 0x1012));
+        // 0x1012: jmp rdx (a switch), leaving rcx known
+        code.extend_from_slice(&[0xff, 0xe2]);
+        // 0x1014: lea rax, [rip+…] → 0x7000, then a case may enter before the store
+        code.extend_from_slice(&[0x48, 0x8d, 0x05]);
+        code.extend_from_slice(&rel32(0x7000, 0x101b));
+        // 0x101b: nop; 0x101c: mov [rbx+0x18], rax; 0x1020: mov [rbx+0x18], rcx
+        code.push(0x90);
+        code.extend_from_slice(&[0x48, 0x89, 0x43, 0x18]);
+        code.extend_from_slice(&[0x48, 0x89, 0x4b, 0x18]);
+        // 0x1024: jne 0x1007 (back to the loop head)
+        code.extend_from_slice(&[0x0f, 0x85]);
+        code.extend_from_slice(&rel32(0x1007, 0x102a));
         code.push(0xc3);
         let function = 0x1000..0x1000 + code.len() as u64;
         let stored = stored_at_exec_proc_node(&code, &function).expect("valid code");

@@ -11,8 +11,11 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
+use object::{Object, ObjectSymbol};
+use pgscope_tests::install::UPSTREAM_MAJORS;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Profile, Trace};
 use serde_json::Value;
+use symbolizer::fuzzing::exec_node_names;
 
 /// Rows of the probe side; the build side has a tenth of them, the aggregate one group per
 /// build row, so the join, the aggregation and the sort each take a visible share.
@@ -117,6 +120,63 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
         "the summary has no plan node section:\n{}",
         output.stdout
     );
+    Ok(())
+}
+
+/// Fewest node functions a major's stripped build must get names for: each has 40 or so
+/// `ExecInit<Node>` installing one function each.
+const MIN_NAMED_PER_MAJOR: usize = 30;
+
+/// The upstream builds have `.symtab`: stripped of it, the names pgscope derives from their
+/// machine code must be the ones their symbol table gives at the same addresses, in every
+/// major (13 to 18; 18 installs one of several `ExecSeqScan*` per case, which stays unnamed).
+#[test]
+fn names_derived_from_stripped_upstream_builds_match_their_symbols() -> Result<()> {
+    for &(major, _) in UPSTREAM_MAJORS {
+        let install = PgInstall::upstream(major)?;
+        let postgres = install.bin("postgres");
+        let dir = tempfile::tempdir()?;
+        let stripped = dir.path().join("postgres");
+        let status = Command::new("objcopy")
+            .arg("--strip-all")
+            .arg(&postgres)
+            .arg(&stripped)
+            .status()
+            .context("objcopy is needed (binutils)")?;
+        ensure!(
+            status.success(),
+            "objcopy --strip-all {} failed",
+            postgres.display()
+        );
+        let derived = exec_node_names(stripped.clone(), std::fs::read(&stripped)?)?;
+        let bytes = std::fs::read(&postgres)?;
+        let file = object::File::parse(&*bytes)?;
+        let mut truth: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+        for symbol in file.symbols() {
+            if let Ok(name) = symbol.name() {
+                truth.entry(symbol.address()).or_default().push(name);
+            }
+        }
+        let wrong: Vec<String> = derived
+            .iter()
+            .filter(|(addr, name)| {
+                !truth
+                    .get(addr)
+                    .is_some_and(|names| names.contains(&name.as_str()))
+            })
+            .map(|(addr, name)| format!("{name} at {addr:#x} is {:?}", truth.get(addr)))
+            .collect();
+        eprintln!(
+            "{major}: {} node functions named in the stripped copy",
+            derived.len()
+        );
+        ensure!(wrong.is_empty(), "{major}: wrong names: {wrong:?}");
+        ensure!(
+            derived.len() >= MIN_NAMED_PER_MAJOR,
+            "{major}: only {} named: {derived:?}",
+            derived.len()
+        );
+    }
     Ok(())
 }
 
