@@ -129,8 +129,10 @@ fn one_function_dominating_the_same_command_on_many_tables_is_one_finding() -> R
     );
     let title = finding["title"].as_str().unwrap_or("");
     ensure!(
-        title.starts_with(&format!("{} statements spend most of their", covered.len()))
-            && title.ends_with("in vac_update_datfrozenxid"),
+        title.starts_with(&format!(
+            "{} VACUUM statements spend most of their",
+            covered.len()
+        )) && title.ends_with("in vac_update_datfrozenxid"),
         "title: {title}"
     );
     ensure!(

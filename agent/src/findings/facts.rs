@@ -158,6 +158,7 @@ mod tests {
             plan_cache_modes_by_query: BTreeMap::new(),
             relations_by_database: BTreeMap::from([("app".to_string(), 20412)]),
             databases_by_query: BTreeMap::from([("7".to_string(), vec!["app".to_string()])]),
+            commands_by_query: BTreeMap::new(),
         };
         let mut findings = vec![
             finding("generic_plan_locks", &["GetCachedPlan", "LockRelationOid"]),
@@ -210,6 +211,7 @@ mod tests {
             ]),
             relations_by_database: BTreeMap::new(),
             databases_by_query: BTreeMap::new(),
+            commands_by_query: BTreeMap::new(),
         };
         let quoted = |query_id: i64| {
             let mut found = vec![Finding {

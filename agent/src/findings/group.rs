@@ -47,16 +47,23 @@ const CRITICAL_SHARE: f64 = 0.25;
 /// Statements a grouped finding lists by name; the rest are counted.
 pub const MAX_LISTED: usize = 10;
 
-/// Merges the per-statement findings of one rule over the same functions into one, most
+/// Merges the per-statement findings of one rule over the same functions and statement shape
+/// (the command each statement's text begins with, where `command_of` knows it) into one, most
 /// costly statement first, and caps every finding that has a cost by what it costs the
 /// instance. Findings without a statement cause (instance-wide rules) pass unchanged.
-pub fn group_and_weigh(findings: Vec<Finding>, instance: InstanceTime) -> Vec<Finding> {
-    let mut groups: BTreeMap<(&'static str, Vec<String>), Vec<Finding>> = BTreeMap::new();
+pub fn group_and_weigh(
+    findings: Vec<Finding>,
+    instance: InstanceTime,
+    command_of: impl Fn(QueryId) -> Option<String>,
+) -> Vec<Finding> {
+    type Key = (&'static str, Vec<String>, Option<String>);
+    let mut groups: BTreeMap<Key, Vec<Finding>> = BTreeMap::new();
     let mut out = Vec::new();
     for finding in findings {
         if finding.cause.is_some() {
+            let command = finding.query_ids.first().and_then(|&q| command_of(q));
             groups
-                .entry((finding.kind, finding.frames.clone()))
+                .entry((finding.kind, finding.frames.clone(), command))
                 .or_default()
                 .push(finding);
         } else {
@@ -64,7 +71,7 @@ pub fn group_and_weigh(findings: Vec<Finding>, instance: InstanceTime) -> Vec<Fi
         }
     }
     let mut weighed = Vec::new();
-    for (_, mut members) in groups {
+    for ((_, _, command), mut members) in groups {
         members.sort_by_key(|f| {
             (
                 std::cmp::Reverse(f.cause.as_ref().map_or(0, |c| c.cost_ns)),
@@ -74,7 +81,7 @@ pub fn group_and_weigh(findings: Vec<Finding>, instance: InstanceTime) -> Vec<Fi
         let mut finding = if members.len() == 1 {
             members.remove(0)
         } else {
-            merge(members)
+            merge(members, command.as_deref())
         };
         weigh(&mut finding, instance);
         weighed.push(finding);
@@ -88,8 +95,9 @@ pub fn group_and_weigh(findings: Vec<Finding>, instance: InstanceTime) -> Vec<Fi
     out
 }
 
-/// One finding for the statements of `members` (two or more, most costly first).
-fn merge(members: Vec<Finding>) -> Finding {
+/// One finding for the statements of `members` (two or more, most costly first), all of them
+/// `command` statements where that is known.
+fn merge(members: Vec<Finding>, command: Option<&str>) -> Finding {
     let first = &members[0];
     let cause = first.cause.as_ref().map_or_else(String::new, |c| c.cause.clone());
     let severity = members.iter().map(|f| f.severity).max().unwrap_or(Severity::Info);
@@ -118,7 +126,11 @@ fn merge(members: Vec<Finding>) -> Finding {
     Finding {
         kind: first.kind,
         severity,
-        title: format!("{} statements {cause}", query_ids.len()),
+        title: format!(
+            "{} {}statements {cause}",
+            query_ids.len(),
+            command.map(|c| format!("{c} ")).unwrap_or_default()
+        ),
         numbers,
         query_ids,
         frames: first.frames.clone(),
@@ -214,6 +226,7 @@ mod tests {
                 per_statement("other_rule", 3, 300_000_000, Severity::Warning),
             ],
             ONE_SECOND,
+            |_| None,
         );
         assert_eq!(found.len(), 2, "{found:#?}");
         let grouped = found.iter().find(|f| f.kind == "f_rule").expect("grouped");
@@ -230,20 +243,41 @@ mod tests {
     }
 
     #[test]
+    fn statements_of_another_command_are_another_finding() {
+        let command = |q: QueryId| Some(if q.0 < 10 { "VACUUM" } else { "SELECT" }.to_string());
+        let found = group_and_weigh(
+            vec![
+                per_statement("f_rule", 1, 300_000_000, Severity::Critical),
+                per_statement("f_rule", 2, 300_000_000, Severity::Critical),
+                per_statement("f_rule", 11, 300_000_000, Severity::Critical),
+            ],
+            ONE_SECOND,
+            command,
+        );
+        let titles: Vec<&str> = found.iter().map(|f| f.title.as_str()).collect();
+        assert_eq!(titles.len(), 2, "{titles:?}");
+        assert!(titles.contains(&"2 VACUUM statements spend most of their CPU in f"));
+        assert!(titles.contains(&"queryid 11 spends 90.0% of its CPU in f"));
+    }
+
+    #[test]
     fn severity_follows_the_cost_to_the_instance_not_the_share_of_a_statement() {
         let cheap = group_and_weigh(
             vec![per_statement("f_rule", 1, 90_000_000, Severity::Critical)],
             ONE_SECOND,
+            |_| None,
         );
         assert_eq!(cheap[0].severity, Severity::Info, "9% of the instance");
         let middling = group_and_weigh(
             vec![per_statement("f_rule", 1, 100_000_000, Severity::Critical)],
             ONE_SECOND,
+            |_| None,
         );
         assert_eq!(middling[0].severity, Severity::Warning, "10% of the instance");
         let quarter = group_and_weigh(
             vec![per_statement("f_rule", 1, 250_000_000, Severity::Critical)],
             ONE_SECOND,
+            |_| None,
         );
         assert_eq!(quarter[0].severity, Severity::Critical, "25% of the instance");
         // A large share of an almost idle instance is under the absolute floor.
@@ -253,6 +287,7 @@ mod tests {
                 backend_ns: 200_000_000,
                 seconds: 10.0,
             },
+            |_| None,
         );
         assert_eq!(
             idle[0].severity,
@@ -263,6 +298,7 @@ mod tests {
         let warned = group_and_weigh(
             vec![per_statement("f_rule", 1, 900_000_000, Severity::Warning)],
             ONE_SECOND,
+            |_| None,
         );
         assert_eq!(warned[0].severity, Severity::Warning);
     }
@@ -272,6 +308,7 @@ mod tests {
         let found = group_and_weigh(
             vec![per_statement("f_rule", 1, 500_000_000, Severity::Warning)],
             ONE_SECOND,
+            |_| None,
         );
         assert!(found[0].numbers.iter().all(|(what, _)| what != "samples"));
         assert!(found[0].numbers.iter().any(|(what, _)| what == "in f"));

@@ -97,12 +97,14 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     findings.extend(probes::locks_per_execution(measured.probes));
     findings.extend(pgss::evictions(measured.pgss.as_ref(), analysis.waits.as_ref()));
     findings.extend(hot_function::unexplained(statements, &findings, period));
+    let commands = measured.instance.map(|facts| &facts.commands_by_query);
     let mut findings = group::group_and_weigh(
         findings,
         group::InstanceTime {
             backend_ns: analysis.backend_time_ns(),
             seconds: analysis.seconds(),
         },
+        |query_id| commands?.get(&query_id.to_string()).cloned(),
     );
     findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
     findings.extend(waits::top_waiters(analysis.waits.as_ref()));

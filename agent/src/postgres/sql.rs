@@ -395,6 +395,33 @@ pub struct InstanceFacts {
     /// The databases each statement was sampled in, by queryid, most samples first.
     #[serde(default)]
     pub databases_by_query: BTreeMap<String, Vec<String>>,
+    /// Each statement's command (the first word of its normalized text, upper case: `SELECT`,
+    /// `VACUUM`), by queryid, where pg_stat_statements had its text: the shape findings are
+    /// grouped by.
+    #[serde(default)]
+    pub commands_by_query: BTreeMap<String, String>,
+}
+
+/// `SELECT` for `select abalance from …`, `WITH` for a common table expression: the command a
+/// statement's text begins with (comments and parentheses skipped); None for an empty text.
+pub fn command_of(text: &str) -> Option<String> {
+    let mut rest = text.trim_start();
+    loop {
+        if let Some(after) = rest.strip_prefix("--") {
+            rest = after.split_once('\n').map_or("", |(_, r)| r).trim_start();
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.split_once("*/").map_or("", |(_, r)| r).trim_start();
+        } else if let Some(after) = rest.strip_prefix('(') {
+            rest = after.trim_start();
+        } else {
+            break;
+        }
+    }
+    let word: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphabetic() || *c == '_')
+        .collect();
+    (!word.is_empty()).then(|| word.to_ascii_uppercase())
 }
 
 pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
@@ -417,5 +444,27 @@ pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
         relations: row.try_get(3).context("count(*) FROM pg_class")?,
         relations_by_database: BTreeMap::new(),
         databases_by_query: BTreeMap::new(),
+        commands_by_query: BTreeMap::new(),
     })
+}
+
+#[cfg(test)]
+mod command_tests {
+    use super::command_of;
+
+    #[test]
+    fn the_command_is_the_first_word_past_comments_and_parentheses() {
+        assert_eq!(command_of("select 1").as_deref(), Some("SELECT"));
+        assert_eq!(command_of("  VACUUM t1").as_deref(), Some("VACUUM"));
+        assert_eq!(
+            command_of("/* app */ -- x\n (SELECT 1) UNION SELECT 2").as_deref(),
+            Some("SELECT")
+        );
+        assert_eq!(
+            command_of("with a as (select 1) select * from a").as_deref(),
+            Some("WITH")
+        );
+        assert_eq!(command_of("  ").as_deref(), None);
+        assert_eq!(command_of("/* never closed").as_deref(), None);
+    }
 }

@@ -167,7 +167,15 @@ pub async fn fetch(
     };
     if texts {
         match sql::query_texts(&pgss, &query_ids).await {
-            Ok(texts) => facts.query_texts = texts,
+            Ok(texts) => {
+                if let Some(instance) = &mut facts.instance {
+                    instance.commands_by_query = texts
+                        .iter()
+                        .filter_map(|(q, text)| Some((q.to_string(), sql::command_of(text)?)))
+                        .collect();
+                }
+                facts.query_texts = texts;
+            }
             Err(error) => {
                 note!(
                     "pgscope: no query texts: {}; pass --conninfo to name a connection",
