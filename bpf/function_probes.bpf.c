@@ -23,6 +23,7 @@ struct call_entry {
 	__u32 _pad;
 	__u64 file; /* s_lock only: the call site's __FILE__ and __func__ */
 	__u64 func;
+	__u64 traps_at_entry; /* the thread's probe_traps after this call's entry trap */
 };
 
 /* In-flight calls by (thread, function). A nested call of the same function in the same thread
@@ -42,6 +43,18 @@ struct {
 	__type(key, struct pgscope_call_key);
 	__type(value, struct pgscope_call_stats);
 } call_stats SEC(".maps");
+
+/* Probe traps (function-probe entries and returns) taken by each thread of a target, ever: a
+ * call's nested traps are the difference between its return and its entry. LRU bounds it
+ * without user space; slots of exiting threads are removed in on_process_exit. An evicted
+ * slot restarts at 0, which a call in flight sees as fewer traps than at its entry (counted
+ * as none). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32); /* tid */
+	__type(value, __u64);
+} probe_traps SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
@@ -92,6 +105,21 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } foreign_function_hits SEC(".maps");
+
+/* Counts one probe trap of thread `tid`; returns the thread's count before it. Only the thread
+ * itself writes its slot, and one thread runs one probe program at a time. */
+static __always_inline __u64 count_trap(__u32 tid)
+{
+	__u64 one = 1, *traps = bpf_map_lookup_elem(&probe_traps, &tid);
+
+	if (traps) {
+		__u64 before = *traps;
+		*traps = before + 1;
+		return before;
+	}
+	bpf_map_update_elem(&probe_traps, &tid, &one, BPF_ANY);
+	return 0;
+}
 
 static __always_inline __u64 current_query_id(__u32 tgid)
 {
@@ -202,6 +230,7 @@ int on_function_entry(struct pt_regs *ctx)
 	if (hits)
 		*hits += 1;
 	struct call_entry entry = {};
+	entry.traps_at_entry = count_trap((__u32)pid_tgid) + 1;
 	/* Only the functions whose arguments are read look their positions up. User space
 	 * attaches them only with a slot whose positions it filled. */
 	struct pgscope_probe_args *args = NULL;
@@ -251,11 +280,16 @@ int on_function_return(struct pt_regs *ctx)
 	struct call_entry *entry = bpf_map_lookup_elem(&calls_in_flight, &key);
 
 	if (!entry) {
-		/* Not a target, or its entry came before the probe was attached. */
-		if (bpf_map_lookup_elem(&targets, &tgid))
+		/* Not a target, or its entry came before the probe was attached: a target's trap
+		 * still lands inside the calls in flight around it. */
+		if (bpf_map_lookup_elem(&targets, &tgid)) {
 			count(PGSCOPE_CNT_PROBE_NO_ENTRY);
+			count_trap((__u32)pid_tgid);
+		}
 		return 0;
 	}
+	__u64 traps = count_trap((__u32)pid_tgid);
+	__u64 nested = traps > entry->traps_at_entry ? traps - entry->traps_at_entry : 0;
 	if (gate) {
 		__u32 *open = bpf_map_lookup_elem(&function_gates, &gate);
 		if (!open || !*open) {
@@ -292,6 +326,7 @@ int on_function_return(struct pt_regs *ctx)
 		bucket = PGSCOPE_HIST_BUCKETS - 1;
 	stats->calls += 1;
 	stats->total_ns += elapsed;
+	stats->nested_traps += nested;
 	if (elapsed > stats->max_ns)
 		stats->max_ns = elapsed;
 	stats->hist[bucket] += 1;

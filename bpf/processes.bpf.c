@@ -59,6 +59,8 @@ int on_process_exit(void *ctx)
 		__u64 key = (pid_tgid << 32) | function;
 		bpf_map_delete_elem(&calls_in_flight, &key);
 	}
+	__u32 tid = (__u32)pid_tgid;
+	bpf_map_delete_elem(&probe_traps, &tid);
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);

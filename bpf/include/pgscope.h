@@ -107,8 +107,12 @@ struct pgscope_call_key {
 
 struct pgscope_call_stats {
 	__u64 calls;
-	__u64 total_ns;
+	__u64 total_ns; /* entry to return, the traps of nested probed calls included */
 	__u64 max_ns;
+	/* Probe traps (entries and returns of any function probe) taken by the same thread between
+	 * the calls' entries and returns: each cost a trap's time that total_ns counts as the
+	 * function's own. User space takes them out with the calibrated cost of a hit. */
+	__u64 nested_traps;
 	__u64 hist[PGSCOPE_HIST_BUCKETS];
 };
 
@@ -139,7 +143,7 @@ struct pgscope_spin_site_stats {
 };
 
 _Static_assert(sizeof(struct pgscope_call_key) == 16, "read by agent/src/bpf/abi.rs");
-_Static_assert(sizeof(struct pgscope_call_stats) == 24 + 8 * PGSCOPE_HIST_BUCKETS, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_call_stats) == 32 + 8 * PGSCOPE_HIST_BUCKETS, "read by agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_relation_lock_key) == 24, "read by agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_spin_site_key) == 32, "read by agent/src/bpf/abi.rs");
 _Static_assert(sizeof(struct pgscope_spin_site_stats) == 24, "read by agent/src/bpf/abi.rs");

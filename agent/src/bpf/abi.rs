@@ -637,6 +637,7 @@ impl CallStats {
     pub fn merge(&mut self, other: &CallStats) {
         self.calls += other.calls;
         self.total_ns += other.total_ns;
+        self.nested_traps += other.nested_traps;
         self.max_ns = self.max_ns.max(other.max_ns);
         for (mine, theirs) in self.hist.iter_mut().zip(other.hist) {
             *mine += theirs;
@@ -721,15 +722,17 @@ mod call_stats_tests {
             calls: 2,
             total_ns: 10,
             max_ns: 7,
+            nested_traps: 4,
             ..Default::default()
         };
         let b = CallStats {
             calls: 3,
             total_ns: 5,
             max_ns: 4,
+            nested_traps: 6,
             ..Default::default()
         };
         a.merge(&b);
-        assert_eq!((a.calls, a.total_ns, a.max_ns), (5, 15, 7));
+        assert_eq!((a.calls, a.total_ns, a.max_ns, a.nested_traps), (5, 15, 7, 10));
     }
 }

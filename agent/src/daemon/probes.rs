@@ -13,6 +13,7 @@ use tracing::{info, warn};
 use super::config::AgentConfig;
 use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
+use crate::collect::probes::nested::corrected_total_ns;
 use crate::collect::probes::statement_clock::CounterLayout;
 use crate::collect::probes::{
     calibrate, parse_probe_list, IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState,
@@ -368,9 +369,13 @@ impl AgentProbes {
             }
         };
         let now = Instant::now();
+        let ns_per_hit = self.ns_per_hit.unwrap_or(calibrate::FALLBACK_NS_PER_HIT);
         let mut out: BTreeMap<u32, CallsAndTime> = BTreeMap::new();
         let mut exited = HashSet::new();
-        for (key, stats) in calls {
+        for (key, mut stats) in calls {
+            // The function's own time: the traps of the probed calls it made are not its cost.
+            // Both counts are cumulative, so the interval's delta is corrected too.
+            stats.total_ns = corrected_total_ns(&stats, ns_per_hit);
             if !std::path::Path::new(&format!("/proc/{}", key.tgid)).exists() {
                 exited.insert(key.tgid);
             }

@@ -13,6 +13,8 @@ pub struct ProbeRow {
     pub query_id: QueryId,
     pub function: Function,
     pub calls: u64,
+    /// The function's own time: entry to return, less the calibrated cost of the probe traps
+    /// of the probed calls it made (`collect::probes::nested`).
     pub total_ns: u64,
     /// pgss_store: its `pgssStoreKind` + 2 ([`PGSS_TEXT_ONLY`], plan 2, exec 3); 0 for other
     /// functions, or not known (a recording of an older pgscope).

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use exporters::{FrameKind, FunctionShare, Profile};
 use serde::Serialize;
 
-use super::probes::{lock_mode_name, ProbeResults};
+use super::probes::{lock_mode_name, ProbeFigures, ProbeResults};
 use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
-use crate::bpf::abi::{CallStats, Function};
+use crate::bpf::abi::Function;
 use crate::bpf::Counters;
 use crate::collect::probes::Extrapolation;
 use crate::findings::Finding;
@@ -37,6 +37,9 @@ pub struct Summary {
     /// ran a plan node are left out.
     pub plan_nodes: Vec<PlanNodesJson>,
     pub processes: Vec<ProcessJson>,
+    /// What one probed call (entry and return traps) costs here, as calibrated at the start:
+    /// the cost taken out of a probed function's time per nested probed call.
+    pub probe_ns_per_hit: f64,
     /// Per probed function, over all backends and queries.
     pub probes: Vec<ProbeJson>,
     /// Per probed function: traps taken by processes outside the trace that map the same file
@@ -171,9 +174,21 @@ pub struct OffCpuQueryWaitJson {
 #[derive(Serialize)]
 pub struct CallStatsJson {
     pub calls: u64,
+    /// Calls measured while the probe was attached: what `calls` and `total_ns` rest on (equal
+    /// to `calls` when nothing was extrapolated).
+    pub measured_calls: u64,
+    /// The function's own time: from entry to return, less the traps of the probed calls it
+    /// made (`nested_trap_ns`).
     pub total_ns: u64,
+    /// From entry to return as measured, nested probe traps included.
+    pub total_ns_with_nested_traps: u64,
+    /// Probe traps (entries and returns of other probed calls) taken inside these calls.
+    pub nested_traps: u64,
+    /// What `nested_traps` cost at the calibrated `probe_ns_per_hit`, taken out of `total_ns`.
+    pub nested_trap_ns: u64,
     pub max_ns: u64,
-    /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns.
+    /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns, nested probe traps
+    /// included.
     pub histogram_log2_ns: Vec<u64>,
     /// Whether calls, total_ns and the histogram are estimates scaled up from the time the
     /// probe was attached (duty cycle under --probe-budget); max_ns is always as measured.
@@ -183,10 +198,15 @@ pub struct CallStatsJson {
 }
 
 impl CallStatsJson {
-    fn new(stats: &CallStats, extrapolation: Extrapolation) -> Self {
+    fn new(figures: &ProbeFigures, extrapolation: Extrapolation) -> Self {
+        let stats = &figures.stats;
         Self {
             calls: stats.calls,
-            total_ns: stats.total_ns,
+            measured_calls: figures.measured_calls,
+            total_ns: figures.total_ns,
+            total_ns_with_nested_traps: stats.total_ns,
+            nested_traps: stats.nested_traps,
+            nested_trap_ns: figures.nested_trap_ns(),
             max_ns: stats.max_ns,
             histogram_log2_ns: stats.hist.to_vec(),
             extrapolated: extrapolation.extrapolated,
@@ -219,6 +239,8 @@ pub struct RelationLockJson {
     pub relid: u32,
     pub lockmode: &'static str,
     pub calls: u64,
+    /// Calls measured while LockRelationOid was attached: what `calls` rests on.
+    pub measured_calls: u64,
     /// Whether `calls` is an estimate (LockRelationOid was duty-cycled).
     pub extrapolated: bool,
 }
@@ -231,6 +253,8 @@ pub struct SpinSiteJson {
     pub line: u32,
     pub function: String,
     pub calls: u64,
+    /// Calls measured while s_lock was attached: what `calls` rests on.
+    pub measured_calls: u64,
     /// Time in s_lock (spinning, then sleeping between spins) until the lock was taken.
     pub total_ns: u64,
     pub max_ns: u64,
@@ -416,6 +440,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             })
             .collect(),
         processes: processes(inputs.profile),
+        probe_ns_per_hit: inputs.probes.ns_per_hit,
         probe_hits_outside_trace: inputs
             .probes
             .foreign_hits
@@ -426,36 +451,39 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .probes
             .by_function()
             .iter()
-            .map(|(call, stats)| ProbeJson {
+            .map(|(call, figures)| ProbeJson {
                 function: call.label(),
-                calls_per_second: stats.calls as f64 / inputs.duration_seconds.max(1e-9),
-                stats: CallStatsJson::new(stats, inputs.probes.extrapolation(call.function)),
+                calls_per_second: figures.stats.calls as f64 / inputs.duration_seconds.max(1e-9),
+                stats: CallStatsJson::new(figures, inputs.probes.extrapolation(call.function)),
             })
             .collect(),
         probes_by_query: inputs
             .probes
             .by_query()
             .iter()
-            .map(|((query_id, call), stats)| ProbeByQueryJson {
+            .map(|((query_id, call), figures)| ProbeByQueryJson {
                 queryid: query_id.to_string(),
                 function: call.label(),
-                stats: CallStatsJson::new(stats, inputs.probes.extrapolation(call.function)),
+                stats: CallStatsJson::new(figures, inputs.probes.extrapolation(call.function)),
             })
             .collect(),
         relation_locks: inputs
             .probes
             .locks_by_relation()
             .into_iter()
-            .map(|((query_id, relid, mode), calls)| RelationLockJson {
-                queryid: query_id.to_string(),
-                relid,
-                lockmode: lock_mode_name(mode),
-                calls,
-                extrapolated: inputs
-                    .probes
-                    .extrapolation(Function::LockRelationOid)
-                    .extrapolated,
-            })
+            .map(
+                |((query_id, relid, mode), (calls, measured_calls))| RelationLockJson {
+                    queryid: query_id.to_string(),
+                    relid,
+                    lockmode: lock_mode_name(mode),
+                    calls,
+                    measured_calls,
+                    extrapolated: inputs
+                        .probes
+                        .extrapolation(Function::LockRelationOid)
+                        .extrapolated,
+                },
+            )
             .collect(),
         spin_sites: inputs
             .probes
@@ -467,6 +495,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                 line: site.line,
                 function: site.function.clone(),
                 calls: site.stats.calls,
+                measured_calls: site.measured_calls,
                 total_ns: site.stats.total_ns,
                 max_ns: site.stats.max_ns,
                 extrapolated: inputs.probes.extrapolation(Function::SLock).extrapolated,

@@ -11,6 +11,7 @@ use anyhow::Result;
 use super::spin_sites::{self, SpinSite};
 use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall, RelationLockKey};
 use crate::bpf::OnCpuProbes;
+use crate::collect::probes::nested::corrected_total_ns;
 use crate::collect::probes::{Extrapolation, ProbeSet};
 
 /// `ProbedCall::detail` of pgss_store's exec call (PGSS_EXEC + 2).
@@ -21,10 +22,50 @@ fn scaled(stats: &CallStats, factor: f64) -> CallStats {
     let mut out = *stats;
     out.calls = scale(stats.calls);
     out.total_ns = scale(stats.total_ns);
+    out.nested_traps = scale(stats.nested_traps);
     for bucket in out.hist.iter_mut() {
         *bucket = scale(*bucket);
     }
     out
+}
+
+/// (queryid, relid, lock mode) of LockRelationOid's calls.
+pub type RelationLockRow = (i64, u32, u32);
+
+/// One row of the probe tables: the figures over the whole trace and what they rest on.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProbeFigures {
+    /// Scaled to the whole trace where duty-cycled; `total_ns` as measured, from entry to
+    /// return, the traps of nested probed calls included (the histogram too).
+    pub stats: CallStats,
+    /// `stats.total_ns` without the traps of nested probed calls: the function's own time.
+    pub total_ns: u64,
+    /// Calls measured while the probe was attached: the support of `stats.calls` (equal to
+    /// it when the probe was never detached).
+    pub measured_calls: u64,
+}
+
+impl ProbeFigures {
+    fn add(&mut self, measured: &CallStats, extrapolation: Extrapolation, ns_per_hit: f64) {
+        let estimate = scaled(measured, extrapolation.factor);
+        self.stats.merge(&estimate);
+        self.total_ns += corrected_total_ns(&estimate, ns_per_hit);
+        self.measured_calls += measured.calls;
+    }
+
+    /// Nanoseconds taken out of `stats.total_ns` for nested probe traps.
+    pub fn nested_trap_ns(&self) -> u64 {
+        self.stats.total_ns.saturating_sub(self.total_ns)
+    }
+
+    /// Mean ns per call of the function's own time; 0 without calls.
+    pub fn avg_ns(&self) -> f64 {
+        if self.stats.calls == 0 {
+            0.0
+        } else {
+            self.total_ns as f64 / self.stats.calls as f64
+        }
+    }
 }
 
 /// What the probes measured, read from the kernel before the programs are detached. Counts
@@ -42,6 +83,9 @@ pub struct ProbeResults {
     /// executable or library). Nothing is measured for them, but they cost their processes a
     /// trap each, and count against the probe budget.
     pub foreign_hits: BTreeMap<Function, u64>,
+    /// The calibrated cost of one probed call (entry and return): what each nested probed call
+    /// added to the time of the probed call around it.
+    pub ns_per_hit: f64,
 }
 
 impl ProbeResults {
@@ -64,6 +108,7 @@ impl ProbeResults {
             spin_sites,
             extrapolations,
             foreign_hits: set.foreign_hits(probes)?,
+            ns_per_hit: set.ns_per_hit(),
         })
     }
 
@@ -71,10 +116,10 @@ impl ProbeResults {
         self.extrapolations.get(&function).copied().unwrap_or_default()
     }
 
-    /// Statistics per function (pgss_store per kind) over all backends and queries; functions
+    /// Figures per function (pgss_store per kind) over all backends and queries; functions
     /// attached but never called are listed with zero calls.
-    pub fn by_function(&self) -> BTreeMap<ProbedCall, CallStats> {
-        let mut out: BTreeMap<ProbedCall, CallStats> = self
+    pub fn by_function(&self) -> BTreeMap<ProbedCall, ProbeFigures> {
+        let mut out: BTreeMap<ProbedCall, ProbeFigures> = self
             .attached
             .iter()
             .map(|&function| {
@@ -83,28 +128,32 @@ impl ProbeResults {
                 } else {
                     0
                 };
-                (ProbedCall { function, detail }, CallStats::default())
+                (ProbedCall { function, detail }, ProbeFigures::default())
             })
             .collect();
         for (key, stats) in &self.calls {
             if let Some(call) = ProbedCall::from_key(key) {
-                let factor = self.extrapolation(call.function).factor;
-                out.entry(call).or_default().merge(&scaled(stats, factor));
+                let extrapolation = self.extrapolation(call.function);
+                out.entry(call)
+                    .or_default()
+                    .add(stats, extrapolation, self.ns_per_hit);
             }
         }
         out
     }
 
-    /// Statistics per (queryid, function) over all backends, by total time, longest first.
-    pub fn by_query(&self) -> Vec<((i64, ProbedCall), CallStats)> {
-        let mut merged: BTreeMap<(i64, ProbedCall), CallStats> = BTreeMap::new();
+    /// Figures per (queryid, function) over all backends, by the function's own total time
+    /// (nested probe traps taken out), longest first.
+    pub fn by_query(&self) -> Vec<((i64, ProbedCall), ProbeFigures)> {
+        let mut merged: BTreeMap<(i64, ProbedCall), ProbeFigures> = BTreeMap::new();
         for (key, stats) in &self.calls {
             if let Some(call) = ProbedCall::from_key(key) {
-                let factor = self.extrapolation(call.function).factor;
-                merged
-                    .entry((key.query_id as i64, call))
-                    .or_default()
-                    .merge(&scaled(stats, factor));
+                let extrapolation = self.extrapolation(call.function);
+                merged.entry((key.query_id as i64, call)).or_default().add(
+                    stats,
+                    extrapolation,
+                    self.ns_per_hit,
+                );
             }
         }
         let mut rows: Vec<_> = merged.into_iter().collect();
@@ -112,15 +161,18 @@ impl ProbeResults {
         rows
     }
 
-    /// LockRelationOid calls per (queryid, relation, mode) over all backends, most first.
-    pub fn locks_by_relation(&self) -> Vec<((i64, u32, u32), u64)> {
+    /// LockRelationOid calls per (queryid, relation, mode) over all backends, most first: the
+    /// estimate over the trace and the calls measured while attached.
+    pub fn locks_by_relation(&self) -> Vec<(RelationLockRow, (u64, u64))> {
         let factor = self.extrapolation(Function::LockRelationOid).factor;
-        let mut merged: BTreeMap<(i64, u32, u32), u64> = BTreeMap::new();
+        let mut merged: BTreeMap<(i64, u32, u32), (u64, u64)> = BTreeMap::new();
         for (key, calls) in &self.relation_locks {
             let estimate = (*calls as f64 * factor).round() as u64;
-            *merged
+            let slot = merged
                 .entry((key.query_id as i64, key.relid, key.lockmode))
-                .or_insert(0) += estimate;
+                .or_insert((0, 0));
+            slot.0 += estimate;
+            slot.1 += calls;
         }
         let mut rows: Vec<_> = merged.into_iter().collect();
         rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -158,19 +210,26 @@ fn micros(ns: u64) -> f64 {
 }
 
 /// The probe tables of the summary: per function, per (queryid, function), relations locked.
+/// Times are the functions' own: the traps of nested probed calls are taken out ("nested ms").
+/// Beside every count scaled up from a duty cycle, "measured" is what it rests on.
 pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<24} {:>10} {:>10} {:>11} {:>9} {:>9} {:>9} {:>10}  attached",
-        "function", "calls", "calls/s", "total ms", "avg µs", "p50 µs≤", "p99 µs≤", "max µs"
+        "{:<24} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>9} {:>10}  attached",
+        "function",
+        "calls",
+        "measured",
+        "calls/s",
+        "total ms",
+        "nested ms",
+        "avg µs",
+        "p50 µs≤",
+        "p99 µs≤",
+        "max µs"
     );
-    for (call, stats) in results.by_function() {
-        let avg = if stats.calls == 0 {
-            0.0
-        } else {
-            micros(stats.total_ns) / stats.calls as f64
-        };
+    for (call, figures) in results.by_function() {
+        let stats = figures.stats;
         let quantile = |q| {
             stats
                 .quantile_upper_ns(q)
@@ -179,40 +238,45 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<24} {:>10} {:>10.0} {:>11.2} {:>9.2} {:>9} {:>9} {:>10.1}  {}",
+            "{:<24} {:>10} {:>10} {:>10.0} {:>11.2} {:>10.2} {:>9.2} {:>9} {:>9} {:>10.1}  {}",
             call.label(),
             stats.calls,
+            figures.measured_calls,
             stats.calls as f64 / seconds.max(1e-9),
-            stats.total_ns as f64 / 1e6,
-            avg,
+            figures.total_ns as f64 / 1e6,
+            figures.nested_trap_ns() as f64 / 1e6,
+            figures.avg_ns() / 1000.0,
             quantile(0.5),
             quantile(0.99),
             micros(stats.max_ns),
             attached_note(results.extrapolation(call.function))
         );
     }
+    let _ = writeln!(
+        out,
+        "(total ms: the function's own time, {:.0} ns per nested probed call taken out as \
+         \"nested ms\"; latency quantiles include them)",
+        results.ns_per_hit
+    );
     let by_query = results.by_query();
     if !by_query.is_empty() {
         let _ = writeln!(out, "\nprobed functions by query (longest total first):");
         let _ = writeln!(
             out,
-            "{:>21} {:<24} {:>10} {:>11} {:>9}",
-            "queryid", "function", "calls", "total ms", "avg µs"
+            "{:>21} {:<24} {:>10} {:>10} {:>11} {:>10} {:>9}",
+            "queryid", "function", "calls", "measured", "total ms", "nested ms", "avg µs"
         );
-        for ((query_id, call), stats) in by_query.iter().take(limit) {
-            let avg = if stats.calls == 0 {
-                0.0
-            } else {
-                micros(stats.total_ns) / stats.calls as f64
-            };
+        for ((query_id, call), figures) in by_query.iter().take(limit) {
             let _ = writeln!(
                 out,
-                "{:>21} {:<24} {:>10} {:>11.2} {:>9.2}",
+                "{:>21} {:<24} {:>10} {:>10} {:>11.2} {:>10.2} {:>9.2}",
                 query_id,
                 call.label(),
-                stats.calls,
-                stats.total_ns as f64 / 1e6,
-                avg
+                figures.stats.calls,
+                figures.measured_calls,
+                figures.total_ns as f64 / 1e6,
+                figures.nested_trap_ns() as f64 / 1e6,
+                figures.avg_ns() / 1000.0
             );
         }
     }
@@ -224,17 +288,18 @@ pub fn render(results: &ProbeResults, seconds: f64, limit: usize) -> String {
         );
         let _ = writeln!(
             out,
-            "{:>21} {:>10} {:<26} {:>10}",
-            "queryid", "relid", "mode", "calls"
+            "{:>21} {:>10} {:<26} {:>10} {:>10}",
+            "queryid", "relid", "mode", "calls", "measured"
         );
-        for ((query_id, relid, mode), calls) in locks.iter().take(limit) {
+        for ((query_id, relid, mode), (calls, measured)) in locks.iter().take(limit) {
             let _ = writeln!(
                 out,
-                "{:>21} {:>10} {:<26} {:>10}",
+                "{:>21} {:>10} {:<26} {:>10} {:>10}",
                 query_id,
                 relid,
                 lock_mode_name(*mode),
-                calls
+                calls,
+                measured
             );
         }
     }
@@ -311,25 +376,37 @@ mod tests {
             ],
             extrapolations: BTreeMap::new(),
             foreign_hits: BTreeMap::new(),
+            ns_per_hit: 2000.0,
         };
         let by_function = results.by_function();
         let lock = ProbedCall {
             function: Function::LockRelationOid,
             detail: 0,
         };
-        assert_eq!(by_function[&lock].calls, 8);
+        assert_eq!(by_function[&lock].stats.calls, 8);
         assert_eq!(
             by_function[&ProbedCall {
                 function: Function::BtGetroot,
                 detail: 0
             }]
+                .stats
                 .calls,
             0,
             "attached but never called"
         );
         let by_query = results.by_query();
-        assert_eq!(by_query[0], ((7, lock), stats(7)));
-        assert_eq!(results.locks_by_relation(), vec![((7, 16384, 1), 7)]);
+        assert_eq!(
+            by_query[0],
+            (
+                (7, lock),
+                ProbeFigures {
+                    stats: stats(7),
+                    total_ns: 7000,
+                    measured_calls: 7
+                }
+            )
+        );
+        assert_eq!(results.locks_by_relation(), vec![((7, 16384, 1), (7, 7))]);
         let table = render(&results, 1.0, 10);
         assert!(table.contains("AccessShareLock"), "{table}");
         assert!(!table.contains("outside the trace"), "{table}");
@@ -360,6 +437,7 @@ mod tests {
             calls: 100,
             total_ns: 100_000,
             max_ns: 5_000,
+            nested_traps: 20,
             ..Default::default()
         };
         let mut extrapolations = BTreeMap::new();
@@ -387,6 +465,7 @@ mod tests {
             )],
             extrapolations,
             foreign_hits: BTreeMap::from([(Function::LockRelationOid, 0)]),
+            ns_per_hit: 1000.0,
         };
         let lock = ProbedCall {
             function: Function::LockRelationOid,
@@ -394,15 +473,39 @@ mod tests {
         };
         let estimate = results.by_function()[&lock];
         assert_eq!(
-            (estimate.calls, estimate.total_ns, estimate.max_ns),
+            (
+                estimate.stats.calls,
+                estimate.stats.total_ns,
+                estimate.stats.max_ns
+            ),
             (400, 400_000, 5_000)
         );
-        assert_eq!(results.locks_by_relation(), vec![((7, 1259, 1), 40)]);
+        // 20 nested traps measured, 80 estimated, at half of 1000 ns each.
         assert_eq!(
-            results.by_query()[0].1.calls,
+            (
+                estimate.stats.nested_traps,
+                estimate.total_ns,
+                estimate.measured_calls
+            ),
+            (80, 360_000, 100)
+        );
+        assert_eq!(results.locks_by_relation(), vec![((7, 1259, 1), (40, 10))]);
+        assert_eq!(
+            results.by_query()[0].1.stats.calls,
             400,
             "per-query rows are scaled too"
         );
-        assert!(render(&results, 1.0, 10).contains("25% (est.)"));
+        let table = render(&results, 1.0, 10);
+        assert!(table.contains("25% (est.)"), "{table}");
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("LockRelationOid"))
+            .expect("a LockRelationOid row");
+        let columns: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            columns[..6],
+            ["LockRelationOid", "400", "100", "400", "0.36", "0.04"],
+            "estimate, the calls it rests on, own and nested time: {table}"
+        );
     }
 }

@@ -76,11 +76,12 @@ pub(super) fn finish(
     let probe_rows: Vec<ProbeRow> = probe_results
         .by_query()
         .into_iter()
-        .map(|((query_id, call), stats)| ProbeRow {
+        .map(|((query_id, call), figures)| ProbeRow {
             query_id: QueryId(query_id),
             function: call.function,
-            calls: stats.calls,
-            total_ns: stats.total_ns,
+            calls: figures.stats.calls,
+            // The function's own time: the findings' shares must not count nested traps.
+            total_ns: figures.total_ns,
             detail: call.detail,
         })
         .collect();
@@ -136,7 +137,10 @@ pub(super) fn finish(
         }
     }
     if !probe_results.attached.is_empty() {
-        out!("function probes (\"attached\": share of the trace; \"est.\": counts scaled up from it):");
+        out!(
+            "function probes (\"attached\": share of the trace; \"est.\": counts scaled up from \
+             it; \"measured\": calls seen while attached, what an estimate rests on):"
+        );
         out!(
             "{}",
             super::probes::render(&probe_results, elapsed.as_secs_f64(), options.top)

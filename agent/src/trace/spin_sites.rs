@@ -19,7 +19,10 @@ pub struct SpinSite {
     pub file: String,
     pub line: u32,
     pub function: String,
+    /// Scaled to the whole trace when s_lock was duty-cycled.
     pub stats: SpinSiteStats,
+    /// Calls measured while the probe was attached: what `stats.calls` rests on.
+    pub measured_calls: u64,
 }
 
 /// Resolves the call sites' strings and merges backends. A string is read from the process
@@ -58,6 +61,7 @@ pub fn resolve(raw: &[(SpinSiteKey, SpinSiteStats)], fallback_pid: u32) -> Vec<S
             file,
             line,
             function,
+            measured_calls: stats.calls,
             stats,
         })
         .collect();
@@ -104,16 +108,17 @@ pub fn render(sites: &[SpinSite], limit: usize, out: &mut String) {
     let _ = writeln!(out, "\nspinlocks waited for, by call site (s_lock):");
     let _ = writeln!(
         out,
-        "{:>21} {:>9} {:>10} {:>9} {:>9}  call site",
-        "queryid", "calls", "total ms", "avg µs", "max µs"
+        "{:>21} {:>9} {:>9} {:>10} {:>9} {:>9}  call site",
+        "queryid", "calls", "measured", "total ms", "avg µs", "max µs"
     );
     for site in sites.iter().take(limit) {
         let avg = site.stats.total_ns as f64 / 1000.0 / site.stats.calls.max(1) as f64;
         let _ = writeln!(
             out,
-            "{:>21} {:>9} {:>10.2} {:>9.2} {:>9.1}  {}:{} ({})",
+            "{:>21} {:>9} {:>9} {:>10.2} {:>9.2} {:>9.1}  {}:{} ({})",
             site.query_id,
             site.stats.calls,
+            site.measured_calls,
             site.stats.total_ns as f64 / 1e6,
             avg,
             site.stats.max_ns as f64 / 1000.0,
@@ -159,6 +164,7 @@ mod tests {
                     total_ns: 700,
                     max_ns: 300
                 },
+                measured_calls: 7,
             }]
         );
     }

@@ -5,6 +5,7 @@
 
 pub mod calibrate;
 mod duty;
+pub mod nested;
 mod set;
 pub mod statement_clock;
 

@@ -462,6 +462,12 @@ impl ProbeSet {
         lines
     }
 
+    /// What one probed call (entry and return traps, full programs) costs, as calibrated: the
+    /// cost of each nested call a probed function's time holds.
+    pub fn ns_per_hit(&self) -> f64 {
+        self.ns_per_hit
+    }
+
     /// The shared duty cycle of the hot probes (1: always attached).
     pub fn duty(&self) -> f64 {
         self.cycle.duty()
