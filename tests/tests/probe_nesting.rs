@@ -1,0 +1,190 @@
+//! Nested probe traps: a probed function's time runs from its entry to its return, so the traps
+//! of the probed functions it calls land inside it. `GetCachedPlan` under a generic plan over a
+//! partitioned table calls `LockRelationOid` for every partition; with both probed, its raw
+//! time is mostly traps. pgscope counts the traps taken inside each call and takes their
+//! calibrated cost out; what is left must agree with the on-CPU samples that have
+//! `GetCachedPlan` on the stack outside any probe trap, an independent measurement.
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::probe_workloads::GENERIC_PLAN_SETTINGS;
+use pgscope_tests::profile::{is_kernel_frame, Profile, Stack};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+use serde_json::Value;
+
+/// Partitions of pgbench_accounts. Per execution of the select, GetCachedPlan locks the parent
+/// twice (AcquirePlannerLocks, then AcquireExecutorLocks with every partition) and the executor
+/// locks one index outside it (see `probe_matrix::expected`): N + 2 of N + 3 LockRelationOid
+/// calls are nested in GetCachedPlan.
+const PARTITIONS: u32 = 64;
+const SAMPLE_HZ: u32 = 499;
+
+/// One `probes[]` row of the JSON summary, with the fields this check reads.
+#[derive(Debug)]
+struct ProbeFigures {
+    calls: u64,
+    total_ns: u64,
+    raw_ns: u64,
+    nested_traps: u64,
+    nested_trap_ns: u64,
+}
+
+fn number(row: &Value, key: &str) -> Result<u64> {
+    row.get(key)
+        .and_then(Value::as_u64)
+        .with_context(|| format!("no number `{key}` in {row}"))
+}
+
+fn probe_figures(summary: &Value, function: &str) -> Result<ProbeFigures> {
+    let row = summary
+        .get("probes")
+        .and_then(Value::as_array)
+        .and_then(|rows| {
+            rows.iter()
+                .find(|r| r.get("function").and_then(Value::as_str) == Some(function))
+        })
+        .with_context(|| format!("no probes[] row of {function}"))?;
+    Ok(ProbeFigures {
+        calls: number(row, "calls")?,
+        total_ns: number(row, "total_ns")?,
+        raw_ns: number(row, "total_ns_with_nested_traps")?,
+        nested_traps: number(row, "nested_traps")?,
+        nested_trap_ns: number(row, "nested_trap_ns")?,
+    })
+}
+
+/// Whether a sample was taken while the CPU handled a probe: in the breakpoint's exception,
+/// the uprobe's return trampoline, or the BPF program.
+fn in_probe_trap(stack: &Stack) -> bool {
+    stack.frames.iter().any(|frame| {
+        let name = frame.as_str();
+        (is_kernel_frame(name)
+            && ["uprobe", "uretprobe", "int3", "swbp", "bpf_prog"]
+                .iter()
+                .any(|part| name.contains(part)))
+            || name == "[uprobes]"
+    })
+}
+
+fn under_get_cached_plan(stack: &Stack) -> bool {
+    stack.user_frames().iter().any(|f| f == "GetCachedPlan")
+}
+
+#[test]
+fn nested_probe_traps_are_taken_out_of_the_enclosing_function() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, GENERIC_PLAN_SETTINGS)?;
+    cluster.pgbench(&["-i", "-q", "-s", "1", &format!("--partitions={PARTITIONS}")])?;
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
+    let folded = dir.path().join("stacks.folded");
+    // One client: the backend has a core to itself, so that the time between a call's entry and
+    // return (what the probe measures) is time on CPU (what the samples measure).
+    let mut pgbench = cluster.spawn_pgbench(&["-n", "-S", "-M", "prepared", "-c", "1", "-T", "600"], 1)?;
+    let output = Trace::instance(cluster.data_dir())
+        .probes("GetCachedPlan,LockRelationOid")
+        .probe_budget("none")
+        .frequency(SAMPLE_HZ)
+        .duration_secs(6)
+        .json(&json)
+        .folded(&folded)
+        .output()?;
+    ensure!(pgbench.is_running()?, "pgbench ended during the trace");
+    pgbench.stop()?;
+
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
+    let ns_per_hit = summary
+        .get("probe_ns_per_hit")
+        .and_then(Value::as_f64)
+        .context("no number `probe_ns_per_hit` in the summary")?;
+    let plan = probe_figures(&summary, "GetCachedPlan")?;
+    let locks = probe_figures(&summary, "LockRelationOid")?;
+    eprintln!("GetCachedPlan {plan:?}\nLockRelationOid {locks:?}\n{ns_per_hit:.0} ns per probed call");
+    ensure!(
+        plan.calls >= 500,
+        "only {} GetCachedPlan calls in 6 s of pgbench -S -M prepared",
+        plan.calls
+    );
+    ensure!(
+        locks.nested_traps == 0,
+        "LockRelationOid calls no probed function, yet {} nested traps were counted",
+        locks.nested_traps
+    );
+
+    // Every LockRelationOid call nested in GetCachedPlan is two traps (entry and return).
+    let per_call = plan.nested_traps as f64 / plan.calls as f64;
+    let expected_per_call = 2.0 * f64::from(PARTITIONS + 2);
+    ensure!(
+        (per_call - expected_per_call).abs() <= 0.05 * expected_per_call,
+        "{per_call:.1} nested traps per GetCachedPlan call, expected {expected_per_call} (two per \
+         LockRelationOid call it makes)"
+    );
+    let nested_locks = locks.calls as f64 * f64::from(PARTITIONS + 2) / f64::from(PARTITIONS + 3);
+    let ratio = plan.nested_traps as f64 / (2.0 * nested_locks);
+    ensure!(
+        (0.95..=1.05).contains(&ratio),
+        "{} nested traps against {} LockRelationOid calls, {:.0} of them in GetCachedPlan: {ratio:.3} of two per call",
+        plan.nested_traps,
+        locks.calls,
+        nested_locks
+    );
+
+    // The correction is the traps at the calibrated cost, and nothing else.
+    let expected_trap_ns = plan.nested_traps as f64 * ns_per_hit / 2.0;
+    ensure!(
+        plan.total_ns < plan.raw_ns && plan.raw_ns - plan.total_ns == plan.nested_trap_ns,
+        "own time {} ns, raw {} ns, {} ns of traps taken out",
+        plan.total_ns,
+        plan.raw_ns,
+        plan.nested_trap_ns
+    );
+    ensure!(
+        (plan.nested_trap_ns as f64 - expected_trap_ns.min(plan.raw_ns as f64)).abs()
+            <= 0.01 * expected_trap_ns + 1000.0,
+        "{} ns taken out for {} traps at {ns_per_hit:.0} ns per probed call (expected {expected_trap_ns:.0})",
+        plan.nested_trap_ns,
+        plan.nested_traps
+    );
+
+    // Independent: the samples with GetCachedPlan on the stack outside any probe trap, as a
+    // share of all samples, against the probe's own time as a share of the same samples' time.
+    let profile = Profile::read_folded(&folded)?;
+    let total = profile.total();
+    ensure!(total >= 500, "only {total} samples in 6 s at {SAMPLE_HZ} Hz");
+    let own_samples = profile.count_where(|s| under_get_cached_plan(s) && !in_probe_trap(s));
+    let trap_samples = profile.count_where(|s| under_get_cached_plan(s) && in_probe_trap(s));
+    eprintln!(
+        "samples with GetCachedPlan on the stack: {own_samples} outside probe traps, {trap_samples} \
+         in them, of {total}; examples in traps:\n{}",
+        profile.examples_where(|s| under_get_cached_plan(s) && in_probe_trap(s), 3)
+    );
+    let period_ns = 1e9 / f64::from(SAMPLE_HZ);
+    let sampled_ns = total as f64 * period_ns;
+    let sample_share = own_samples as f64 / total as f64;
+    let probe_share = plan.total_ns as f64 / sampled_ns;
+    let raw_share = plan.raw_ns as f64 / sampled_ns;
+    eprintln!(
+        "GetCachedPlan's share of the sampled time: {:.1}% by samples, {:.1}% by the probe with \
+         nested traps taken out, {:.1}% raw",
+        100.0 * sample_share,
+        100.0 * probe_share,
+        100.0 * raw_share
+    );
+    ensure!(
+        own_samples >= 50,
+        "only {own_samples} samples in GetCachedPlan outside probe traps"
+    );
+    ensure!(
+        (0.5..=2.0).contains(&(probe_share / sample_share)),
+        "GetCachedPlan's own time is {:.1}% of the sampled time by the probe but {:.1}% by the \
+         samples outside probe traps",
+        100.0 * probe_share,
+        100.0 * sample_share
+    );
+    // The console says which time it shows and what the counts rest on.
+    ensure!(
+        output.stdout.contains("nested ms") && output.stdout.contains("measured"),
+        "the probe table shows neither the nested traps taken out nor the measured calls:\n{}",
+        output.stdout
+    );
+    Ok(())
+}
