@@ -21,7 +21,11 @@ pub struct TraceSummary {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallStats {
     pub calls: u64,
+    /// The function's own time: the traps of the probed calls it made taken out.
     pub total_ns: u64,
+    /// From entry to return as measured, nested probe traps included (what `max_ns` and the
+    /// histogram measure).
+    pub total_ns_with_nested_traps: u64,
     pub max_ns: u64,
     /// `histogram_log2_ns[i]` counts calls that took [2^i, 2^(i+1)) ns.
     pub histogram_log2_ns: Vec<u64>,
@@ -346,6 +350,7 @@ fn call_stats(row: &Value) -> Result<CallStats> {
     Ok(CallStats {
         calls: u64_field(row, "calls")?,
         total_ns: u64_field(row, "total_ns")?,
+        total_ns_with_nested_traps: u64_field(row, "total_ns_with_nested_traps")?,
         max_ns: u64_field(row, "max_ns")?,
         histogram_log2_ns,
     })
