@@ -10,6 +10,7 @@ mod http;
 mod metrics;
 mod off_cpu_totals;
 pub(crate) mod pods;
+mod probe_estimates;
 mod probes;
 
 use std::collections::BTreeMap;

@@ -11,13 +11,12 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::config::AgentConfig;
-use crate::bpf::abi::{CallKey, CallStats, Function, ProbedCall};
+use super::probe_estimates::{delta, estimate_interval, Estimate, EstimateKey};
+use crate::bpf::abi::{CallKey, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::nested::corrected_total_ns;
 use crate::collect::probes::statement_clock::CounterLayout;
-use crate::collect::probes::{
-    calibrate, parse_probe_list, IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState,
-};
+use crate::collect::probes::{calibrate, parse_probe_list, IntervalShares, PidsByRoot, ProbeSet, ProbeState};
 use crate::collect::Session;
 use crate::model::QueryId;
 use crate::postgres;
@@ -48,91 +47,6 @@ pub struct CallRow {
     pub total_ns: u64,
 }
 
-/// (calls, nanoseconds) per (function, queryid) of one instance.
-type CallsAndTime = BTreeMap<(ProbedCall, i64), (u64, u64)>;
-
-/// How long a rate measured while attached stands in for intervals the duty cycle left the
-/// probe detached: longer than the longest detached stretch (half a second attached at a 2%
-/// duty: 25 s), short enough that a query that stopped is not counted on for long.
-const RATE_FRESH: Duration = Duration::from_secs(40);
-
-/// Weight an interval's measurements keep in the rate at the next interval: the rate follows
-/// a changing workload over a few intervals while one attached window's noise is averaged out.
-const RATE_DECAY: f64 = 0.7;
-
-/// Calls and nanoseconds per attached unit (statement or second), decayed over intervals, and
-/// when the probe was last attached.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct Rate {
-    sums: (f64, f64, f64),
-    attached_at: Option<Instant>,
-}
-
-impl Rate {
-    fn add(&mut self, measured: (u64, u64), attached: f64, now: Instant) {
-        if attached <= 0.0 {
-            return;
-        }
-        self.sums = (
-            self.sums.0 * RATE_DECAY + measured.0 as f64,
-            self.sums.1 * RATE_DECAY + measured.1 as f64,
-            self.sums.2 * RATE_DECAY + attached,
-        );
-        self.attached_at = Some(now);
-    }
-
-    /// Calls and nanoseconds for `units` at this rate, if it is fresh.
-    fn estimate(&self, units: f64, now: Instant) -> Option<(u64, u64)> {
-        let fresh = self.attached_at.is_some_and(|at| now - at <= RATE_FRESH);
-        (fresh && self.sums.2 > 0.0).then(|| {
-            let per_unit = |sum: f64| (sum / self.sums.2 * units).round() as u64;
-            (per_unit(self.sums.0), per_unit(self.sums.1))
-        })
-    }
-}
-
-/// One (process, function, queryid) across upload intervals. What was measured while the
-/// probe was attached is sent as measured; the part of the interval it was detached is
-/// estimated at the rate measured while attached over the recent intervals: calls per
-/// statement of the instance where its statement clock counted, else calls per second.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct KeyState {
-    /// The kernel's cumulative counts at the last read.
-    last: (u64, u64),
-    per_statement: Rate,
-    per_second: Rate,
-}
-
-impl KeyState {
-    /// Takes the kernel's cumulative counts; returns the estimated calls and nanoseconds of
-    /// the interval.
-    fn advance(&mut self, stats: &CallStats, share: IntervalShare, now: Instant) -> (u64, u64) {
-        if stats.calls < self.last.0 {
-            // The map entry was removed and made again: it counts from zero.
-            *self = Self::default();
-        }
-        let measured = (
-            stats.calls - self.last.0,
-            stats.total_ns.saturating_sub(self.last.1),
-        );
-        self.last = (stats.calls, stats.total_ns);
-        let (all_time, attached_time) = (share.time.0.as_secs_f64(), share.time.1.as_secs_f64());
-        self.per_second.add(measured, attached_time, now);
-        let by_statements = share.statements.and_then(|statements| {
-            self.per_statement.add(measured, statements.attached as f64, now);
-            let all = statements.all?;
-            self.per_statement
-                .estimate(all.saturating_sub(statements.attached) as f64, now)
-        });
-        let unmeasured =
-            by_statements.or_else(|| self.per_second.estimate((all_time - attached_time).max(0.0), now));
-        match unmeasured {
-            Some((calls, ns)) => (measured.0 + calls, measured.1 + ns),
-            None => measured,
-        }
-    }
-}
-
 /// What /metrics shows of the probes.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeMetrics {
@@ -151,8 +65,10 @@ pub struct AgentProbes {
     /// Measured once, when the first group is attached.
     ns_per_hit: Option<f64>,
     groups: Vec<Group>,
-    /// Per (process, function, queryid): the last counts and rate.
-    keys: HashMap<CallKey, KeyState>,
+    /// Per (process, function, queryid): the kernel's cumulative counts at the last read.
+    last: HashMap<CallKey, (u64, u64)>,
+    /// Per (instance, function, queryid): the rates of the recent intervals.
+    estimates: BTreeMap<EstimateKey, Estimate>,
     /// Per instance: on-CPU samples at the last second and the CPU it used (ns per second).
     cpu: HashMap<u32, (u64, f64)>,
     frequency_hz: u64,
@@ -169,7 +85,8 @@ impl AgentProbes {
             budget: Some(config.probes.budget).filter(|&b| b > 0.0),
             ns_per_hit: None,
             groups: Vec::new(),
-            keys: HashMap::new(),
+            last: HashMap::new(),
+            estimates: BTreeMap::new(),
             cpu: HashMap::new(),
             frequency_hz: config.collection.frequency,
             children_scanned: None,
@@ -345,7 +262,7 @@ impl AgentProbes {
         }
     }
 
-    /// The calls of the interval per instance (root PID), estimated (see [`KeyState`]);
+    /// The calls of the interval per instance (root PID), estimated (see [`Estimate`]);
     /// entries of processes that exited are dropped from the kernel's maps.
     pub fn take_interval(
         &mut self,
@@ -370,8 +287,9 @@ impl AgentProbes {
         };
         let now = Instant::now();
         let ns_per_hit = self.ns_per_hit.unwrap_or(calibrate::FALLBACK_NS_PER_HIT);
-        let mut out: BTreeMap<u32, CallsAndTime> = BTreeMap::new();
         let mut exited = HashSet::new();
+        // Each backend's calls since the last read, summed per (instance, call, queryid).
+        let mut measured: BTreeMap<EstimateKey, (u64, u64)> = BTreeMap::new();
         for (key, mut stats) in calls {
             // The function's own time: the traps of the probed calls it made are not its cost.
             // Both counts are cumulative, so the interval's delta is corrected too.
@@ -382,30 +300,25 @@ impl AgentProbes {
             let (Some(root), Some(call)) = (session.placed_in(key.tgid), ProbedCall::from_key(&key)) else {
                 continue;
             };
-            let Some(share) = shares
-                .iter()
-                .find(|(roots, _)| roots.contains(&root))
-                .and_then(|(_, s)| s.get(call.function, root))
-            else {
-                continue;
-            };
-            let (calls, ns) = self.keys.entry(key).or_default().advance(&stats, share, now);
-            if calls == 0 {
-                continue;
-            }
-            let slot = out
-                .entry(root)
-                .or_default()
-                .entry((call, key.query_id as i64))
+            let (calls, ns) = delta(self.last.entry(key).or_default(), &stats);
+            let slot = measured
+                .entry((root, call, key.query_id as i64))
                 .or_insert((0, 0));
             slot.0 += calls;
             slot.1 += ns;
         }
+        let share_of = |root: u32, function: Function| {
+            shares
+                .iter()
+                .find(|(roots, _)| roots.contains(&root))
+                .and_then(|(_, s)| s.get(function, root))
+        };
+        let out = estimate_interval(&mut self.estimates, &measured, share_of, now);
         if !exited.is_empty() {
             if let Err(error) = probes.remove_probe_entries_of(&exited) {
                 warn!("cannot drop the probe counts of exited processes: {error:#}");
             }
-            self.keys.retain(|key, _| !exited.contains(&key.tgid));
+            self.last.retain(|key, _| !exited.contains(&key.tgid));
         }
         out.into_iter()
             .map(|(root, rows)| {
@@ -502,7 +415,6 @@ pub fn profiles(rows: &[CallRow], start: u64, end: u64) -> Vec<(&'static str, Pr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collect::probes::StatementShare;
 
     #[test]
     fn probe_rows_become_calls_and_time_profiles_labelled_by_queryid() {
@@ -544,91 +456,6 @@ mod tests {
             ("nanoseconds", 5900)
         );
         assert!(profiles_is_empty_without_rows());
-    }
-
-    #[test]
-    fn what_was_measured_is_sent_and_the_detached_part_estimated_at_the_recent_rate() {
-        let stats = |calls, ns| CallStats {
-            calls,
-            total_ns: ns,
-            ..Default::default()
-        };
-        let secs = Duration::from_secs;
-        let share = |all, attached, time_attached| IntervalShare {
-            time: (secs(2), time_attached),
-            statements: Some(StatementShare {
-                attached,
-                all: Some(all),
-            }),
-        };
-        let start = Instant::now();
-        let mut key = KeyState::default();
-        // Attached for 100 of 400 statements: 100 calls measured, 300 estimated at 1 per
-        // statement.
-        assert_eq!(
-            key.advance(&stats(100, 1000), share(400, 100, secs(1)), start),
-            (400, 4000)
-        );
-        // Detached the whole interval: the rate × 300 statements.
-        let later = start + secs(15);
-        assert_eq!(
-            key.advance(&stats(100, 1000), share(300, 0, Duration::ZERO), later),
-            (300, 3000)
-        );
-        // Attached again at half a call per statement: the rate is the decayed mix of both
-        // windows, (0.7 × 100 + 50) / (0.7 × 100 + 100) per statement.
-        let (calls, _) = key.advance(&stats(150, 1500), share(400, 100, secs(1)), later);
-        assert_eq!(calls, 50 + (120.0_f64 / 170.0 * 300.0).round() as u64);
-        // No statement count this interval (the clock had just started): calls per second.
-        let no_statements = IntervalShare {
-            time: (secs(2), Duration::ZERO),
-            statements: None,
-        };
-        let per_second = (100.0 * 0.7 + 50.0) / (1.0 * 0.7 + 1.0);
-        assert_eq!(
-            key.advance(&stats(150, 1500), no_statements, later).0,
-            (per_second * 2.0_f64).round() as u64
-        );
-        // A rate too old is not used: only what was measured.
-        let stale = later + RATE_FRESH + secs(1);
-        assert_eq!(
-            key.advance(&stats(150, 1500), share(300, 0, Duration::ZERO), stale),
-            (0, 0)
-        );
-        // The kernel's entry made again counts from zero.
-        assert_eq!(key.advance(&stats(5, 50), share(10, 10, secs(2)), stale), (5, 50));
-    }
-
-    #[test]
-    fn a_clock_that_started_mid_interval_still_gives_the_rate_of_its_attached_statements() {
-        let stats = |calls| CallStats {
-            calls,
-            total_ns: calls * 10,
-            ..Default::default()
-        };
-        let secs = Duration::from_secs;
-        let now = Instant::now();
-        let mut key = KeyState::default();
-        // The first interval: 300 calls over 100 statements counted while attached, but the
-        // clock missed the interval's start, so the detached second is estimated per second.
-        let first = IntervalShare {
-            time: (secs(2), secs(1)),
-            statements: Some(StatementShare {
-                attached: 100,
-                all: None,
-            }),
-        };
-        assert_eq!(key.advance(&stats(300), first, now), (600, 6000));
-        // Then detached for a whole counted interval of 500 statements: 3 calls each, not the
-        // per-second rate (which would give 600).
-        let detached = IntervalShare {
-            time: (secs(2), Duration::ZERO),
-            statements: Some(StatementShare {
-                attached: 0,
-                all: Some(500),
-            }),
-        };
-        assert_eq!(key.advance(&stats(300), detached, now), (1500, 15000));
     }
 
     fn profiles_is_empty_without_rows() -> bool {

@@ -158,6 +158,15 @@ struct ActiveProbe {
     interval_attached: BTreeMap<u32, u64>,
     /// Attached time when the agent's current interval began.
     mark: Duration,
+    /// Per instance: statements run while this probe was detached since it was last attached.
+    /// A call first measured at its next attachment may have run all through that stretch.
+    detached_run: BTreeMap<u32, u64>,
+    /// `detached_run` when the agent's current interval began.
+    unseen_at_mark: BTreeMap<u32, u64>,
+    /// When its last attachment ended; None while attached.
+    detached_since: Option<Instant>,
+    /// Time detached since its last attachment, when the agent's current interval began.
+    unseen_time_at_mark: Duration,
 }
 
 /// The probed functions of a trace and their duty cycle.
@@ -203,7 +212,11 @@ pub struct ProbeSet {
 /// any).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct IntervalShare {
+    /// The interval's length, and the time the probe was attached in it.
     pub time: (Duration, Duration),
+    /// How long the probe had been detached when the interval began (zero if it was
+    /// attached): what a call first measured in this interval may have run through before.
+    pub unseen_time: Duration,
     pub statements: Option<StatementShare>,
 }
 
@@ -216,19 +229,28 @@ pub struct StatementShare {
     /// All of the interval's, when the clock counted the whole interval and there were any:
     /// `all - attached` is what the detached part ran.
     pub all: Option<u64>,
+    /// The instance's statements while the probe was detached, from its last attachment to
+    /// the interval's start (0 if it was attached then): the [`IntervalShare::unseen_time`]
+    /// in statements.
+    pub unseen: u64,
 }
+
+/// A probe's time in an interval: (interval, attached, detached before it began).
+type TimeShare = (Duration, Duration, Duration);
 
 /// An interval's shares per (function, instance).
 #[derive(Clone, Debug, Default)]
 pub struct IntervalShares {
     by_statements: BTreeMap<(Function, u32), StatementShare>,
-    by_time: BTreeMap<Function, (Duration, Duration)>,
+    by_time: BTreeMap<Function, TimeShare>,
 }
 
 impl IntervalShares {
     pub fn get(&self, function: Function, root: u32) -> Option<IntervalShare> {
+        let &(all, attached, unseen) = self.by_time.get(&function)?;
         Some(IntervalShare {
-            time: *self.by_time.get(&function)?,
+            time: (all, attached),
+            unseen_time: unseen,
             statements: self.by_statements.get(&(function, root)).copied(),
         })
     }
@@ -340,6 +362,10 @@ impl ProbeSet {
                     statements_attached: 0,
                     interval_attached: BTreeMap::new(),
                     mark: Duration::ZERO,
+                    detached_run: BTreeMap::new(),
+                    unseen_at_mark: BTreeMap::new(),
+                    detached_since: None,
+                    unseen_time_at_mark: Duration::ZERO,
                 }),
                 Err(error) => note!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
@@ -399,8 +425,13 @@ impl ProbeSet {
             let of_root = clock.advance(pids);
             progress += of_root;
             *self.interval_totals.entry(*root).or_insert(0) += of_root;
-            for probe in self.probes.iter_mut().filter(|p| p.links.is_some()) {
-                *probe.interval_attached.entry(*root).or_insert(0) += of_root;
+            for probe in &mut self.probes {
+                if probe.links.is_some() {
+                    *probe.interval_attached.entry(*root).or_insert(0) += of_root;
+                    probe.detached_run.insert(*root, 0);
+                } else {
+                    *probe.detached_run.entry(*root).or_insert(0) += of_root;
+                }
             }
         }
         self.statements_total += progress;
@@ -509,14 +540,26 @@ impl ProbeSet {
             let attached = attached_now.saturating_sub(p.mark);
             p.mark = attached_now;
             let attached_statements = std::mem::take(&mut p.interval_attached);
-            shares.by_time.insert(p.function, (elapsed, attached));
+            let detached_now = p.detached_since.map_or(Duration::ZERO, |since| now - since);
+            let unseen_time = std::mem::replace(&mut p.unseen_time_at_mark, detached_now);
+            let unseen = std::mem::replace(&mut p.unseen_at_mark, p.detached_run.clone());
+            shares
+                .by_time
+                .insert(p.function, (elapsed, attached, unseen_time));
             for &root in counting.iter().filter(|root| !uncounted.contains(root)) {
                 let all = totals.get(&root).copied().unwrap_or(0);
+                let counted_all = whole.contains(&root);
                 shares.by_statements.insert(
                     (p.function, root),
                     StatementShare {
                         attached: attached_statements.get(&root).copied().unwrap_or(0),
-                        all: (all > 0 && whole.contains(&root)).then_some(all),
+                        all: (all > 0 && counted_all).then_some(all),
+                        // Only from a clock that counted when the interval began.
+                        unseen: if counted_all {
+                            unseen.get(&root).copied().unwrap_or(0)
+                        } else {
+                            0
+                        },
                     },
                 );
             }
@@ -612,6 +655,7 @@ impl ProbeSet {
                     if let Some(since) = probe.attached_since.take() {
                         probe.attached_total += since.elapsed();
                     }
+                    probe.detached_since = Some(Instant::now());
                     probes.detach_function(links)
                 }
                 None => {
@@ -622,6 +666,7 @@ impl ProbeSet {
                             let probe = &mut self.probes[index];
                             probe.links = Some(links);
                             probe.attached_since = Some(Instant::now());
+                            probe.detached_since = None;
                             Ok(())
                         }
                         Err(error) => Err(error),
