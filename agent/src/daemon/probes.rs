@@ -74,6 +74,11 @@ pub struct AgentProbes {
     frequency_hz: u64,
     /// When /proc was last scanned for children (see [`CHILDREN_SCAN_EVERY`]).
     children_scanned: Option<Instant>,
+    /// The instance of every process the session placed, as of the last duty tick. The
+    /// session forgets a process within a second of its exit, while its calls since the last
+    /// read are still to be sent at the next upload: placed from here, they are not lost (a
+    /// backend's last interval, up to a whole upload interval of its calls).
+    placed: HashMap<u32, u32>,
 }
 
 impl AgentProbes {
@@ -90,6 +95,7 @@ impl AgentProbes {
             cpu: HashMap::new(),
             frequency_hz: config.collection.frequency,
             children_scanned: None,
+            placed: HashMap::new(),
         }
     }
 
@@ -250,6 +256,9 @@ impl AgentProbes {
             return;
         }
         let pids = self.pids_for_clocks(session);
+        for (&root, list) in &pids {
+            self.placed.extend(list.iter().map(|&pid| (pid, root)));
+        }
         for group in &mut self.groups {
             let cpu: f64 = group
                 .roots
@@ -297,7 +306,10 @@ impl AgentProbes {
             if !std::path::Path::new(&format!("/proc/{}", key.tgid)).exists() {
                 exited.insert(key.tgid);
             }
-            let (Some(root), Some(call)) = (session.placed_in(key.tgid), ProbedCall::from_key(&key)) else {
+            let root = session
+                .placed_in(key.tgid)
+                .or_else(|| self.placed.get(&key.tgid).copied());
+            let (Some(root), Some(call)) = (root, ProbedCall::from_key(&key)) else {
                 continue;
             };
             let (calls, ns) = delta(self.last.entry(key).or_default(), &stats);
@@ -320,6 +332,8 @@ impl AgentProbes {
             }
             self.last.retain(|key, _| !exited.contains(&key.tgid));
         }
+        // Read: what the session forgot has nothing left to send.
+        self.placed.retain(|&pid, _| session.placed_in(pid).is_some());
         out.into_iter()
             .map(|(root, rows)| {
                 let rows = rows
