@@ -74,11 +74,32 @@ pub struct AgentProbes {
     frequency_hz: u64,
     /// When /proc was last scanned for children (see [`CHILDREN_SCAN_EVERY`]).
     children_scanned: Option<Instant>,
-    /// The instance of every process the session placed, as of the last duty tick. The
-    /// session forgets a process within a second of its exit, while its calls since the last
-    /// read are still to be sent at the next upload: placed from here, they are not lost (a
-    /// backend's last interval, up to a whole upload interval of its calls).
-    placed: HashMap<u32, u32>,
+    placed: Placements,
+}
+
+/// The instance of every process the session placed, as of the last duty tick. The session
+/// forgets a process within a second of its exit, while its calls since the last read are
+/// still to be sent at the next upload: placed from here, they are not lost (a backend's last
+/// interval, up to a whole upload interval of its calls).
+#[derive(Debug, Default)]
+struct Placements(HashMap<u32, u32>);
+
+impl Placements {
+    fn remember(&mut self, pids: &PidsByRoot) {
+        for (&root, list) in pids {
+            self.0.extend(list.iter().map(|&pid| (pid, root)));
+        }
+    }
+
+    /// The instance of `pid`: the session's placement `by_session` if it still has one.
+    fn root_of(&self, pid: u32, by_session: Option<u32>) -> Option<u32> {
+        by_session.or_else(|| self.0.get(&pid).copied())
+    }
+
+    /// After a read: processes the session no longer knows have nothing left to send.
+    fn forget_unless(&mut self, known: impl Fn(u32) -> bool) {
+        self.0.retain(|&pid, _| known(pid));
+    }
 }
 
 impl AgentProbes {
@@ -95,7 +116,7 @@ impl AgentProbes {
             cpu: HashMap::new(),
             frequency_hz: config.collection.frequency,
             children_scanned: None,
-            placed: HashMap::new(),
+            placed: Placements::default(),
         }
     }
 
@@ -256,9 +277,7 @@ impl AgentProbes {
             return;
         }
         let pids = self.pids_for_clocks(session);
-        for (&root, list) in &pids {
-            self.placed.extend(list.iter().map(|&pid| (pid, root)));
-        }
+        self.placed.remember(&pids);
         for group in &mut self.groups {
             let cpu: f64 = group
                 .roots
@@ -306,9 +325,7 @@ impl AgentProbes {
             if !std::path::Path::new(&format!("/proc/{}", key.tgid)).exists() {
                 exited.insert(key.tgid);
             }
-            let root = session
-                .placed_in(key.tgid)
-                .or_else(|| self.placed.get(&key.tgid).copied());
+            let root = self.placed.root_of(key.tgid, session.placed_in(key.tgid));
             let (Some(root), Some(call)) = (root, ProbedCall::from_key(&key)) else {
                 continue;
             };
@@ -332,8 +349,7 @@ impl AgentProbes {
             }
             self.last.retain(|key, _| !exited.contains(&key.tgid));
         }
-        // Read: what the session forgot has nothing left to send.
-        self.placed.retain(|&pid, _| session.placed_in(pid).is_some());
+        self.placed.forget_unless(|pid| session.placed_in(pid).is_some());
         out.into_iter()
             .map(|(root, rows)| {
                 let rows = rows
@@ -470,6 +486,21 @@ mod tests {
             ("nanoseconds", 5900)
         );
         assert!(profiles_is_empty_without_rows());
+    }
+
+    #[test]
+    fn a_backend_stays_placed_until_its_counts_are_read_after_the_session_forgot_it() {
+        let mut placed = Placements::default();
+        placed.remember(&PidsByRoot::from([(7, vec![7, 100]), (8, vec![8, 200])]));
+        // Exited and forgotten by the session: still in its instance for the next read.
+        assert_eq!(placed.root_of(100, None), Some(7));
+        // The session's placement wins (a PID reused meanwhile).
+        assert_eq!(placed.root_of(200, Some(9)), Some(9));
+        assert_eq!(placed.root_of(300, None), None);
+        // Read: the session knows only 7, 8 and 200 now.
+        placed.forget_unless(|pid| [7, 8, 200].contains(&pid));
+        assert_eq!(placed.root_of(100, None), None);
+        assert_eq!(placed.root_of(200, None), Some(8));
     }
 
     fn profiles_is_empty_without_rows() -> bool {
