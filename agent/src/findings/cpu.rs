@@ -95,7 +95,13 @@ pub fn planning_dominated(queries: &[StatementCpu], period_ns: u64) -> Vec<Findi
     statements(queries)
         .filter_map(|q| {
             let parse = q.phase(Phase::Parse) + q.phase(Phase::Analyze);
-            let plan = q.planner;
+            // The planner's own frames, or the plan phase less a cached plan's relation locking
+            // where that is more: a custom plan's planning also runs outside them (and, with
+            // function probes on, their traps land beside them), while a generic plan's plan
+            // phase is mostly locking, which is not planning.
+            let plan = q
+                .planner
+                .max(q.phase(Phase::Plan).saturating_sub(q.plan_locking));
             let share = (parse + plan) as f64 / q.samples as f64;
             let supported = supported_share(parse + plan, q.samples);
             (share >= PLANNING_WARN && supported > PLANNING_USUAL).then(|| Finding {
