@@ -84,23 +84,11 @@ static __always_inline bool read_cached_attribution(struct pgscope_attribution *
 	return true;
 }
 
-/* The backend's st_activity_start_timestamp into `start` (left 0 when unknown): on-CPU samples
- * only (tens a second per CPU), at the cost of one more lookup. */
-static __always_inline void read_statement_start(__u32 tgid, __u64 *start)
-{
-	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
-
-	if (!layout || !layout->my_be_entry || !layout->st_activity_start_offset)
-		return;
-	__u64 entry = status_entry(layout);
-	if (!entry || entry == STATUS_UNREADABLE)
-		return;
-	if (bpf_probe_read_user(start, 8, (void *)(entry + layout->st_activity_start_offset)) != 0)
-		*start = 0;
-}
-
+/* With `statement_start` (on-CPU samples), the backend's st_activity_start_timestamp is read
+ * too, from the status entry already found (left as it is when unknown). */
 static __always_inline void read_attribution(struct pgscope_attribution *a, __u32 tgid,
-					     struct pgscope_off_cpu_task *task, bool latch)
+					     struct pgscope_off_cpu_task *task, bool latch,
+					     __u64 *statement_start)
 {
 	if (task && read_cached_attribution(a, task, latch))
 		return;
@@ -159,6 +147,10 @@ static __always_inline void read_attribution(struct pgscope_attribution *a, __u3
 			flags |= PGSCOPE_ATTR_STATUS;
 		else
 			faults++;
+		if (statement_start && layout->st_activity_start_offset &&
+		    bpf_probe_read_user(statement_start, 8,
+					(void *)(entry + layout->st_activity_start_offset)) != 0)
+			*statement_start = 0;
 	}
 
 	__u64 wait_ptr = task ? task->wait_event_ptr : 0;

@@ -205,7 +205,7 @@ static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool
 	__u32 class = (preempt || prev_state == TASK_RUNNING_STATE) ? PGSCOPE_OFF_CPU_PREEMPTED
 								     : class_of_syscall(syscall, prev_state);
 
-	read_attribution(&task->attr, task->tgid, task, class == PGSCOPE_OFF_CPU_LATCH);
+	read_attribution(&task->attr, task->tgid, task, class == PGSCOPE_OFF_CPU_LATCH, NULL);
 	task->attr.off_cpu_class = class;
 	/* Waiting for work, not in it: a backend between statements (pg_stat_activity's idle,
 	 * ClientRead), a background process in its main loop (wait events of class Activity). */

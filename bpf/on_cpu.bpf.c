@@ -26,13 +26,11 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		return 0;
 	}
 
-	read_attribution(&s->attr, tgid, NULL, false);
+	s->statement_start = 0;
+	read_attribution(&s->attr, tgid, NULL, false, &s->statement_start);
 	s->off_cpu_ns = 0;
 	s->off_cpu_syscall = 0;
 	s->off_cpu_flags = 0;
-	s->statement_start = 0;
-	if (s->attr.flags & PGSCOPE_ATTR_STATUS)
-		read_statement_start(tgid, &s->statement_start);
 	send_stacks(ctx, s, pid_tgid, true);
 	return 0;
 }

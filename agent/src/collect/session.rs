@@ -19,7 +19,7 @@ use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_
 use crate::bpf::OpenWait;
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
-use symbolizer::{KernelSymbols, Symbolizer, UserRegs};
+use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
 
 /// The stacks of one instance, counted since they were last taken.
 #[derive(Default)]
@@ -296,7 +296,7 @@ impl Session {
                 user,
                 header.off_cpu_ns,
             ),
-            None => {
+            None if before_query_id => {
                 let held = Held {
                     root,
                     tgid: header.tgid,
@@ -304,50 +304,59 @@ impl Session {
                     kernel: record.kernel_stack().to_vec(),
                     user,
                 };
-                if before_query_id {
-                    let released = self.statements.hold(header.tid, header.statement_start, held);
-                    self.add_on_cpu(released);
-                    return;
-                }
-                if let Some(query_id) = held.attribution.query_id.filter(|&q| q != 0) {
+                let released = self.statements.hold(header.tid, header.statement_start, held);
+                self.add_released(released);
+            }
+            None => {
+                if let Some(query_id) = attribution.query_id.filter(|&q| q != 0) {
                     let released = self
                         .statements
                         .resolve(header.tid, header.statement_start, query_id);
-                    self.add_on_cpu(released);
+                    self.add_released(released);
                 }
-                self.add_on_cpu(vec![held]);
+                self.add_on_cpu(root, header.tgid, attribution, record.kernel_stack(), user);
             }
         }
     }
 
-    /// Adds on-CPU samples to their instances' stacks, `--queryid` applied.
-    fn add_on_cpu(&mut self, samples: Vec<Held>) {
-        for held in samples {
-            if let Some(wanted) = self.query_filter {
-                if held.attribution.query_id != Some(wanted) {
-                    self.filtered_out += 1;
-                    continue;
-                }
+    /// Adds one on-CPU sample to its instance's stacks, `--queryid` applied (again, for a
+    /// sample that was held: it may have got its queryid since).
+    fn add_on_cpu(
+        &mut self,
+        root: u32,
+        tgid: u32,
+        attribution: Attribution,
+        kernel: &[u64],
+        user: UnwoundStack,
+    ) {
+        if let Some(wanted) = self.query_filter {
+            if attribution.query_id != Some(wanted) {
+                self.filtered_out += 1;
+                return;
             }
-            let Some(instance) = self.instances.get_mut(&held.root) else {
-                self.unowned += 1;
-                continue;
-            };
-            instance.on_cpu_samples += 1;
-            if let Some(live) = &mut self.live {
-                live.record(&held.attribution);
-            }
-            if let (Some(seen), Some(table), Some(query_id)) = (
-                &mut self.settings_seen,
-                instance.context.version,
-                held.attribution.query_id.filter(|&q| q != 0),
-            ) {
-                seen.record(held.root, held.tgid, query_id, table);
-            }
-            instance
-                .stacks
-                .on_cpu
-                .add(held.tgid, held.attribution, &held.kernel, held.user);
+        }
+        let Some(instance) = self.instances.get_mut(&root) else {
+            self.unowned += 1;
+            return;
+        };
+        instance.on_cpu_samples += 1;
+        if let Some(live) = &mut self.live {
+            live.record(&attribution);
+        }
+        if let (Some(seen), Some(table), Some(query_id)) = (
+            &mut self.settings_seen,
+            instance.context.version,
+            attribution.query_id.filter(|&q| q != 0),
+        ) {
+            seen.record(root, tgid, query_id, table);
+        }
+        instance.stacks.on_cpu.add(tgid, attribution, kernel, user);
+    }
+
+    /// Adds samples that were held for their statement's queryid.
+    fn add_released(&mut self, released: Vec<Held>) {
+        for held in released {
+            self.add_on_cpu(held.root, held.tgid, held.attribution, &held.kernel, held.user);
         }
     }
 
@@ -355,7 +364,7 @@ impl Session {
     /// before the stacks are read (the end of a trace, an agent interval).
     pub fn release_held_samples(&mut self) {
         let held = self.statements.release_all();
-        self.add_on_cpu(held);
+        self.add_released(held);
     }
 
     /// A wait whose stacks came when it began has ended: they get its blocked time, or are
@@ -474,7 +483,7 @@ impl Session {
         if !exited.is_empty() {
             self.waits.forget_processes(&exited);
             let held = self.statements.release_processes(&exited);
-            self.add_on_cpu(held);
+            self.add_released(held);
         }
         exited
     }
