@@ -53,28 +53,5 @@ pub fn is_numeric_frame(frame: &str) -> bool {
 /// run 128 distinct statements. Creates the tables in `cluster`, writes the scripts into a
 /// directory the cluster's OS user can read, and returns it with pgbench's `-f` arguments.
 pub fn pgss_eviction_scripts(cluster: &crate::PgCluster) -> anyhow::Result<(tempfile::TempDir, Vec<String>)> {
-    use anyhow::Context;
-    let mut ddl = String::new();
-    for table in 1..=128 {
-        ddl.push_str(&format!(
-            "CREATE TABLE t{table} (x int); INSERT INTO t{table} VALUES (1);"
-        ));
-    }
-    cluster.psql(&ddl)?;
-    let dir = tempfile::tempdir()?;
-    // pgbench runs as the cluster's OS user: let it read the scripts.
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    let mut args = Vec::new();
-    for script in 0..16 {
-        let mut text = String::from("BEGIN;\n");
-        for table in 0..8 {
-            text.push_str(&format!("SELECT 1 FROM t{};\n", script * 8 + table + 1));
-        }
-        text.push_str("COMMIT;\n");
-        let path = dir.path().join(format!("script{script}.sql"));
-        std::fs::write(&path, text).with_context(|| format!("cannot write `{}`", path.display()))?;
-        args.push("-f".to_owned());
-        args.push(path.display().to_string());
-    }
-    Ok((dir, args))
+    crate::app_database::distinct_selects_in(cluster, "postgres", 16, 8)
 }
