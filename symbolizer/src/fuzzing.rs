@@ -56,3 +56,30 @@ pub fn exec_node_names(label: PathBuf, bytes: Vec<u8>) -> Result<Vec<(u64, Strin
     names.sort();
     Ok(names)
 }
+
+/// Functions named without a symbol, by start address, with the name frames in them get.
+pub type NamedFunctions = Vec<(u64, String)>;
+
+/// The functions the tables of function pointers `tables` name in the ELF file `bytes`
+/// (labelled `label`) where no symbol names them, by start address, with why any table named
+/// nothing: what frames in them are called.
+pub fn pointer_table_names(
+    label: PathBuf,
+    bytes: Vec<u8>,
+    tables: &[crate::PointerTable],
+) -> Result<(NamedFunctions, Vec<crate::TableError>), Error> {
+    let elf = ElfData::from_bytes(label.clone(), bytes)?;
+    let search = crate::debuginfo::DebugSearch {
+        mapped_path: &label,
+        root: Path::new("/nonexistent"),
+        debug_dirs: &[],
+        debuginfod: None,
+    };
+    let module = crate::module::ModuleData::new(elf, &label, 0, &search);
+    let (named, errors) = module.name_pointer_tables(tables);
+    let names = named
+        .into_iter()
+        .map(|(start, name)| (start, name.to_string()))
+        .collect();
+    Ok((names, errors))
+}

@@ -65,6 +65,7 @@ mod globals;
 mod kernel;
 mod maps;
 mod module;
+mod pointer_tables;
 mod probe_point;
 mod process;
 mod segments;
@@ -85,6 +86,7 @@ pub use globals::executable_globals;
 pub use kernel::KernelSymbols;
 pub use maps::{parse_maps, read_maps, MapEntry, MapPath, Perms};
 pub use module::{ModuleId, ModuleSummary};
+pub use pointer_tables::{PointerTable, Slot, TableAt, TableError};
 pub use probe_point::{check_probe_point, ProbePoint, ProbePointError};
 pub use unwind::MAX_DEPTH;
 
@@ -394,6 +396,27 @@ impl Symbolizer {
         // Frames named before now kept their `file+0x…` name in the cache.
         self.names.clear();
         named
+    }
+
+    /// Names the static functions that the tables of function pointers `tables` of the file
+    /// `module` (a basename) mapped by process `pid` hold, where no symbol names them, in every
+    /// process mapping that file (see [`PointerTable`]). Returns how many functions were named
+    /// and why any table named nothing; None when the file is not mapped there.
+    pub fn name_pointer_tables(
+        &mut self,
+        pid: u32,
+        module: &str,
+        tables: &[PointerTable],
+    ) -> Option<(usize, Vec<TableError>)> {
+        if !self.ensure_process(pid) {
+            return None;
+        }
+        let state = self.processes.get(&pid)?;
+        let placed = state.modules.iter().find(|m| &*m.module.basename == module)?;
+        let (named, errors) = placed.module.name_pointer_tables(tables);
+        // Frames named before now kept their `file+0x…` name in the cache.
+        self.names.clear();
+        Some((named.len(), errors))
     }
 
     /// The functions that the function containing `addr` calls directly, read from its machine

@@ -10,6 +10,7 @@ use crate::debuginfo::{find_debug_file, DebugSearch};
 use crate::elf::{hex, ElfData};
 use crate::exec_nodes::ExecNodes;
 use crate::functions::FunctionRanges;
+use crate::pointer_tables::{self, PointerTable, TableError};
 use crate::symbols::{Origin, SymbolTable};
 
 /// A loaded ELF file identity (cheap to clone, hashable). Keyed by build-id when the file has
@@ -177,6 +178,28 @@ impl ModuleData {
         let mut identified = self.identified.lock().unwrap_or_else(|e| e.into_inner());
         identified.insert(svma, Arc::from(name));
         true
+    }
+
+    /// Names the static functions the tables of function pointers `tables` hold (see
+    /// [`crate::pointer_tables`]) where no symbol names them. Returns the functions named, by
+    /// start, and why any table named nothing.
+    pub fn name_pointer_tables(&self, tables: &[PointerTable]) -> (Vec<(u64, Arc<str>)>, Vec<TableError>) {
+        let Some(elf) = &self.elf else {
+            return (Vec::new(), Vec::new());
+        };
+        let (named, errors) = pointer_tables::name_functions(elf, self.symbols(), self.functions(), tables);
+        let mut identified = self.identified.lock().unwrap_or_else(|e| e.into_inner());
+        let mut added = Vec::new();
+        for (start, name) in named {
+            // A function identified otherwise (pgss_store by its hooks) keeps that name.
+            if let std::collections::hash_map::Entry::Vacant(entry) = identified.entry(start) {
+                let name: Arc<str> = Arc::from(name);
+                entry.insert(name.clone());
+                added.push((start, name));
+            }
+        }
+        added.sort();
+        (added, errors)
     }
 
     fn identified_at(&self, start: u64) -> Option<Arc<str>> {
