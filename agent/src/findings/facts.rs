@@ -14,21 +14,10 @@ use crate::postgres::sql::InstanceFacts;
 /// from their memory, so a setting per role, database or client counts), else pgscope's own
 /// session's. Returns the figure to quote and the mode most of their samples ran with.
 fn plan_cache_mode_of(query_ids: &[QueryId], facts: &InstanceFacts) -> (String, String) {
-    let mut samples: BTreeMap<&str, u64> = BTreeMap::new();
-    for query_id in query_ids {
-        for (mode, n) in facts
-            .plan_cache_modes_by_query
-            .get(&query_id.to_string())
-            .into_iter()
-            .flatten()
-        {
-            *samples.entry(mode.as_str()).or_default() += n;
-        }
-    }
-    let total: u64 = samples.values().sum();
-    let Some((&main, _)) = samples
+    let samples = summed(query_ids, &facts.plan_cache_modes_by_query);
+    let Some((main, _)) = samples
         .iter()
-        .max_by_key(|(mode, n)| (**n, std::cmp::Reverse(**mode)))
+        .max_by_key(|(mode, n)| (**n, std::cmp::Reverse(mode.as_str())))
     else {
         let session = facts.plan_cache_mode.clone();
         return (
@@ -39,18 +28,99 @@ fn plan_cache_mode_of(query_ids: &[QueryId], facts: &InstanceFacts) -> (String, 
     let shown = if samples.len() == 1 {
         format!("{main} (as the statement's backends ran it)")
     } else {
-        let parts: Vec<String> = samples
-            .iter()
-            .map(|(mode, n)| {
-                format!(
-                    "{mode} in {:.0}% of its samples",
-                    100.0 * *n as f64 / total as f64
-                )
-            })
-            .collect();
-        format!("{} (the statement's backends differ)", parts.join(", "))
+        differing(&samples)
     };
-    (shown, main.to_string())
+    (shown, main.clone())
+}
+
+/// Samples per value of the statements `query_ids`, from a by-queryid table.
+fn summed(
+    query_ids: &[QueryId],
+    by_query: &BTreeMap<String, BTreeMap<String, u64>>,
+) -> BTreeMap<String, u64> {
+    let mut samples: BTreeMap<String, u64> = BTreeMap::new();
+    for query_id in query_ids {
+        for (value, n) in by_query.get(&query_id.to_string()).into_iter().flatten() {
+            *samples.entry(value.clone()).or_default() += n;
+        }
+    }
+    samples
+}
+
+/// Each value's share of `samples`, quoted as [`plan_cache_mode_of`] quotes backends that differ.
+fn differing(samples: &BTreeMap<String, u64>) -> String {
+    let total: u64 = samples.values().sum::<u64>().max(1);
+    let parts: Vec<String> = samples
+        .iter()
+        .map(|(value, n)| {
+            format!(
+                "{value} in {:.0}% of its samples",
+                100.0 * *n as f64 / total as f64
+            )
+        })
+        .collect();
+    format!("{} (the statement's backends differ)", parts.join(", "))
+}
+
+/// `pg_stat_statements.track_planning` as the statements `query_ids` ran with it, with where
+/// each value came from: resolved from the catalog for the (database, role) their backends ran
+/// as (the variable is not exported, so it cannot be read from their memory); else pgscope's
+/// own session's, saying so. None where the extension is not loaded.
+fn track_planning_of(query_ids: &[QueryId], facts: &InstanceFacts) -> Option<String> {
+    let mut samples: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    for query_id in query_ids {
+        for session in facts
+            .sessions_by_query
+            .get(&query_id.to_string())
+            .into_iter()
+            .flatten()
+        {
+            let Some(setting) = facts
+                .track_planning_by_session
+                .iter()
+                .find(|s| s.database == session.database && s.role == session.role)
+            else {
+                continue;
+            };
+            let value = match setting.value {
+                Some(true) => "on",
+                Some(false) => "off",
+                None => "unknown",
+            };
+            *samples.entry((value, setting.source.as_str())).or_default() += session.samples;
+        }
+    }
+    match samples.len() {
+        0 => facts.track_planning.map(|on| {
+            format!(
+                "{} (pgscope's own session; the statement's backends were not read)",
+                if on { "on" } else { "off" }
+            )
+        }),
+        1 => samples
+            .keys()
+            .next()
+            .map(|(value, source)| format!("{value} ({source}, as the statement's backends ran)")),
+        _ => Some(differing(
+            &samples
+                .into_iter()
+                .map(|((value, source), n)| (format!("{value} ({source})"), n))
+                .collect(),
+        )),
+    }
+}
+
+/// `jit` as the statements `query_ids` ran with it, read from their backends' memory.
+fn jit_of(query_ids: &[QueryId], facts: &InstanceFacts) -> Option<String> {
+    let samples = summed(query_ids, &facts.jit_by_query);
+    match samples.len() {
+        0 => None,
+        1 => samples
+            .keys()
+            .next()
+            .map(|value| format!("{value} (as the statement's backends ran it)")),
+        _ => Some(differing(&samples)),
+    }
 }
 
 /// pg_class's rows as the statements `query_ids` saw them: in each database they ran in,
@@ -117,11 +187,16 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                     .iter()
                     .any(|f| f.starts_with(Function::PgssStore.name())) =>
             {
-                if let Some(on) = facts.track_planning {
-                    finding.numbers.push((
-                        "pg_stat_statements.track_planning".into(),
-                        if on { "on" } else { "off" }.into(),
-                    ));
+                if let Some(shown) = track_planning_of(&finding.query_ids, facts) {
+                    finding
+                        .numbers
+                        .push(("pg_stat_statements.track_planning".into(), shown));
+                }
+            }
+            // Executor start is where JIT compiles the plan's expressions.
+            "phase_dominance" if frames("standard_ExecutorStart") => {
+                if let Some(shown) = jit_of(&finding.query_ids, facts) {
+                    finding.numbers.push(("jit".into(), shown));
                 }
             }
             _ => {}
@@ -159,6 +234,7 @@ mod tests {
             relations_by_database: BTreeMap::from([("app".to_string(), 20412)]),
             databases_by_query: BTreeMap::from([("7".to_string(), vec!["app".to_string()])]),
             commands_by_query: BTreeMap::new(),
+            ..InstanceFacts::default()
         };
         let mut findings = vec![
             finding("generic_plan_locks", &["GetCachedPlan", "LockRelationOid"]),
@@ -190,7 +266,10 @@ mod tests {
         );
         assert_eq!(
             findings[2].numbers,
-            vec![("pg_stat_statements.track_planning".to_string(), "on".to_string())]
+            vec![(
+                "pg_stat_statements.track_planning".to_string(),
+                "on (pgscope's own session; the statement's backends were not read)".to_string()
+            )]
         );
         assert!(findings[3].numbers.is_empty() && findings[3].action == "act");
     }
@@ -212,6 +291,7 @@ mod tests {
             relations_by_database: BTreeMap::new(),
             databases_by_query: BTreeMap::new(),
             commands_by_query: BTreeMap::new(),
+            ..InstanceFacts::default()
         };
         let quoted = |query_id: i64| {
             let mut found = vec![Finding {
@@ -244,5 +324,101 @@ mod tests {
             mode,
             "auto (pgscope's own session; the statement's backends were not read)"
         );
+    }
+
+    /// track_planning is resolved per (database, role) of the statement's backends and quoted
+    /// with its source; jit as their memory had it.
+    #[test]
+    fn track_planning_and_jit_are_quoted_as_the_statements_backends_ran_them() {
+        use crate::postgres::sql::{SessionSamples, SessionSetting};
+        let session = |database, role, samples| SessionSamples {
+            database,
+            role,
+            samples,
+        };
+        let setting = |role, value, source: &str| SessionSetting {
+            database: 16384,
+            role,
+            value,
+            source: source.into(),
+        };
+        let facts = InstanceFacts {
+            track_planning: Some(false),
+            sessions_by_query: BTreeMap::from([
+                ("7".to_string(), vec![session(16384, 16385, 90)]),
+                (
+                    "8".to_string(),
+                    vec![session(16384, 16385, 25), session(16384, 10, 75)],
+                ),
+                ("9".to_string(), vec![session(16384, 99, 5)]),
+            ]),
+            track_planning_by_session: vec![
+                setting(16385, Some(true), "ALTER ROLE app SET"),
+                setting(10, Some(false), "server setting"),
+                setting(99, None, "server setting not readable"),
+            ],
+            jit_by_query: BTreeMap::from([
+                ("7".to_string(), BTreeMap::from([("on".to_string(), 4)])),
+                (
+                    "8".to_string(),
+                    BTreeMap::from([("off".to_string(), 1), ("on".to_string(), 3)]),
+                ),
+            ]),
+            ..InstanceFacts::default()
+        };
+        let quoted = |kind: &'static str, frames: &[&str], query_id: i64, what: &str| {
+            let mut found = vec![Finding {
+                query_ids: vec![QueryId(query_id)],
+                ..finding(kind, frames)
+            }];
+            annotate(&mut found, &facts);
+            found[0]
+                .numbers
+                .iter()
+                .find(|(k, _)| k == what)
+                .map(|(_, v)| v.clone())
+        };
+        let planning = |query_id| {
+            quoted(
+                "spin_site",
+                &["pgss_store"],
+                query_id,
+                "pg_stat_statements.track_planning",
+            )
+        };
+        assert_eq!(
+            planning(7).as_deref(),
+            Some("on (ALTER ROLE app SET, as the statement's backends ran)")
+        );
+        assert_eq!(
+            planning(8).as_deref(),
+            Some(
+                "off (server setting) in 75% of its samples, on (ALTER ROLE app SET) in 25% of its \
+                 samples (the statement's backends differ)"
+            )
+        );
+        assert_eq!(
+            planning(9).as_deref(),
+            Some("unknown (server setting not readable, as the statement's backends ran)")
+        );
+        assert_eq!(
+            planning(10).as_deref(),
+            Some("off (pgscope's own session; the statement's backends were not read)")
+        );
+        let jit = |query_id| {
+            quoted(
+                "phase_dominance",
+                &["PortalStart", "standard_ExecutorStart"],
+                query_id,
+                "jit",
+            )
+        };
+        assert_eq!(jit(7).as_deref(), Some("on (as the statement's backends ran it)"));
+        assert_eq!(
+            jit(8).as_deref(),
+            Some("off in 25% of its samples, on in 75% of its samples (the statement's backends differ)")
+        );
+        assert_eq!(jit(9), None);
+        assert_eq!(quoted("phase_dominance", &["PortalDrop"], 7, "jit"), None);
     }
 }

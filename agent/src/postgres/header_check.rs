@@ -111,6 +111,11 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             table.st_activity_start_offset,
         ),
         (
+            "st_userid",
+            "offsetof(PgBackendStatus, st_userid)",
+            table.st_userid_offset,
+        ),
+        (
             "status entry size",
             "sizeof(PgBackendStatus)",
             table.status_entry_size,
@@ -175,6 +180,7 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
 /// Headers declaring what the table's values and globals name.
 fn headers(table: &VersionTable) -> Vec<&'static str> {
     let mut headers = vec![
+        "jit/jit.h",
         "miscadmin.h",
         "postmaster/bgworker.h",
         "storage/lwlock.h",
@@ -263,6 +269,7 @@ fn declarations_unit(table: &VersionTable, replace: Option<(Function, &str)>) ->
     globals.extend(table.status_slots.global_names());
     globals.extend(table.instance_name_globals.names());
     globals.push(super::backend_settings::PLAN_CACHE_MODE_GLOBAL);
+    globals.push(super::backend_settings::JIT_GLOBAL);
     let addresses: String = globals
         .iter()
         .map(|name| format!("    (const volatile void *) &{name},\n"))

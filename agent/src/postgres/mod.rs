@@ -10,6 +10,7 @@ pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;
 pub mod phase;
+pub mod role_settings;
 pub mod signatures;
 pub mod sql;
 pub mod status_slots;
@@ -59,6 +60,9 @@ pub struct VersionTable {
     /// `offsetof(PgBackendStatus, st_activity_start_timestamp)`: when the current statement
     /// began, the same before and after its queryid is reported.
     pub st_activity_start_offset: u32,
+    /// `offsetof(PgBackendStatus, st_userid)`: the session user the backend authenticated as,
+    /// the role whose `ALTER ROLE … SET` settings it started with.
+    pub st_userid_offset: u32,
     /// `STATE_IDLE`: 1, and 2 in 18 (`STATE_STARTING` came before it). With
     /// `wait_event_client_read`, what tells a backend idle between statements at switch-out.
     pub state_idle: u32,

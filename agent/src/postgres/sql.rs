@@ -372,9 +372,32 @@ pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
     Ok(names)
 }
 
+/// The samples of a statement taken in backends of one session kind: database `database`
+/// (`MyDatabaseId`) and role `role` (the session user, `PgBackendStatus.st_userid`), OIDs.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SessionSamples {
+    pub database: u32,
+    pub role: u32,
+    pub samples: u64,
+}
+
+/// A setting as sessions of database `database` and role `role` start with it, resolved from
+/// the catalog (`postgres::role_settings`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SessionSetting {
+    pub database: u32,
+    pub role: u32,
+    /// None where it could not be known (the server-wide value was hidden, see
+    /// `role_settings`).
+    pub value: Option<bool>,
+    /// Where the value comes from, as a finding quotes it: `ALTER ROLE app SET`,
+    /// `server setting`.
+    pub source: String,
+}
+
 /// Settings and sizes the findings explain their numbers with: as pgscope's own session sees
 /// them, and, where they were read, as each observed backend runs them.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct InstanceFacts {
     /// `plan_cache_mode` of pgscope's session: auto, force_generic_plan or force_custom_plan.
     pub plan_cache_mode: String,
@@ -382,8 +405,21 @@ pub struct InstanceFacts {
     /// queryid (`collect::settings_seen`); empty where it could not be read.
     #[serde(default)]
     pub plan_cache_modes_by_query: BTreeMap<String, BTreeMap<String, u64>>,
-    /// `pg_stat_statements.track_planning`, where the extension is loaded.
+    /// `jit` as the backends running each statement had it: samples per value (`on`/`off`),
+    /// by queryid (`collect::settings_seen`).
+    #[serde(default)]
+    pub jit_by_query: BTreeMap<String, BTreeMap<String, u64>>,
+    /// `pg_stat_statements.track_planning` of pgscope's own session, where the extension is
+    /// loaded: quoted only where the statement's backends' sessions were not read.
     pub track_planning: Option<bool>,
+    /// The (database, role) each statement's backends ran as, with their samples, by queryid.
+    #[serde(default)]
+    pub sessions_by_query: BTreeMap<String, Vec<SessionSamples>>,
+    /// `pg_stat_statements.track_planning` as each (database, role) of `sessions_by_query`
+    /// starts with it: the variable is static in its library, so it is resolved from
+    /// pg_db_role_setting and the server's value rather than read from memory.
+    #[serde(default)]
+    pub track_planning_by_session: Vec<SessionSetting>,
     /// The connected database's name and its pg_class rows, which every VACUUM command's
     /// vac_update_datfrozenxid scans.
     pub database: String,
@@ -438,13 +474,10 @@ pub async fn instance_facts(client: &Client) -> Result<InstanceFacts> {
     let track_planning: Option<String> = row.try_get(1).context("pg_stat_statements.track_planning")?;
     Ok(InstanceFacts {
         plan_cache_mode: row.try_get(0).context("plan_cache_mode")?,
-        plan_cache_modes_by_query: BTreeMap::new(),
         track_planning: track_planning.map(|v| v == "on"),
         database: row.try_get(2).context("current_database()")?,
         relations: row.try_get(3).context("count(*) FROM pg_class")?,
-        relations_by_database: BTreeMap::new(),
-        databases_by_query: BTreeMap::new(),
-        commands_by_query: BTreeMap::new(),
+        ..InstanceFacts::default()
     })
 }
 

@@ -4,12 +4,12 @@
 //! quote. Best effort: when the instance cannot be reached, one line says what is missing and
 //! why.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use super::probes::ProbeResults;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Function;
-use crate::postgres::sql;
+use crate::postgres::{role_settings, sql};
 use crate::redact::{self, Secret};
 
 /// Query texts by queryid and database names by OID; empty when they could not be read.
@@ -123,6 +123,9 @@ pub async fn fetch(
         Ok(mut instance) => {
             if let Some(seen) = &session.settings_seen {
                 instance.plan_cache_modes_by_query = seen.plan_cache_modes();
+                instance.jit_by_query = seen.jit();
+                instance.sessions_by_query = seen.sessions();
+                track_planning_by_session(&client, &mut instance).await;
             }
             if probe_results.attached.contains(&Function::VacUpdateDatfrozenxid) {
                 catalogs_where_sampled(&target, session, &facts.database_names, &mut instance).await;
@@ -191,6 +194,22 @@ pub async fn fetch(
         }
     }
     facts
+}
+
+/// `pg_stat_statements.track_planning` for each (database, role) the statements' backends ran
+/// as, from the catalog (`role_settings`): it is static in its library, so unlike
+/// plan_cache_mode it cannot be read from their memory.
+async fn track_planning_by_session(client: &tokio_postgres::Client, instance: &mut sql::InstanceFacts) {
+    let sessions: BTreeSet<(u32, u32)> = instance
+        .sessions_by_query
+        .values()
+        .flatten()
+        .map(|s| (s.database, s.role))
+        .collect();
+    match role_settings::resolve_sessions(client, "pg_stat_statements.track_planning", &sessions).await {
+        Ok(settings) => instance.track_planning_by_session = settings,
+        Err(error) => tracing::debug!("no track_planning per role and database: {}", shown(&error)),
+    }
 }
 
 /// Databases whose catalog is read at most: one connection each, at the end of a trace.

@@ -45,6 +45,7 @@ pub static TABLE: VersionTable = VersionTable {
     st_state_offset: 232,
     st_query_id_offset: 424,
     st_activity_start_offset: 32,
+    st_userid_offset: 52,
     state_idle: 1,
     wait_event_client_read: 0x0600_0000,
     bg_worker_backend_type: 4,
