@@ -4,7 +4,8 @@
 //! A backend runs a hash join under an aggregate under a sort in a loop while traced: its
 //! stacks must name the node functions, no `postgres+0x…` frame may be one of them (found here
 //! independently with `objdump`), and the plan node types the `--json` summary reports for the
-//! statement must be exactly those its EXPLAIN shows, each heavy one with samples.
+//! statement must be exactly those its EXPLAIN shows, each heavy one with samples, and the HTML
+//! report's plan-node table must show the same heavy node types for it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -60,12 +61,17 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
     }
 
     let dir = tempfile::tempdir()?;
-    let (json, folded) = (dir.path().join("summary.json"), dir.path().join("stacks.folded"));
+    let (json, folded, report) = (
+        dir.path().join("summary.json"),
+        dir.path().join("stacks.folded"),
+        dir.path().join("report.html"),
+    );
     let trace = Trace::pid(connection.pid())
         .duration_secs(600)
         .frequency(499)
         .json(&json)
         .folded(&folded)
+        .report(&report)
         .spawn()?;
     for _ in 0..EXECUTIONS {
         connection.query(QUERY)?;
@@ -120,7 +126,40 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
         "the summary has no plan node section:\n{}",
         output.stdout
     );
+    let in_report = report_plan_nodes(&report, &queryid)?;
+    eprintln!("report, queryid {queryid}: {in_report:?}");
+    for heavy in HEAVY {
+        ensure!(
+            in_report.contains(*heavy),
+            "the report's plan-node row of queryid {queryid} lacks {heavy}: {in_report:?}"
+        );
+    }
     Ok(())
+}
+
+/// The node types the HTML report's plan-node table lists for `queryid`: the `<code>` names
+/// of its row (`<tr id="n{queryid}">`) other than the queryid itself.
+fn report_plan_nodes(path: &Path, queryid: &str) -> Result<BTreeSet<String>> {
+    let page = std::fs::read_to_string(path)?;
+    let section = page
+        .split("<section id=\"plan-nodes\">")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .context("the report has no plan-node section")?;
+    let row = section
+        .split(&format!("<tr id=\"n{queryid}\">"))
+        .nth(1)
+        .and_then(|rest| rest.split("</tr>").next())
+        .with_context(|| {
+            format!("the report's plan-node table has no row for queryid {queryid}:\n{section}")
+        })?;
+    Ok(row
+        .split("<code>")
+        .skip(1)
+        .filter_map(|cell| cell.split("</code>").next())
+        .filter(|name| *name != queryid)
+        .map(str::to_string)
+        .collect())
 }
 
 /// Fewest node functions a major's stripped build must get names for: each has 40 or so

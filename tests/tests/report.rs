@@ -1,8 +1,8 @@
 //! The HTML report in a real browser. A trace of a generic plan over a partitioned table (a
 //! warning finding, probes, on-CPU and off-CPU time) writes the report and a recording; the
 //! report written later from the recording must be the same page; headless Chromium loads it,
-//! the findings and both flamegraphs must be in what it rendered, and its screenshot is kept in
-//! `target/test-artifacts/report.png`.
+//! the findings, both flamegraphs and the plan-node table must be in what it rendered, and its
+//! screenshot is kept in `target/test-artifacts/report.png`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -127,6 +127,17 @@ fn the_report_renders_findings_and_both_flamegraphs_in_chromium() -> Result<()> 
     ensure!(
         dom.contains(&format!("id=\"q{queryid}\"")),
         "the select has no row in the queries table"
+    );
+    // The plan-node table is checked in depth on a hash join (plan_nodes.rs); here, that the
+    // browser renders it, after the queries table.
+    let plan_nodes_at = dom.find("id=\"plan-nodes\"").context("no plan-node section")?;
+    ensure!(
+        plan_nodes_at > dom.find("id=\"queries\"").context("no queries section")?,
+        "the plan-node section must follow the queries table"
+    );
+    eprintln!(
+        "plan-node row of the select: {}",
+        dom.contains(&format!("id=\"n{queryid}\""))
     );
     let on_cpu = rendered_frames(&dom, "On-CPU flamegraph")?;
     let off_cpu = rendered_frames(&dom, "Off-CPU flamegraph")?;

@@ -1,5 +1,5 @@
 //! The report as one self-contained HTML page: findings first, then the on-CPU and off-CPU
-//! flamegraphs, then a table per queryid. No external resource: the page opens from a mail
+//! flamegraphs, then a table per queryid and each query's CPU by plan node. No external resource: the page opens from a mail
 //! attachment or a ticket as well as from disk.
 
 use std::fmt::Write as _;
@@ -74,7 +74,8 @@ pub fn render(recording: &Recording, analysis: &Analysis, findings: &[Finding]) 
         page,
         "<header>\n<h1>pgscope report</h1>\n<p class=\"meta\">{}</p>\n\
          <nav><a href=\"#findings\">Findings</a><a href=\"#on-cpu\">On-CPU</a>\
-         <a href=\"#off-cpu\">Off-CPU</a><a href=\"#queries\">Queries</a></nav>\n</header>",
+         <a href=\"#off-cpu\">Off-CPU</a><a href=\"#queries\">Queries</a>\
+         <a href=\"#plan-nodes\">Plan nodes</a></nav>\n</header>",
         escape(&overview(recording))
     );
     findings_section(&mut page, recording, findings);
@@ -111,6 +112,7 @@ pub fn render(recording: &Recording, analysis: &Analysis, findings: &[Finding]) 
         &recording.target,
     )?;
     queries_section(&mut page, recording, analysis);
+    super::plan_nodes::section(&mut page, &analysis.plan_nodes, |q| recording.query_text(q));
     let _ = write!(page, "<script>{SIZE_FRAMES}</script>\n</body>\n</html>\n");
     Ok(page)
 }
@@ -308,7 +310,7 @@ fn query_row(page: &mut String, row: &QueryRow, total: f64) {
 }
 
 /// Text for HTML content and double-quoted attribute values.
-fn escape(text: &str) -> String {
+pub(super) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -333,6 +335,61 @@ mod tests {
             escape(r#"<script>"a" & 'b'</script>"#),
             "&lt;script&gt;&quot;a&quot; &amp; &#39;b&#39;&lt;/script&gt;"
         );
+    }
+
+    /// A recording of one hash join whose node functions the symbolizer named.
+    fn hash_join_recording() -> Recording {
+        use crate::model::fixtures::{profile, sample};
+        let stack = ["PortalRun", "ExecHashJoin", "ExecScanHashBucket"];
+        Recording {
+            schema: super::super::recording::SCHEMA.into(),
+            target: "backend 1".into(),
+            postgres_major: Some(15),
+            frequency_hz: 99,
+            duration_seconds: 1.0,
+            on_cpu: profile(vec![
+                sample(7, "run", &stack, 30),
+                sample(7, "run", &["PortalRun", "ExecHashJoin", "ExecSeqScan"], 10),
+                sample(7, "plan", &["PortalStart", "standard_planner"], 10),
+            ]),
+            off_cpu: None,
+            probes: Vec::new(),
+            pgss: None,
+            instance: None,
+            spin_sites: Vec::new(),
+            query_texts: [("7".to_string(), "SELECT <join>".to_string())].into(),
+            plan_node_functions: [("ExecHashJoin", "HashJoin"), ("ExecSeqScan", "SeqScan")]
+                .into_iter()
+                .map(|(f, n)| (f.into(), n.into()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_page_shows_each_statements_cpu_by_plan_node_from_the_model() {
+        let recording = hash_join_recording();
+        let page = recording
+            .with_analysis(|analysis| render(&recording, analysis, &[]))
+            .expect("page");
+        let section = page
+            .split("<section id=\"plan-nodes\">")
+            .nth(1)
+            .expect("a plan-node section");
+        let row = section.split("<tr id=\"n7\">").nth(1).expect("the join's row");
+        assert!(row.contains("<code>HashJoin</code> 60.0%"), "{row}");
+        assert!(row.contains("<code>SeqScan</code> 20.0%"), "{row}");
+        assert!(row.contains("SELECT &lt;join&gt;"), "{row}");
+        assert!(page.contains("<a href=\"#plan-nodes\">"), "nav links the section");
+    }
+
+    #[test]
+    fn a_recording_without_node_functions_shows_no_plan_nodes() {
+        let mut recording = hash_join_recording();
+        recording.plan_node_functions.clear();
+        let page = recording
+            .with_analysis(|analysis| render(&recording, analysis, &[]))
+            .expect("page");
+        assert!(page.contains("CPU by plan node (0)") && !page.contains("id=\"n7\""));
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! `pgscope report`: one self-contained HTML page from a trace — findings first, then the
-//! on-CPU and off-CPU flamegraphs and a table per queryid. Written at the end of a trace
-//! (`pgscope trace --report FILE`) or later from a saved recording (`pgscope trace --record
-//! FILE`, then `pgscope report --from FILE`); both go through [`write`], so they are the same
-//! page.
+//! on-CPU and off-CPU flamegraphs, a table per queryid and each query's CPU by plan node.
+//! Written at the end of a trace (`pgscope trace --report FILE`) or later from a saved
+//! recording (`pgscope trace --record FILE`, then `pgscope report --from FILE`); both go
+//! through [`write`], so they are the same page.
 
 mod html;
+mod plan_nodes;
 mod queries;
 pub mod recording;
 

@@ -10,7 +10,7 @@ use exporters::Profile;
 use serde::{Deserialize, Serialize};
 
 use crate::bpf::abi::Function;
-use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow};
+use crate::model::{Analysis, Measurements, NodeFunctions, PgssEvidence, ProbeRow, QueryId, SpinSiteRow};
 use crate::postgres::sql::InstanceFacts;
 
 pub const SCHEMA: &str = "pgscope.recording/v1";
@@ -40,6 +40,11 @@ pub struct Recording {
     pub spin_sites: Vec<SpinSiteRow>,
     /// Normalized query texts by queryid (decimal), when the instance could be reached.
     pub query_texts: BTreeMap<String, String>,
+    /// The executor's per-node functions the symbolizer named (`ExecHashJoin` → `HashJoin`):
+    /// kept because a later report has no symbolizer, and splits CPU by plan node with them.
+    /// Empty in recordings of older versions, whose reports then show no plan nodes.
+    #[serde(default)]
+    pub plan_node_functions: NodeFunctions,
 }
 
 /// One probed function's calls for one queryid.
@@ -168,7 +173,8 @@ impl Recording {
             spin_sites: &self.spin_sites,
             pgss: self.pgss,
             instance: self.instance.as_ref(),
-        });
+        })
+        .with_plan_nodes(&self.plan_node_functions);
         view(&analysis)
     }
 
@@ -226,6 +232,7 @@ mod tests {
             instance: None,
             spin_sites: Vec::new(),
             query_texts: BTreeMap::from([("-42".into(), "SELECT 1".into())]),
+            plan_node_functions: NodeFunctions::from([("ExecSort".into(), "Sort".into())]),
         }
     }
 
@@ -240,6 +247,7 @@ mod tests {
         assert_eq!(loaded.on_cpu.samples, recording().on_cpu.samples);
         assert_eq!(loaded.probes, recording().probes);
         assert_eq!(loaded.query_text(QueryId(-42)), Some("SELECT 1"));
+        assert_eq!(loaded.plan_node_functions, recording().plan_node_functions);
         assert_eq!(
             loaded.probe_rows(),
             vec![ProbeRow {

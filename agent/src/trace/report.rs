@@ -102,6 +102,7 @@ pub(super) fn finish(
             total_ns: site.stats.total_ns,
         })
         .collect();
+    let plan_node_functions = session.symbolizer.plan_node_functions();
     let analysis = Analysis::new(Measurements {
         on_cpu: &profile,
         off_cpu: off_cpu_profile.as_ref(),
@@ -110,7 +111,7 @@ pub(super) fn finish(
         pgss,
         instance: instance.as_ref(),
     })
-    .with_plan_nodes(&session.symbolizer.plan_node_functions());
+    .with_plan_nodes(&plan_node_functions);
     let total = analysis.cpu_samples();
     let shares = exporters::top_functions(&profile, options.top);
     let queries = &analysis.statements;
@@ -186,6 +187,7 @@ pub(super) fn finish(
                 .iter()
                 .map(|(id, text)| (id.to_string(), text.clone()))
                 .collect(),
+            plan_node_functions: plan_node_functions.clone(),
         };
         if let Some(path) = &options.record {
             writes.attempt(path, recording.save(path, mode), || {
