@@ -418,6 +418,18 @@ impl Discoverer<'_> {
                             "pgss_store named in stacks through pg_stat_statements' hooks"
                         );
                     }
+                    if let Some((_, table)) = &attached.layout {
+                        let named = crate::postgres::pointer_tables::name_in_stacks(
+                            &mut session.symbolizer,
+                            root,
+                            table,
+                        );
+                        tracing::debug!(
+                            postmaster = root,
+                            named,
+                            "static functions named through tables of function pointers"
+                        );
+                    }
                     session.add_instance(attached.context);
                     function_probes.add_instance(probes, session, root, counter);
                 }

@@ -39,7 +39,7 @@ fn server_include(major: u32) -> PathBuf {
 }
 
 /// `(major, cache dir)` of every upstream build, from one run of `scripts/pg-majors.sh`.
-fn upstream_dirs() -> &'static [(u32, PathBuf)] {
+pub(super) fn upstream_dirs() -> &'static [(u32, PathBuf)] {
     static DIRS: OnceLock<Vec<(u32, PathBuf)>> = OnceLock::new();
     DIRS.get_or_init(|| {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/pg-majors.sh");

@@ -10,6 +10,7 @@ pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;
 pub mod phase;
+pub mod pointer_tables;
 pub mod role_settings;
 pub mod signatures;
 pub mod sql;
@@ -89,6 +90,9 @@ pub struct VersionTable {
     /// `plan_cache_mode`'s values in order (`PlanCacheMode`, `utils/plancache.h`), as `SHOW`
     /// names them; the GUC variable is the exported int `plan_cache_mode`.
     pub plan_cache_modes: [&'static str; 3],
+    /// The tables of function pointers that name static functions of a stripped build
+    /// (`pointer_tables`), generated into `vNN/pointer_tables.rs`.
+    pub pointer_tables: &'static [symbolizer::PointerTable],
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,

@@ -246,6 +246,13 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             "pgss_store named in stacks through pg_stat_statements' hooks"
         );
     }
+    if let Some((_, table)) = &version_table {
+        let named = crate::postgres::pointer_tables::name_in_stacks(&mut session.symbolizer, root.pid, table);
+        tracing::debug!(
+            named,
+            "static functions named through tables of function pointers"
+        );
+    }
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
     note!(

@@ -8,6 +8,7 @@
 //! gone).
 
 pub mod names;
+mod pointer_tables;
 
 use super::signatures::{unchanged_since_14, BT_GETROOT_FROM_16, PGSS_STORE_15_TO_17};
 use super::{
@@ -57,6 +58,7 @@ pub static TABLE: VersionTable = VersionTable {
     tranche_id_offset: 0,
     tranche_name_offset: 8,
     plan_cache_modes: PLAN_CACHE_MODES_SINCE_12,
+    pointer_tables: pointer_tables::POINTER_TABLES,
     backend_type_name: names::backend_type,
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
