@@ -24,7 +24,7 @@ pub fn unexplained(queries: &[StatementCpu], found: &[Finding], period_ns: u64) 
                 return None;
             }
             let path = (!q.hottest_callers.is_empty()).then(|| q.hottest_callers.join(" → "));
-            let syscall = system_call(function);
+            let syscall = what_it_is(function);
             Some(Finding {
                 kind: "hot_function",
                 severity: Severity::Info,
@@ -72,9 +72,30 @@ pub fn unexplained(queries: &[StatementCpu], found: &[Finding], period_ns: u64) 
         .collect()
 }
 
-/// The C library's system call wrappers Postgres' time most often ends in: an on-CPU sample
-/// there is the kernel working for the statement. What the call does, and what to consider.
-fn system_call(function: &str) -> Option<(&'static str, &'static str)> {
+/// What the functions a statement's time most often ends in do, and what to consider: the C
+/// library's system call wrappers (an on-CPU sample there is the kernel working for the
+/// statement), and the executor's static functions a stripped build names only through its
+/// tables of function pointers (`crate::postgres::pointer_tables`).
+fn what_it_is(function: &str) -> Option<(&'static str, &'static str)> {
+    if function.starts_with("tts_") && function.ends_with("_getsomeattrs") {
+        return Some((
+            "deforming tuples: reading a row's columns, one after the other, up to the last \
+             one the plan needs",
+            "every column before the last one a plan reads is deformed for every row it \
+             reads: a wide table read for a column near its end pays for all the columns \
+             before it (variable-length and nullable columns first cost most); select fewer \
+             or earlier columns, put fixed-width, often-read columns first, or read fewer \
+             rows (an index, a narrower table)",
+        ));
+    }
+    if function == "heapam_index_fetch_tuple" {
+        return Some((
+            "fetching the heap row an index entry points to",
+            "an index scan visits the table once per index entry it returns: an index-only \
+             scan (a covering index with INCLUDE, and a visibility map kept current by \
+             VACUUM) skips the table; a bitmap scan visits each page once",
+        ));
+    }
     Some(match function.trim_start_matches('_') {
         "fdatasync" | "fsync" | "sync_file_range" | "libc_fdatasync" | "libc_fsync" => (
             "a system call flushing a file to disk: WAL at commit, data files at checkpoints",
@@ -154,5 +175,45 @@ mod tests {
             "queryid 10 spends 60.0% of its CPU in fdatasync itself, reached through CommitTransaction → XLogFlush"
         );
         assert!(found[0].action.contains("WAL flush"), "{}", found[0].action);
+    }
+
+    #[test]
+    fn tuple_deforming_and_heap_fetches_say_what_they_are() {
+        let p = profile(vec![
+            sample(
+                11,
+                "run",
+                &[
+                    "ExecAgg",
+                    "SeqNext",
+                    "slot_getsomeattrs_int",
+                    "tts_buffer_heap_getsomeattrs",
+                ],
+                58,
+            ),
+            sample(11, "run", &["ExecAgg", "SeqNext", "heap_getnextslot"], 42),
+            sample(
+                12,
+                "run",
+                &["ExecNestLoop", "IndexNext", "heapam_index_fetch_tuple"],
+                70,
+            ),
+            sample(12, "run", &["ExecNestLoop", "IndexNext", "_bt_first"], 30),
+        ]);
+        let found = unexplained(&table(&p), &[], 10);
+        let deforming = found
+            .iter()
+            .find(|f| f.query_ids == [QueryId(11)])
+            .expect("named");
+        assert!(deforming.action.contains("wide table"), "{}", deforming.action);
+        assert!(deforming
+            .numbers
+            .iter()
+            .any(|(what, value)| what == "what it is" && value.starts_with("deforming tuples")));
+        let fetching = found
+            .iter()
+            .find(|f| f.query_ids == [QueryId(12)])
+            .expect("named");
+        assert!(fetching.action.contains("index-only scan"), "{}", fetching.action);
     }
 }
