@@ -91,16 +91,30 @@ impl<'a> Analysis<'a> {
         self.measured.on_cpu.total_count()
     }
 
+    /// On-CPU samples taken inside pgscope's own probe traps (see
+    /// [`statements::in_probe_trap`]): pgscope's cost, left out of the statements' figures and
+    /// of [`Analysis::backend_time_ns`].
+    pub fn probe_trap_samples(&self) -> u64 {
+        self.measured
+            .on_cpu
+            .samples
+            .iter()
+            .filter(|s| statements::in_probe_trap(&s.frames))
+            .map(|s| s.count)
+            .sum()
+    }
+
     /// The on-CPU sampling period in nanoseconds.
     pub fn period_ns(&self) -> u64 {
         self.measured.on_cpu.meta.period
     }
 
-    /// All the time the traced processes were busy, in nanoseconds: on CPU (samples × period)
-    /// and, where off-CPU time was measured, blocked, without the waits for a client (idle
-    /// or within a transaction: the client's time, not the database's).
+    /// All the time the traced processes were busy, in nanoseconds: on CPU (samples × period,
+    /// without pgscope's own probe traps) and, where off-CPU time was measured, blocked, without
+    /// the waits for a client (idle or within a transaction: the client's time, not the
+    /// database's).
     pub fn backend_time_ns(&self) -> u64 {
-        let on_cpu = self.cpu_samples() * self.period_ns();
+        let on_cpu = self.cpu_samples().saturating_sub(self.probe_trap_samples()) * self.period_ns();
         let blocked: u64 = self
             .measured
             .off_cpu

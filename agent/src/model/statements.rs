@@ -39,6 +39,10 @@ pub struct StatementCpu {
     /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
     /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
     pub deferred_to_commit: u64,
+    /// Samples taken while the CPU handled one of pgscope's own probes in this statement (the
+    /// breakpoint's exception, the return trampoline, the BPF program): pgscope's cost, not
+    /// the statement's, so left out of every other figure here, [`Self::samples`] included.
+    pub probe_traps: u64,
 }
 
 impl StatementCpu {
@@ -120,6 +124,21 @@ pub const CALLERS_SHOWN: usize = 3;
 /// Per leaf function: its samples, and per path of its nearest callers, theirs.
 type Leaves = HashMap<String, (u64, HashMap<Vec<String>, u64>)>;
 
+/// Whether a sample was taken while the CPU handled one of pgscope's probes: in the kernel's
+/// breakpoint exception or uprobe handling (`asm_exc_int3`, `handle_swbp`,
+/// `uprobe_notify_resume`, `uprobe_dispatcher`), a BPF program (`bpf_prog_…`), or the
+/// single-stepped instruction's slot (`[uprobes]`). With probes on hot functions such samples are
+/// a large part of a statement's (half of all, with `GetCachedPlan` and `LockRelationOid` both
+/// probed); counting them as Postgres' time made shares and findings depend on the probes.
+pub fn in_probe_trap(frames: &[Frame]) -> bool {
+    frames.iter().any(|frame| match frame.kind {
+        FrameKind::Kernel => ["uprobe", "uretprobe", "int3", "swbp", "bpf_prog"]
+            .iter()
+            .any(|part| frame.name.contains(part)),
+        _ => &*frame.name == "[uprobes]",
+    })
+}
+
 /// User frames' names, root first.
 fn user_names(frames: &[Frame]) -> Vec<&str> {
     frames
@@ -147,10 +166,16 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
                 HashMap::new(),
             )
         });
+        if in_probe_trap(&sample.frames) {
+            statement.probe_traps += sample.count;
+            continue;
+        }
         statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
     }
     let mut out: Vec<StatementCpu> = queries
         .into_values()
+        // Only pgscope's own probe traps: nothing of the statement to show.
+        .filter(|(statement, _)| statement.samples > 0)
         .map(|(mut statement, leaves)| {
             let hottest = leaves
                 .into_iter()
@@ -253,5 +278,42 @@ mod tests {
         assert_eq!(found.deferred_to_commit, 2);
         assert!((share_with_frame(&p, QueryId(7), "LockRelationOid") - 25.0 / 61.0).abs() < 1e-9);
         assert_eq!(share_with_frame(&p, QueryId(8), "LockRelationOid"), 0.0);
+    }
+
+    #[test]
+    fn samples_in_pgscopes_own_probe_traps_are_left_out_and_counted() {
+        let trap = |name: &str, count| {
+            let mut s = sample(7, "plan", &["main", "GetCachedPlan", "LockRelationOid"], count);
+            s.frames.push(Frame {
+                name: Arc::from(name),
+                kind: FrameKind::Kernel,
+            });
+            s
+        };
+        let mut xol = sample(7, "plan", &["main", "GetCachedPlan"], 1);
+        xol.frames.push(Frame {
+            name: Arc::from("[uprobes]"),
+            kind: FrameKind::User,
+        });
+        let p = profile(vec![
+            sample(7, "plan", &["main", "GetCachedPlan", "standard_planner"], 10),
+            trap("handle_swbp", 5),
+            trap("uprobe_notify_resume", 3),
+            trap("bpf_prog_6deef7357e7b4530_on_entry", 2),
+            xol,
+        ]);
+        let mut p = p;
+        // Only traps: nothing of the statement itself.
+        let mut only_traps = sample(8, "plan", &["main", "LockRelationOid"], 4);
+        only_traps.frames.push(Frame {
+            name: Arc::from("asm_exc_int3"),
+            kind: FrameKind::Kernel,
+        });
+        p.samples.push(only_traps);
+        let found = statements(&p);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].samples, 10);
+        assert_eq!(found[0].probe_traps, 11);
+        assert_eq!(found[0].planner, 10);
     }
 }

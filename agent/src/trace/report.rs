@@ -125,6 +125,14 @@ pub(super) fn finish(
             out!("by query (phases in % of the query's samples):");
             out!("{}", super::queries::render(queries, total, options.top));
             print_query_texts(queries, &query_texts, options.top);
+            let traps = analysis.probe_trap_samples();
+            if traps > 0 {
+                out!(
+                    "note: {traps} samples ({:.1}%) were taken inside pgscope's own probe traps: left out \
+                     of the queries' figures and the findings",
+                    100.0 * traps as f64 / total as f64
+                );
+            }
             if !analysis.plan_nodes.is_empty() {
                 out!("by plan node (innermost executor node on the stack, % of the query's samples):");
                 out!("{}", super::plan_nodes::render(&analysis.plan_nodes, options.top));
