@@ -32,6 +32,9 @@ pub struct StatementCpu {
     /// Samples in the planner itself (`planner`, `standard_planner`): the plan phase also
     /// covers a cached plan's revalidation and locking, which is not planning.
     pub planner: u64,
+    /// Samples in the planner under `GetCachedPlan`: a prepared (cached) statement planned
+    /// again, at every execution when custom plans are used.
+    pub replanning: u64,
     /// Samples starting B-tree index scans: `_bt_first` (descending from the root to the first
     /// leaf and reading it) and the rescan that precedes it when a scan is restarted
     /// (`btrescan`).
@@ -113,6 +116,12 @@ impl StatementCpu {
         if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
             if names[plan..].contains(&"LockRelationOid") {
                 self.plan_locking += count;
+            }
+            if names[plan..]
+                .iter()
+                .any(|n| *n == "planner" || *n == "standard_planner")
+            {
+                self.replanning += count;
             }
         }
     }
