@@ -71,3 +71,63 @@ fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
     );
     Ok(())
 }
+
+/// A statement too short to be sampled twice (a 5000-element IN list: a millisecond or two of
+/// parsing, little else), sent by one client that waits 30 ms between statements as
+/// applications do: no later sample of the statement carries its queryid, but while the backend
+/// waits for its client its status still shows the statement's start and queryid, and pgscope
+/// reads them there.
+#[test]
+fn short_statements_followed_by_a_client_wait_get_their_parsing() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
+    let dir = tempfile::tempdir()?;
+    let list: Vec<String> = (1..=5_000).map(|i| i.to_string()).collect();
+    let script = dir.path().join("short_in.sql");
+    std::fs::write(
+        &script,
+        format!(
+            "SELECT count(*) FROM t WHERE x IN ({});\n\\sleep 30 ms\n",
+            list.join(",")
+        ),
+    )?;
+    let pprof = dir.path().join("profile.pb.gz");
+    let trace = Trace::instance(cluster.data_dir())
+        .pprof(&pprof)
+        .frequency(499)
+        .duration_secs(600)
+        .spawn()?;
+    let script = script.display().to_string();
+    cluster.pgbench(&["-n", "-c", "1", "-T", "6", "-f", &script])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
+        .trim()
+        .to_string();
+    ensure!(
+        !queryid.is_empty(),
+        "no pg_stat_statements entry for the statement"
+    );
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
+    let parsing = |s: &LabeledSample| matches!(s.label("phase"), Some("parse" | "analyze"));
+    let unknown = profile.count_where(|s| client(s) && parsing(s) && s.label("queryid") == Some("0"));
+    let linked =
+        profile.count_where(|s| client(s) && parsing(s) && s.label("queryid") == Some(queryid.as_str()));
+    eprintln!("parse + analysis samples of client backends: queryid {queryid} {linked}, queryid 0 {unknown}");
+    ensure!(
+        linked + unknown >= 40,
+        "{} parse + analysis samples:\n{}",
+        linked + unknown,
+        output.stdout
+    );
+    // What may stay on 0: a statement whose client sent the next one within 10 ms, and the
+    // trace's last one.
+    ensure!(
+        unknown * 5 <= linked + unknown,
+        "{unknown} of {} parse + analysis samples kept queryid 0",
+        linked + unknown
+    );
+    Ok(())
+}

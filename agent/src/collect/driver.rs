@@ -16,6 +16,11 @@ use crate::bpf::OnCpuProbes;
 /// How often the function probes' duty cycles advance.
 pub const DUTY_TICK: Duration = Duration::from_millis(50);
 
+/// How often the samples waiting for their statement's queryid are looked up in their backends'
+/// memory between batches of samples: a client waiting a few tens of milliseconds between
+/// statements leaves the last one's queryid readable that long. A no-op when none waits.
+const HELD_TICK: Duration = Duration::from_millis(10);
+
 /// Whether the loop goes on after a front end's event.
 pub enum Flow {
     Continue,
@@ -63,6 +68,8 @@ pub async fn run<P: Policy>(
         .context("registering the ring buffer with tokio")?;
     let mut second = tokio::time::interval(Duration::from_secs(1));
     let mut duty = tokio::time::interval(DUTY_TICK);
+    let mut held = tokio::time::interval(HELD_TICK);
+    held.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         // The branches' futures are dropped before a handler runs: handlers may use what
         // they borrowed.
@@ -77,6 +84,8 @@ pub async fn run<P: Policy>(
                 policy.each_second(session, probes);
             }
             _ = duty.tick() => policy.duty_tick(session, probes)?,
+            // A backend gone idle after its last sample sends none to trigger the read.
+            _ = held.tick() => session.resolve_held_from_memory(),
             event = policy.next_event() => {
                 if let Flow::Stop = policy.handle(event, session, probes, ring.get_mut()).await? {
                     break;

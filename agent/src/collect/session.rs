@@ -13,6 +13,7 @@ use super::live::LiveCounts;
 use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
 use super::settings_seen::SettingsSeen;
 use super::statement_link::{Held, StatementLink};
+use super::statement_read::StatementReader;
 use super::wait_reassembly::{OpenPart, PendingWait, WaitReassembly};
 use crate::aggregate::StackAggregator;
 use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
@@ -72,6 +73,8 @@ pub struct Session {
     pub settings_seen: Option<SettingsSeen>,
     /// On-CPU samples taken before their statement reported its queryid, until it does.
     statements: StatementLink,
+    /// Reads the statement a backend shows now, for the samples still held.
+    statement_reader: StatementReader,
 }
 
 impl Session {
@@ -95,6 +98,7 @@ impl Session {
             waits: WaitReassembly::default(),
             settings_seen: None,
             statements: StatementLink::default(),
+            statement_reader: StatementReader::default(),
         }
     }
 
@@ -360,9 +364,30 @@ impl Session {
         }
     }
 
-    /// Adds the samples still waiting for their statement's queryid as they are (queryid 0):
-    /// before the stacks are read (the end of a trace, an agent interval).
+    /// Gives the samples still waiting for their statement's queryid the one their backend's
+    /// status shows now, where it shows the same statement with its queryid (a backend waiting
+    /// for its client after a statement too short to be sampled again); a few small reads of
+    /// each waiting backend's memory. The loop calls it after each batch of samples.
+    pub fn resolve_held_from_memory(&mut self) {
+        if self.statements.is_empty() {
+            return;
+        }
+        let (instances, reader) = (&self.instances, &mut self.statement_reader);
+        let released = self.statements.resolve_from(|tid, held| {
+            // Backends are single-threaded: the thread's status is its process's.
+            let table = instances.get(&held.root)?.context.version?;
+            (tid == held.tgid)
+                .then(|| reader.current_statement(held.root, tid, table))
+                .flatten()
+        });
+        self.add_released(released);
+    }
+
+    /// Adds the samples still waiting for their statement's queryid as they are (queryid 0),
+    /// those whose backend shows their statement's queryid now with it: before the stacks are
+    /// read (the end of a trace, an agent interval).
     pub fn release_held_samples(&mut self) {
+        self.resolve_held_from_memory();
         let held = self.statements.release_all();
         self.add_released(held);
     }

@@ -8,7 +8,10 @@
 //!
 //! Held samples wait for that sample: they are released with the queryid when it comes, and
 //! as queryid 0 when the thread shows another statement, when too many wait, or when the
-//! caller releases everything (the end of a trace, an agent interval).
+//! caller releases everything (the end of a trace, an agent interval). A statement too short to
+//! be sampled again is often followed by a wait for the client's next one, during which its
+//! status still shows its start and queryid: the caller reads that from the backend's memory
+//! ([`StatementLink::resolve_from`]) while samples wait.
 
 use std::collections::HashMap;
 
@@ -74,6 +77,45 @@ impl StatementLink {
             }
         }
         samples
+    }
+
+    /// Resolves the held samples of each thread from what `current` reads of its status now:
+    /// the statement's start and reported queryid. The samples of a thread whose statement
+    /// reports its queryid are returned with it, those of a thread on to another statement as
+    /// they are (queryid 0); a thread still before its queryid, or not read, keeps waiting.
+    pub fn resolve_from(&mut self, mut current: impl FnMut(u32, &Held) -> Option<(u64, i64)>) -> Vec<Held> {
+        let mut done = Vec::new();
+        for (&tid, waiting) in &self.by_thread {
+            let Some(first) = waiting.samples.first() else {
+                done.push((tid, None));
+                continue;
+            };
+            match current(tid, first) {
+                Some((start, query_id)) if start == waiting.statement_start && query_id != 0 => {
+                    done.push((tid, Some(query_id)));
+                }
+                Some((start, _)) if start != waiting.statement_start => done.push((tid, None)),
+                _ => {}
+            }
+        }
+        let mut released = Vec::new();
+        for (tid, query_id) in done {
+            let Some(waiting) = self.by_thread.remove(&tid) else {
+                continue;
+            };
+            for mut held in waiting.samples {
+                if let Some(query_id) = query_id {
+                    held.attribution.query_id = Some(query_id);
+                }
+                released.push(held);
+            }
+        }
+        released
+    }
+
+    /// Whether any sample waits.
+    pub fn is_empty(&self) -> bool {
+        self.by_thread.is_empty()
     }
 
     /// Every held sample, as it is (queryid 0).
@@ -155,5 +197,35 @@ mod tests {
             .sum();
         assert_eq!(released, MAX_HELD_PER_THREAD);
         assert_eq!(link.release_all().len(), 1);
+    }
+
+    #[test]
+    fn a_status_read_resolves_a_statement_that_was_not_sampled_again() {
+        let mut link = StatementLink::default();
+        link.hold(10, 500, held(10));
+        link.hold(11, 600, held(11));
+        link.hold(12, 700, held(12));
+        link.hold(13, 800, held(13));
+        let released = link.resolve_from(|tid, first| {
+            assert_eq!(first.tgid, tid);
+            match tid {
+                // Idle after the statement: its start and queryid are still shown.
+                10 => Some((500, 7)),
+                // Still parsing: no queryid yet.
+                11 => Some((600, 0)),
+                // On to another statement: this one's queryid is gone.
+                12 => Some((701, 9)),
+                // Not readable (exited).
+                _ => None,
+            }
+        });
+        let mut by_thread: Vec<(u32, Option<i64>)> = released
+            .iter()
+            .map(|h| (h.tgid, h.attribution.query_id))
+            .collect();
+        by_thread.sort();
+        assert_eq!(by_thread, vec![(10, Some(7)), (12, Some(0))]);
+        assert_eq!(link.release_all().len(), 2);
+        assert!(link.is_empty());
     }
 }

@@ -15,6 +15,11 @@ fn read_exact(pid: u32, address: u64, buf: &mut [u8]) -> Result<()> {
         .with_context(|| format!("cannot read {} bytes of {path} at {address:#x}", buf.len()))
 }
 
+/// `buf.len()` bytes at `address` in process `pid`, read in one go.
+pub fn read_into(pid: u32, address: u64, buf: &mut [u8]) -> Result<()> {
+    read_exact(pid, address, buf)
+}
+
 /// The native-endian `u64` (e.g. a pointer) at `address` in process `pid`.
 pub fn read_u64(pid: u32, address: u64) -> Result<u64> {
     let mut bytes = [0u8; 8];
