@@ -134,6 +134,24 @@ static __always_inline __u64 current_query_id(__u32 tgid)
 	return query_id;
 }
 
+/* Notes that thread `tid` is storing statement `query_id` in pg_stat_statements, with the start
+ * of the statement its status shows now (see pgss_storing). */
+static __always_inline void note_pgss_storing(__u32 tid, __u32 tgid, __u64 query_id)
+{
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	struct pgss_storing storing = { .query_id = query_id };
+
+	if (!query_id || !layout || !layout->my_be_entry || !layout->st_activity_start_offset)
+		return;
+	__u64 entry = status_entry(layout);
+	if (!entry || entry == STATUS_UNREADABLE ||
+	    bpf_probe_read_user(&storing.statement_start, 8,
+				(void *)(entry + layout->st_activity_start_offset)) != 0 ||
+	    !storing.statement_start)
+		return;
+	bpf_map_update_elem(&pgss_storing, &tid, &storing, BPF_ANY);
+}
+
 /* floor(log2(v)) for v > 0, without loops (the verifier prefers straight code). */
 static __always_inline __u32 log2_u64(__u64 v)
 {
@@ -247,6 +265,7 @@ int on_function_entry(struct pt_regs *ctx)
 		 * for nested statements), the kind tells text/plan/exec apart. */
 		entry.query_id = probe_arg(ctx, args->query_id);
 		entry.detail = (__u32)((int)probe_arg(ctx, args->pgss_kind) + 2) & 0xff;
+		note_pgss_storing((__u32)pid_tgid, tgid, entry.query_id);
 	} else {
 		entry.query_id = current_query_id(tgid);
 	}
@@ -290,6 +309,11 @@ int on_function_return(struct pt_regs *ctx)
 	}
 	__u64 traps = count_trap((__u32)pid_tgid);
 	__u64 nested = traps > entry->traps_at_entry ? traps - entry->traps_at_entry : 0;
+	if (function == PGSCOPE_FN_PGSS_STORE) {
+		__u32 tid = (__u32)pid_tgid;
+
+		bpf_map_delete_elem(&pgss_storing, &tid);
+	}
 	if (gate) {
 		__u32 *open = bpf_map_lookup_elem(&function_gates, &gate);
 		if (!open || !*open) {

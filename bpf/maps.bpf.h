@@ -63,6 +63,25 @@ struct {
 	__type(value, __u32);
 } targets_generation SEC(".maps");
 
+/* The statement pg_stat_statements is storing, by thread, while pgss_store runs with its probe
+ * attached: its queryId argument, and the statement's start as the backend's status showed it at
+ * the call. Before parse analysis reports the queryid, the status reads 0, yet pgss_store's
+ * first store of a new statement (where its evictions happen) is that statement's work: an
+ * on-CPU sample of the same statement inside the call takes the queryid from here. The start
+ * keeps a slot left by a missed return (probe detached mid-call) from naming a later
+ * statement. Written and removed by the function probes, dropped at thread exit. */
+struct pgss_storing {
+	__u64 query_id;
+	__u64 statement_start;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32); /* tid */
+	__type(value, struct pgss_storing);
+} pgss_storing SEC(".maps");
+
 static __always_inline void count(__u32 counter)
 {
 	__u64 *value = bpf_map_lookup_elem(&counters, &counter);

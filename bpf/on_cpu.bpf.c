@@ -28,6 +28,15 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 
 	s->statement_start = 0;
 	read_attribution(&s->attr, tgid, NULL, false, &s->statement_start);
+	if ((s->attr.flags & PGSCOPE_ATTR_STATUS) && !s->attr.query_id && s->statement_start) {
+		/* Before parse analysis reports it: pgss_store's argument, when it is storing this
+		 * very statement (see pgss_storing). */
+		__u32 tid = (__u32)pid_tgid;
+		struct pgss_storing *storing = bpf_map_lookup_elem(&pgss_storing, &tid);
+
+		if (storing && storing->statement_start == s->statement_start)
+			s->attr.query_id = storing->query_id;
+	}
 	s->off_cpu_ns = 0;
 	s->off_cpu_syscall = 0;
 	s->off_cpu_flags = 0;

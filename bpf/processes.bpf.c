@@ -61,6 +61,7 @@ int on_process_exit(void *ctx)
 	}
 	__u32 tid = (__u32)pid_tgid;
 	bpf_map_delete_elem(&probe_traps, &tid);
+	bpf_map_delete_elem(&pgss_storing, &tid);
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);
