@@ -192,5 +192,21 @@ fn pg_stat_statements_storing_a_new_statement_is_that_statements_work() -> Resul
         unknown * 10 <= all,
         "{unknown} of {all} samples of pgss_store storing a new statement kept queryid 0"
     );
+    // The hook that calls it is named by the hook variable holding it, as pgss_store is.
+    let unnamed_caller = profile.count_where(|s| {
+        storing(s)
+            && s.frames
+                .iter()
+                .take_while(|f| *f != "pgss_store")
+                .any(|f| f.starts_with("pg_stat_statements.so+0x"))
+    });
+    let named_caller =
+        profile.count_where(|s| storing(s) && s.frames.iter().any(|f| f == "pgss_post_parse_analyze"));
+    ensure!(
+        unnamed_caller == 0 && named_caller == all,
+        "pgss_store's caller: pgss_post_parse_analyze in {named_caller} of {all} samples, an \
+         unnamed function of the library in {unnamed_caller}:\n{}",
+        profile.examples_where(storing, 4)
+    );
     Ok(())
 }

@@ -28,6 +28,19 @@ const HOOK_VARIABLES: [&str; 4] = [
     "ProcessUtility_hook",
 ];
 
+/// Every hook variable pg_stat_statements installs a function into that runs per statement, and
+/// that function's name in its source (the same in 13 to 18): a function of the library a hook
+/// variable holds is that one, however stripped the library is.
+const HOOK_FUNCTIONS: [(&str, &str); 7] = [
+    ("post_parse_analyze_hook", "pgss_post_parse_analyze"),
+    ("planner_hook", "pgss_planner"),
+    ("ExecutorStart_hook", "pgss_ExecutorStart"),
+    ("ExecutorRun_hook", "pgss_ExecutorRun"),
+    ("ExecutorFinish_hook", "pgss_ExecutorFinish"),
+    ("ExecutorEnd_hook", "pgss_ExecutorEnd"),
+    ("ProcessUtility_hook", "pgss_ProcessUtility"),
+];
+
 /// Fewer hook functions than this can not single out `pgss_store`: one function's callees
 /// are all candidates.
 const MIN_HOOKS: usize = 2;
@@ -146,12 +159,47 @@ pub fn name_in_stacks(symbolizer: &mut Symbolizer, pid: u32) -> Option<u64> {
         // Named by a symbol already, or not loaded.
         Ok(_) | Err(_) => return None,
     }
+    let hooks = name_hook_functions(symbolizer, pid);
+    debug!(
+        pid,
+        hooks, "pg_stat_statements' hook functions named through the hook variables"
+    );
     let location = find_pgss_store(symbolizer, pid)
         .map_err(|error| debug!(pid, "pgss_store stays unnamed in stacks: {error:#}"))
         .ok()?;
     symbolizer
         .name_function(pid, LIBRARY, location.file_offset, PGSS_STORE)
         .then_some(location.file_offset)
+}
+
+/// Names pg_stat_statements' hook functions (`pgss_post_parse_analyze`, `pgss_ExecutorEnd`, …)
+/// by the hook variables of process `pid` that hold them, where no symbol names them: without
+/// it a stripped library's frames around `pgss_store` read `pg_stat_statements.so+0x…`. A
+/// variable holding another library's function (an extension chained in front) names nothing.
+/// Returns how many were named.
+fn name_hook_functions(symbolizer: &mut Symbolizer, pid: u32) -> usize {
+    let names: Vec<&str> = HOOK_FUNCTIONS.iter().map(|(variable, _)| *variable).collect();
+    let (Ok(variables), Ok(maps)) = (symbolizer::executable_globals(pid, &names), read_maps(pid)) else {
+        return 0;
+    };
+    let mut named = 0;
+    for (variable, function_name) in HOOK_FUNCTIONS {
+        let Some(function) = variables
+            .get(variable)
+            .and_then(|&address| memory::read_u64(pid, address).ok())
+            .filter(|&function| function != 0 && file_at(&maps, function) == Some(LIBRARY))
+        else {
+            continue;
+        };
+        // The function's start, from its FDE: the variable holds it, but check.
+        let Ok(found) = symbolizer.direct_callees(pid, function) else {
+            continue;
+        };
+        if symbolizer.name_function(pid, LIBRARY, found.function_offset, function_name) {
+            named += 1;
+        }
+    }
+    named
 }
 
 /// Basename of the file mapped at `addr`.
