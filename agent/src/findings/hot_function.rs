@@ -12,6 +12,10 @@ use crate::model::StatementCpu;
 /// spread their CPU over tens of functions, the largest rarely above a fifth.
 const HOT_SHARE: f64 = 0.30;
 
+/// Functions through which a backend waits for its client's next message: a statement whose
+/// hottest function is reached through them is idle in a transaction, not busy.
+const CLIENT_READ: &[&str] = &["pq_getbyte", "pq_getmessage", "secure_read", "pq_recvbuf"];
+
 /// The statements of `queries` whose hottest function takes [`HOT_SHARE`] of their CPU by
 /// itself, unless a finding of `found` already speaks of the statement.
 pub fn unexplained(queries: &[StatementCpu], found: &[Finding], period_ns: u64) -> Vec<Finding> {
@@ -21,6 +25,14 @@ pub fn unexplained(queries: &[StatementCpu], found: &[Finding], period_ns: u64) 
             let function = q.hottest_function.as_deref()?;
             let share = q.hottest_self as f64 / q.samples as f64;
             if share < HOT_SHARE {
+                return None;
+            }
+            // Waiting for the client's next command (in a transaction, the statement before it
+            // keeps its queryid meanwhile): the client's time, not the statement's work.
+            if q.hottest_callers
+                .iter()
+                .any(|c| CLIENT_READ.contains(&c.as_str()))
+            {
                 return None;
             }
             let path = (!q.hottest_callers.is_empty()).then(|| q.hottest_callers.join(" → "));
@@ -169,6 +181,23 @@ mod tests {
             ),
             sample(10, "commit", &["CommitTransaction", "XLogFlush"], 40),
         ]);
+        // BEGIN keeps its queryid while the backend waits for the transaction's next command.
+        let idle = profile(vec![
+            sample(
+                12,
+                "run",
+                &[
+                    "PostgresMain",
+                    "pq_getbyte",
+                    "secure_read",
+                    "WaitEventSetWait",
+                    "epoll_wait",
+                ],
+                60,
+            ),
+            sample(12, "run", &["PostgresMain", "PortalRun"], 40),
+        ]);
+        assert!(unexplained(&table(&idle), &[], 10).is_empty());
         let found = unexplained(&table(&flushing), &[], 10);
         assert_eq!(
             found[0].title,
