@@ -373,6 +373,7 @@ async fn collect(
         progress: progress::Progress::new(options.duration),
         instance_cpu_ns_per_s: 1e9,
         last_samples: 0,
+        last_tick_samples: 0,
         target_pid: session.only().map_or(0, |instance| instance.context.root),
         deadline: Box::pin(tokio::time::sleep(options.duration)),
         signals,
@@ -393,6 +394,8 @@ struct TraceLoop<'a> {
     /// CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
     instance_cpu_ns_per_s: f64,
     last_samples: u64,
+    /// The kernel's sample counter at the last duty tick.
+    last_tick_samples: u64,
     target_pid: u32,
     deadline: Pin<Box<Sleep>>,
     signals: Signals,
@@ -455,6 +458,15 @@ impl Policy for TraceLoop<'_> {
     }
 
     fn duty_tick(&mut self, _: &Session, probes: &mut OnCpuProbes) -> Result<()> {
+        // The CPU time since the last tick, from the samples the kernel took (not the rate of
+        // the last second: a statement of a second or two would be mostly missed by it).
+        if let Ok(counters) = probes.counters() {
+            let samples = counters.get(Counter::Samples);
+            let since = samples.saturating_sub(self.last_tick_samples);
+            self.last_tick_samples = samples;
+            self.probe_set
+                .account_cpu(since as f64 / self.frequency_hz as f64 * 1e9);
+        }
         let pids = traced_pids(probes, self.target_pid);
         self.probe_set
             .tick(probes, DUTY_TICK, self.instance_cpu_ns_per_s, &pids)

@@ -154,6 +154,10 @@ struct ActiveProbe {
     attached_window: Duration,
     /// Statements the instance ran while this probe was attached.
     statements_attached: u64,
+    /// The traced processes' own hits while attached, and the instance's CPU time meanwhile
+    /// ([`ProbeSet::account_cpu`]): what the probe's traps took out of its attached time.
+    hits_attached: u64,
+    cpu_attached_ns: f64,
     /// Per instance (root PID): statements while attached in the agent's current interval.
     interval_attached: BTreeMap<u32, u64>,
     /// Attached time when the agent's current interval began.
@@ -175,6 +179,8 @@ pub struct ProbeSet {
     /// Budget as a fraction of the instance's CPU time; None: every call is measured.
     budget: Option<f64>,
     ns_per_hit: f64,
+    /// The instance's CPU time over the trace ([`ProbeSet::account_cpu`]).
+    cpu_total_ns: f64,
     cycle: DutyCycle,
     last_hits: [u64; Function::ALL.len()],
     /// Hits by processes that are not targets (other instances mapping the same file), as last
@@ -283,6 +289,7 @@ impl ProbeSet {
             probes: Vec::new(),
             budget,
             ns_per_hit,
+            cpu_total_ns: 0.0,
             cycle: DutyCycle::new(),
             last_hits: [0; Function::ALL.len()],
             last_foreign_hits: [0; Function::ALL.len()],
@@ -360,6 +367,8 @@ impl ProbeSet {
                     hits_window: 0,
                     attached_window: Duration::ZERO,
                     statements_attached: 0,
+                    hits_attached: 0,
+                    cpu_attached_ns: 0.0,
                     interval_attached: BTreeMap::new(),
                     mark: Duration::ZERO,
                     detached_run: BTreeMap::new(),
@@ -594,6 +603,19 @@ impl ProbeSet {
             .collect())
     }
 
+    /// Accounts `cpu_ns` of the instance's CPU time (its on-CPU samples since the last call ×
+    /// the period) to the trace and to each probe attached meanwhile: call before each
+    /// [`ProbeSet::tick`], whose switches it must not straddle.
+    pub fn account_cpu(&mut self, cpu_ns: f64) {
+        if self.stopped {
+            return;
+        }
+        self.cpu_total_ns += cpu_ns;
+        for probe in self.probes.iter_mut().filter(|p| p.links.is_some()) {
+            probe.cpu_attached_ns += cpu_ns;
+        }
+    }
+
     /// Advances by `elapsed`: accounts hits and attached time, re-plans once a second from the
     /// instance's CPU use (`instance_cpu_ns_per_s`, from the on-CPU samples), and attaches or
     /// detaches the hot probes when the shared window starts or ends.
@@ -613,9 +635,13 @@ impl ProbeSet {
             let index = probe.function as usize;
             let foreign_delta = foreign[index].saturating_sub(self.last_foreign_hits[index]);
             if probe.links.is_some() {
+                let own = hits[index].saturating_sub(self.last_hits[index]);
                 // Every trap costs the same CPU whoever takes it: the budget counts them all.
-                probe.hits_window += hits[index].saturating_sub(self.last_hits[index]) + foreign_delta;
+                probe.hits_window += own + foreign_delta;
                 probe.attached_window += elapsed;
+                if !self.stopped {
+                    probe.hits_attached += own;
+                }
             }
         }
         self.last_hits = hits;
@@ -707,6 +733,13 @@ impl ProbeSet {
     /// Per function: the factor from measured to estimated counts, whether that is an
     /// extrapolation, and the share of the trace the probe was attached ([`scale_factor`]).
     pub fn extrapolations(&self, trace: Duration) -> BTreeMap<Function, Extrapolation> {
+        // The hot probes share one window: all their traps slow the instance while it is open.
+        let cycled_trap_ns: f64 = self
+            .probes
+            .iter()
+            .filter(|p| p.cycled)
+            .map(|p| p.hits_attached as f64 * self.ns_per_hit)
+            .sum();
         self.probes
             .iter()
             .map(|p| {
@@ -720,7 +753,18 @@ impl ProbeSet {
                 );
                 let attached = p.attached_total.as_secs_f64();
                 let total = trace.as_secs_f64().max(1e-9);
-                let factor = scale_factor(self.statements_total, p.statements_attached, total, attached);
+                let useful = p.cycled.then_some(UsefulCpu {
+                    total_ns: self.cpu_total_ns,
+                    attached_ns: p.cpu_attached_ns,
+                    trap_ns: cycled_trap_ns,
+                });
+                let factor = scale_factor(
+                    self.statements_total,
+                    p.statements_attached,
+                    total,
+                    attached,
+                    useful,
+                );
                 let extrapolated = factor > 1.01;
                 (
                     p.function,
@@ -741,18 +785,58 @@ impl ProbeSet {
 /// writes says nothing of how much of its work the probe saw.
 pub const MIN_STATEMENTS_TO_SCALE: u64 = 100;
 
+/// How much more of the statements than of the time may fall in the probe's attached time
+/// before they are taken for bursts: the statement counts of a window are not exact.
+const BURST_TOLERANCE: f64 = 1.25;
+
+/// The instance's CPU time over the trace and while a duty-cycled probe was attached, and what
+/// the traps of the probes sharing its window took of the latter (hits × the calibrated cost).
+#[derive(Clone, Copy, Debug)]
+pub struct UsefulCpu {
+    pub total_ns: f64,
+    pub attached_ns: f64,
+    pub trap_ns: f64,
+}
+
+/// Below this share of the attached CPU left to the instance's own work, the traps' cost is too
+/// uncertain to correct by: the estimate falls back to time.
+const MIN_USEFUL_SHARE: f64 = 0.2;
+
+impl UsefulCpu {
+    /// The instance's own work over the trace, over its own work while attached: traps slow it
+    /// only while attached, so by time alone a long statement's calls are under-counted by as
+    /// much as the probe slowed it (2.7 times for `_bt_getroot` in a nested loop).
+    fn ratio(&self) -> Option<f64> {
+        let useful_attached = self.attached_ns - self.trap_ns;
+        (self.attached_ns > 0.0 && useful_attached >= MIN_USEFUL_SHARE * self.attached_ns)
+            .then(|| (self.total_ns - self.trap_ns) / useful_attached)
+    }
+}
+
 /// From calls counted while attached to calls over the whole trace: all statements over
 /// statements while attached, when enough were counted ([`MIN_STATEMENTS_TO_SCALE`]): calls per
 /// statement do not depend on whether the probe is attached, while calls per second fall while
-/// it is (it slows the workload). Else trace time over attached time. Never below 1.
+/// it is (it slows the workload). Else, for a duty-cycled probe, the instance's own work over
+/// its own work while attached ([`UsefulCpu`]): calls per unit of work do not depend on the
+/// probe either. Else trace time over attached time. Never below 1.
 pub fn scale_factor(
     statements_total: u64,
     statements_attached: u64,
     trace_secs: f64,
     attached_secs: f64,
+    useful: Option<UsefulCpu>,
 ) -> f64 {
-    if statements_attached >= MIN_STATEMENTS_TO_SCALE {
+    // A probe only slows the workload: more of the statements while attached than of the time
+    // means they came in bursts (a session's start, a few short statements around one long one)
+    // that say nothing of the work the probe saw.
+    let plausible = trace_secs > 0.0
+        && statements_total > 0
+        && (statements_attached as f64 / statements_total as f64)
+            <= (attached_secs / trace_secs) * BURST_TOLERANCE;
+    if statements_attached >= MIN_STATEMENTS_TO_SCALE && plausible {
         (statements_total as f64 / statements_attached as f64).max(1.0)
+    } else if let Some(ratio) = useful.and_then(|u| u.ratio()) {
+        ratio.max(1.0)
     } else if attached_secs > 0.0 {
         (trace_secs / attached_secs).max(1.0)
     } else {
@@ -767,14 +851,45 @@ mod tests {
     #[test]
     fn many_statements_scale_by_statements_few_by_time() {
         // A busy OLTP instance: 40 000 statements, 10 000 of them while attached for 2 of 8 s.
-        assert_eq!(scale_factor(40_000, 10_000, 8.0, 2.0), 4.0);
+        assert_eq!(scale_factor(40_000, 10_000, 8.0, 2.0, None), 4.0);
         // Slowed by the probe: fewer statements per second while attached; by statements, not 4.
-        assert_eq!(scale_factor(40_000, 8_000, 8.0, 2.0), 5.0);
+        assert_eq!(scale_factor(40_000, 8_000, 8.0, 2.0, None), 5.0);
         // One nested loop running the whole trace: a few status writes, none meaningful.
-        assert_eq!(scale_factor(6, 5, 8.0, 0.5), 16.0);
-        assert_eq!(scale_factor(2, 0, 8.0, 0.5), 16.0);
+        assert_eq!(scale_factor(6, 5, 8.0, 0.5, None), 16.0);
+        assert_eq!(scale_factor(2, 0, 8.0, 0.5, None), 16.0);
         // Never scaled down, nor by nothing.
-        assert_eq!(scale_factor(100, 200, 8.0, 8.0), 1.0);
-        assert_eq!(scale_factor(0, 0, 8.0, 0.0), 1.0);
+        assert_eq!(scale_factor(100, 200, 8.0, 8.0, None), 1.0);
+        assert_eq!(scale_factor(0, 0, 8.0, 0.0, None), 1.0);
+    }
+
+    #[test]
+    fn a_long_statement_slowed_by_the_probe_scales_by_its_own_work() {
+        // One busy backend, 8 s; attached 0.5 s, of which traps took 0.3 s: 0.2 s of its own
+        // work while attached, 7.7 s in all.
+        let slowed = UsefulCpu {
+            total_ns: 8e9,
+            attached_ns: 0.5e9,
+            trap_ns: 0.3e9,
+        };
+        assert!((scale_factor(6, 5, 8.0, 0.5, Some(slowed)) - 38.5).abs() < 1e-9);
+        // Many statements, fewer of them while attached than of the time: they say it better.
+        assert_eq!(scale_factor(40_000, 2_000, 8.0, 0.5, Some(slowed)), 20.0);
+        // Most statements while attached, a sixteenth of the time: bursts (a session's SETs
+        // around one long join), not the work.
+        assert!((scale_factor(216, 210, 8.0, 0.5, Some(slowed)) - 38.5).abs() < 1e-9);
+        assert_eq!(scale_factor(216, 210, 8.0, 0.5, None), 16.0);
+        // Traps took (almost) all of it: too uncertain, by time.
+        let swamped = UsefulCpu {
+            trap_ns: 0.45e9,
+            ..slowed
+        };
+        assert_eq!(scale_factor(6, 5, 8.0, 0.5, Some(swamped)), 16.0);
+        // Not measured (no CPU rate): by time.
+        let unknown = UsefulCpu {
+            total_ns: 0.0,
+            attached_ns: 0.0,
+            trap_ns: 0.0,
+        };
+        assert_eq!(scale_factor(6, 5, 8.0, 0.5, Some(unknown)), 16.0);
     }
 }
