@@ -39,14 +39,7 @@ pub fn exec_proc_node_stores(code: &[u8], start: u64) -> Option<Vec<u64>> {
 /// The executor-node functions named in the ELF file `bytes` (labelled `label`) where no symbol
 /// names them, by start address: what frames in them are called.
 pub fn exec_node_names(label: PathBuf, bytes: Vec<u8>) -> Result<Vec<(u64, String)>, Error> {
-    let elf = ElfData::from_bytes(label.clone(), bytes)?;
-    let search = crate::debuginfo::DebugSearch {
-        mapped_path: &label,
-        root: Path::new("/nonexistent"),
-        debug_dirs: &[],
-        debuginfod: None,
-    };
-    let module = crate::module::ModuleData::new(elf, &label, 0, &search);
+    let module = module_of(label, bytes)?;
     let mut names: Vec<(u64, String)> = module
         .exec_nodes()
         .derived
@@ -68,6 +61,17 @@ pub fn pointer_table_names(
     bytes: Vec<u8>,
     tables: &[crate::PointerTable],
 ) -> Result<(NamedFunctions, Vec<crate::TableError>), Error> {
+    let module = module_of(label, bytes)?;
+    let (named, errors) = module.name_pointer_tables(tables);
+    let names = named
+        .into_iter()
+        .map(|(start, name)| (start, name.to_string()))
+        .collect();
+    Ok((names, errors))
+}
+
+/// The ELF file `bytes` (labelled `label`) as a module, with no debug file looked for.
+fn module_of(label: PathBuf, bytes: Vec<u8>) -> Result<crate::module::ModuleData, Error> {
     let elf = ElfData::from_bytes(label.clone(), bytes)?;
     let search = crate::debuginfo::DebugSearch {
         mapped_path: &label,
@@ -75,11 +79,5 @@ pub fn pointer_table_names(
         debug_dirs: &[],
         debuginfod: None,
     };
-    let module = crate::module::ModuleData::new(elf, &label, 0, &search);
-    let (named, errors) = module.name_pointer_tables(tables);
-    let names = named
-        .into_iter()
-        .map(|(start, name)| (start, name.to_string()))
-        .collect();
-    Ok((names, errors))
+    Ok(crate::module::ModuleData::new(elf, &label, 0, &search))
 }

@@ -12,39 +12,16 @@ use pgscope_tests::{
 #[test]
 fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
-    let dir = tempfile::tempdir()?;
-    let list: Vec<String> = (1..=100_000).map(|i| i.to_string()).collect();
-    let script = dir.path().join("long_in.sql");
-    std::fs::write(
-        &script,
-        format!("SELECT count(*) FROM t WHERE x IN ({});\n", list.join(",")),
-    )?;
-    let pprof = dir.path().join("profile.pb.gz");
-    let trace = Trace::instance(cluster.data_dir())
-        .pprof(&pprof)
-        .duration_secs(600)
-        .spawn()?;
-    let script = script.display().to_string();
-    cluster.pgbench(&["-n", "-c", "1", "-T", "5", "-f", &script])?;
-    let output = trace.interrupt()?;
-    let queryid = cluster
-        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
-        .trim()
-        .to_string();
-    ensure!(
-        !queryid.is_empty(),
-        "no pg_stat_statements entry for the statement"
-    );
-    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let run = traced_in_lists(100_000, "", None, 5)?;
+    let (pprof, queryid, output) = (&run.pprof, run.queryid.as_str(), &run.output);
+    let profile = LabeledProfile::read_pprof(pprof)?;
     let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
     let all = profile.count_where(client);
     let unknown = profile.count_where(|s| client(s) && s.label("queryid") == Some("0"));
-    let statement = profile.count_where(|s| client(s) && s.label("queryid") == Some(queryid.as_str()));
+    let statement = profile.count_where(|s| client(s) && s.label("queryid") == Some(queryid));
     let parsing = profile.count_where(|s| {
         client(s)
-            && s.label("queryid") == Some(queryid.as_str())
+            && s.label("queryid") == Some(queryid)
             && matches!(s.label("phase"), Some("parse" | "analyze"))
     });
     eprintln!(
@@ -66,7 +43,7 @@ fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
         parsing * 10 >= statement,
         "the statement's parsing and analysis are {parsing} of its {statement} samples"
     );
-    let phases = profile.label_values("phase", |s| s.label("queryid") == Some(queryid.as_str()));
+    let phases = profile.label_values("phase", |s| s.label("queryid") == Some(queryid));
     ensure!(
         phases.get(&Some("parse".to_string())).is_some_and(|&n| n > 0),
         "no parse samples carry queryid {queryid}: {phases:?}"
@@ -82,41 +59,13 @@ fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
 #[test]
 fn short_statements_followed_by_a_client_wait_get_their_parsing() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
-    let dir = tempfile::tempdir()?;
-    let list: Vec<String> = (1..=5_000).map(|i| i.to_string()).collect();
-    let script = dir.path().join("short_in.sql");
-    std::fs::write(
-        &script,
-        format!(
-            "SELECT count(*) FROM t WHERE x IN ({});\n\\sleep 30 ms\n",
-            list.join(",")
-        ),
-    )?;
-    let pprof = dir.path().join("profile.pb.gz");
-    let trace = Trace::instance(cluster.data_dir())
-        .pprof(&pprof)
-        .frequency(499)
-        .duration_secs(600)
-        .spawn()?;
-    let script = script.display().to_string();
-    cluster.pgbench(&["-n", "-c", "1", "-T", "6", "-f", &script])?;
-    let output = trace.interrupt()?;
-    let queryid = cluster
-        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
-        .trim()
-        .to_string();
-    ensure!(
-        !queryid.is_empty(),
-        "no pg_stat_statements entry for the statement"
-    );
-    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let run = traced_in_lists(5_000, "\\sleep 30 ms\n", Some(499), 6)?;
+    let (pprof, queryid, output) = (&run.pprof, run.queryid.as_str(), &run.output);
+    let profile = LabeledProfile::read_pprof(pprof)?;
     let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
     let parsing = |s: &LabeledSample| matches!(s.label("phase"), Some("parse" | "analyze"));
     let unknown = profile.count_where(|s| client(s) && parsing(s) && s.label("queryid") == Some("0"));
-    let linked =
-        profile.count_where(|s| client(s) && parsing(s) && s.label("queryid") == Some(queryid.as_str()));
+    let linked = profile.count_where(|s| client(s) && parsing(s) && s.label("queryid") == Some(queryid));
     eprintln!("parse + analysis samples of client backends: queryid {queryid} {linked}, queryid 0 {unknown}");
     ensure!(
         linked + unknown >= 40,
@@ -209,4 +158,51 @@ fn pg_stat_statements_storing_a_new_statement_is_that_statements_work() -> Resul
         profile.examples_where(storing, 4)
     );
     Ok(())
+}
+
+/// A traced run of one pgbench client sending `SELECT count(*) FROM t WHERE x IN (…)` with
+/// `elements` literals as text, each followed by `after` (pgbench script lines), sampled at
+/// `hz` (pgscope's default when None) for `seconds`: the pprof profile, the statement's queryid and pgscope's output.
+struct InListRun {
+    _dir: tempfile::TempDir,
+    pprof: std::path::PathBuf,
+    queryid: String,
+    output: pgscope_tests::TraceOutput,
+}
+
+fn traced_in_lists(elements: u32, after: &str, hz: Option<u32>, seconds: u32) -> Result<InListRun> {
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
+    cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
+    let dir = tempfile::tempdir()?;
+    let list: Vec<String> = (1..=elements).map(|i| i.to_string()).collect();
+    let script = dir.path().join("in_list.sql");
+    std::fs::write(
+        &script,
+        format!("SELECT count(*) FROM t WHERE x IN ({});\n{after}", list.join(",")),
+    )?;
+    let pprof = dir.path().join("profile.pb.gz");
+    let mut trace = Trace::instance(cluster.data_dir())
+        .pprof(&pprof)
+        .duration_secs(600);
+    if let Some(hz) = hz {
+        trace = trace.frequency(hz);
+    }
+    let trace = trace.spawn()?;
+    let script = script.display().to_string();
+    cluster.pgbench(&["-n", "-c", "1", "-T", &seconds.to_string(), "-f", &script])?;
+    let output = trace.interrupt()?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
+        .trim()
+        .to_string();
+    ensure!(
+        !queryid.is_empty(),
+        "no pg_stat_statements entry for the statement"
+    );
+    Ok(InListRun {
+        _dir: dir,
+        pprof,
+        queryid,
+        output,
+    })
 }
