@@ -187,7 +187,19 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                     .iter()
                     .any(|f| f.starts_with(Function::PgssStore.name())) =>
             {
-                if let Some(shown) = track_planning_of(&finding.query_ids, facts) {
+                // A finding of the whole instance (evictions): as every sampled backend ran it.
+                let every: Vec<QueryId>;
+                let query_ids = if finding.query_ids.is_empty() {
+                    every = facts
+                        .sessions_by_query
+                        .keys()
+                        .filter_map(|q| q.parse().ok().map(QueryId))
+                        .collect();
+                    &every
+                } else {
+                    &finding.query_ids
+                };
+                if let Some(shown) = track_planning_of(query_ids, facts) {
                     finding
                         .numbers
                         .push(("pg_stat_statements.track_planning".into(), shown));
@@ -404,6 +416,21 @@ mod tests {
         assert_eq!(
             planning(10).as_deref(),
             Some("off (pgscope's own session; the statement's backends were not read)")
+        );
+        // Evictions are the whole instance's: every sampled backend counts.
+        let mut evictions = vec![Finding {
+            query_ids: Vec::new(),
+            ..finding("pgss_evictions", &["pgss_store", "entry_dealloc"])
+        }];
+        annotate(&mut evictions, &facts);
+        let quoted_for_instance = evictions[0]
+            .numbers
+            .iter()
+            .find(|(k, _)| k == "pg_stat_statements.track_planning")
+            .map(|(_, v)| v.as_str());
+        assert!(
+            quoted_for_instance.is_some_and(|v| v.contains("on (ALTER ROLE app SET) in 59%")),
+            "{quoted_for_instance:?}"
         );
         let jit = |query_id| {
             quoted(
