@@ -33,7 +33,7 @@ fn plan_cache_mode_of(query_ids: &[QueryId], facts: &InstanceFacts) -> (String, 
     (shown, main.clone())
 }
 
-/// Samples per value of the statements `query_ids`, from a by-queryid table.
+/// Samples per value of the statements `query_ids`, from a by-queryid table, strays left out.
 fn summed(
     query_ids: &[QueryId],
     by_query: &BTreeMap<String, BTreeMap<String, u64>>,
@@ -44,6 +44,18 @@ fn summed(
             *samples.entry(value.clone()).or_default() += n;
         }
     }
+    without_strays(samples)
+}
+
+/// A value below this share of a statement's samples is a stray (one backend's sample or two
+/// among thousands) and not quoted: "the statement's backends differ" over a value held in 0%
+/// of its samples tells a DBA nothing.
+const STRAY_SHARE: f64 = 0.02;
+
+/// `samples` without the values under [`STRAY_SHARE`] of them.
+fn without_strays<K: Ord>(mut samples: BTreeMap<K, u64>) -> BTreeMap<K, u64> {
+    let total: u64 = samples.values().sum();
+    samples.retain(|_, n| *n as f64 >= STRAY_SHARE * total as f64);
     samples
 }
 
@@ -90,6 +102,7 @@ fn track_planning_of(query_ids: &[QueryId], facts: &InstanceFacts) -> Option<Str
             *samples.entry((value, setting.source.as_str())).or_default() += session.samples;
         }
     }
+    let samples = without_strays(samples);
     match samples.len() {
         0 => facts.track_planning.map(|on| {
             format!(
@@ -447,5 +460,27 @@ mod tests {
         );
         assert_eq!(jit(9), None);
         assert_eq!(quoted("phase_dominance", &["PortalDrop"], 7, "jit"), None);
+    }
+
+    #[test]
+    fn a_stray_value_is_not_quoted_as_a_difference() {
+        let facts = InstanceFacts {
+            plan_cache_modes_by_query: BTreeMap::from([(
+                "7".to_string(),
+                BTreeMap::from([("force_generic_plan".to_string(), 999), ("auto".to_string(), 1)]),
+            )]),
+            ..InstanceFacts::default()
+        };
+        let (shown, mode) = plan_cache_mode_of(&[QueryId(7)], &facts);
+        assert_eq!(shown, "force_generic_plan (as the statement's backends ran it)");
+        assert_eq!(mode, "force_generic_plan");
+        let split = InstanceFacts {
+            plan_cache_modes_by_query: BTreeMap::from([(
+                "7".to_string(),
+                BTreeMap::from([("force_generic_plan".to_string(), 90), ("auto".to_string(), 10)]),
+            )]),
+            ..InstanceFacts::default()
+        };
+        assert!(plan_cache_mode_of(&[QueryId(7)], &split).0.contains("differ"));
     }
 }
