@@ -173,8 +173,12 @@ fn nested_probe_traps_are_taken_out_of_the_enclosing_function() -> Result<()> {
         own_samples >= 50,
         "only {own_samples} samples in GetCachedPlan outside probe traps"
     );
+    // The probe's time also holds its own return trap (the uretprobe fires before the return
+    // is timed), about half a probed call per call, which the samples count as a trap: the
+    // probe's share runs above the samples' (1.9 and 2.4 times in two runs of this session;
+    // the raw time, the bug this test guards against, is 7 times).
     ensure!(
-        (0.5..=2.0).contains(&(probe_share / sample_share)),
+        (0.5..=3.0).contains(&(probe_share / sample_share)),
         "GetCachedPlan's own time is {:.1}% of the sampled time by the probe but {:.1}% by the \
          samples outside probe traps",
         100.0 * probe_share,
