@@ -17,10 +17,8 @@ use crate::bpf::OnCpuProbes;
 pub const DUTY_TICK: Duration = Duration::from_millis(50);
 
 /// How often the samples waiting for their statement's queryid are looked up in their backends'
-/// memory: a client waiting a few tens of milliseconds between statements leaves the last one's
-/// queryid readable that long. On a timer rather than after each batch of samples, so that its
-/// cost (a few small reads per waiting backend) is bounded by the rate, not by the ring
-/// buffer's wake-ups; a no-op when none waits.
+/// memory between batches of samples: a client waiting a few tens of milliseconds between
+/// statements leaves the last one's queryid readable that long. A no-op when none waits.
 const HELD_TICK: Duration = Duration::from_millis(10);
 
 /// Whether the loop goes on after a front end's event.

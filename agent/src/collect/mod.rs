@@ -18,9 +18,11 @@ use aya::maps::{MapData, RingBuf};
 pub use instance::InstanceFacts;
 pub use session::{InstanceStacks, Session};
 
-/// Hands every sample waiting in the ring buffer to the session.
+/// Hands every sample waiting in the ring buffer to the session, then gives the samples still
+/// waiting for their statement's queryid the one their backend shows now.
 pub fn drain(ring: &mut RingBuf<MapData>, session: &mut Session) {
     while let Some(item) = ring.next() {
         session.handle(&item);
     }
+    session.resolve_held_from_memory();
 }

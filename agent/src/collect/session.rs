@@ -367,7 +367,7 @@ impl Session {
     /// Gives the samples still waiting for their statement's queryid the one their backend's
     /// status shows now, where it shows the same statement with its queryid (a backend waiting
     /// for its client after a statement too short to be sampled again); a few small reads of
-    /// each waiting backend's memory. The loop calls it every 10 ms.
+    /// each waiting backend's memory. The loop calls it after each batch of samples.
     pub fn resolve_held_from_memory(&mut self) {
         if self.statements.is_empty() {
             return;
