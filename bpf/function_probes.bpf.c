@@ -264,8 +264,13 @@ int on_function_entry(struct pt_regs *ctx)
 		/* pgss_store's queryId and kind: the queryid it stores is the statement's own (also
 		 * for nested statements), the kind tells text/plan/exec apart. */
 		entry.query_id = probe_arg(ctx, args->query_id);
-		entry.detail = (__u32)((int)probe_arg(ctx, args->pgss_kind) + 2) & 0xff;
-		note_pgss_storing((__u32)pid_tgid, tgid, entry.query_id);
+		int kind = (int)probe_arg(ctx, args->pgss_kind);
+
+		entry.detail = (__u32)(kind + 2) & 0xff;
+		/* Only the text-only store (PGSS_INVALID, from post_parse_analyze) runs before the
+		 * queryid is reported; the plan and exec stores come after it. */
+		if (kind == -1)
+			note_pgss_storing((__u32)pid_tgid, tgid, entry.query_id);
 	} else {
 		entry.query_id = current_query_id(tgid);
 	}

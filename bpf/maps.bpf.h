@@ -63,8 +63,8 @@ struct {
 	__type(value, __u32);
 } targets_generation SEC(".maps");
 
-/* The statement pg_stat_statements is storing, by thread, while pgss_store runs with its probe
- * attached: its queryId argument, and the statement's start as the backend's status showed it at
+/* The statement pg_stat_statements is storing, by thread, while pgss_store's text-only store
+ * (made from post_parse_analyze) runs with its probe attached: its queryId argument, and the statement's start as the backend's status showed it at
  * the call. Before parse analysis reports the queryid, the status reads 0, yet pgss_store's
  * first store of a new statement (where its evictions happen) is that statement's work: an
  * on-CPU sample of the same statement inside the call takes the queryid from here. The start
