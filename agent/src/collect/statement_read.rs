@@ -9,7 +9,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
 
-use crate::postgres::{memory, ExportedGlobals, VersionTable};
+use crate::postgres::backend_settings::BackendGlobals;
+use crate::postgres::{memory, VersionTable};
 
 /// Attempts at a consistent read of an entry its backend is writing.
 const READ_ATTEMPTS: usize = 3;
@@ -26,13 +27,10 @@ impl StatementReader {
     /// `(statement start, queryid)` of backend `pid` of the instance of `root` now; None when
     /// its memory cannot be read (it exited) or its entry changed under every read.
     pub fn current_statement(&mut self, root: u32, pid: u32, table: &VersionTable) -> Option<(u64, i64)> {
-        let my_be_entry = *self.my_be_entry.entry(root).or_insert_with(|| {
-            let name = table.sample_globals.my_be_entry;
-            ExportedGlobals::resolve(root, &[name])
-                .and_then(|globals| globals.address(name))
-                .map_err(|error| tracing::debug!(root, "statements not read from memory: {error:#}"))
-                .ok()
-        });
+        let my_be_entry = *self
+            .my_be_entry
+            .entry(root)
+            .or_insert_with(|| BackendGlobals::locate(root, table).my_be_entry);
         read_statement(pid, my_be_entry?, table)
             .map_err(|error| tracing::trace!(pid, "current statement not read: {error:#}"))
             .ok()
