@@ -22,6 +22,7 @@ const BPF_PARTS: &[&str] = &[
     "function_probes.bpf.c",
     "processes.bpf.c",
     "off_cpu.bpf.c",
+    "wait_sampler.bpf.c",
 ];
 
 /// The object the agent embeds (`agent/src/bpf/mod.rs`).

@@ -142,16 +142,19 @@ struct TraceArgs {
     /// Unix socket, as the OS user that owns the data directory (peer authentication).
     #[arg(long, value_name = "CONNINFO")]
     conninfo: Option<String>,
-    /// Measure time off CPU too: where backends wait, weighted by blocked time, labelled with
-    /// the wait event in force when they blocked. Off by default: every context switch and
-    /// syscall of the host then runs a BPF program (bench/offcpu.sh measures what it costs).
-    #[arg(long)]
-    off_cpu: bool,
-    /// Off-CPU waits at least this long are recorded with their stacks; shorter ones are
+    /// How time off CPU is measured: where backends wait, labelled with their wait event and
+    /// queryid. `sampled` (the default): at each tick every backend off CPU is sampled with its
+    /// stack, weighing one tick; `exact`: every context switch is traced and each wait timed
+    /// (costs several % of a busy instance: bench/offcpu.sh); `both` (for checking one against
+    /// the other; the exact profile goes to the JSON's `off_cpu_exact`); `none`.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "sampled", num_args = 0..=1,
+          default_missing_value = "sampled", require_equals = true)]
+    off_cpu: collect::off_cpu::OffCpuMode,
+    /// `--off-cpu=exact`: off-CPU waits at least this long are recorded with their stacks; shorter ones are
     /// counted (time, wait event, queryid) without one.
     #[arg(long, default_value = "100us", value_parser = parse_duration, value_name = "DURATION")]
     off_cpu_min_stack: Duration,
-    /// Off-CPU stacks taken per second per CPU at most (stacks are taken when a wait begins;
+    /// `--off-cpu=exact`: off-CPU stacks taken per second per CPU at most (stacks are taken when a wait begins;
     /// waits over the rate are counted without one, marked as such).
     #[arg(long, default_value_t = collect::off_cpu::DEFAULT_STACK_RATE, value_name = "N")]
     off_cpu_stack_rate: u64,
@@ -188,9 +191,10 @@ struct AgentArgs {
     /// Address of /metrics, /healthz and /readyz (default 127.0.0.1:9437: loopback only).
     #[arg(long, value_name = "ADDR:PORT")]
     metrics_addr: Option<std::net::SocketAddr>,
-    /// Profile off-CPU time too (where backends wait; costs more: see bench/offcpu.sh).
-    #[arg(long)]
-    off_cpu: bool,
+    /// How off-CPU time is profiled: `sampled` (the default), `exact` (traces every context
+    /// switch; costs more: bench/offcpu.sh) or `none`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    off_cpu: Option<collect::off_cpu::OffCpuMode>,
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
@@ -255,7 +259,7 @@ fn main() -> ExitCode {
                     frequency: args.frequency,
                     upload_interval: args.upload_interval,
                     metrics_addr: args.metrics_addr,
-                    off_cpu: args.off_cpu.then_some(true),
+                    off_cpu: args.off_cpu,
                     log_format: args.log_json.then_some(daemon::config::LogFormat::Json),
                     probes: args.probes.clone(),
                 },

@@ -48,7 +48,11 @@ enum pgscope_counter {
 	PGSCOPE_CNT_PROBE_MAP_FULL = 11,     /* lost: a per-call statistic had no map room */
 	PGSCOPE_CNT_OFF_CPU_STACKS = 12,     /* off-CPU waits sent with their stacks */
 	PGSCOPE_CNT_OFF_CPU_MAP_FULL = 13,   /* lost: an off-CPU total had no map room */
-	PGSCOPE_CNT_MAX = 14,
+	PGSCOPE_CNT_WAIT_SAMPLES = 14,	     /* sampled off CPU: threads sent with their stacks */
+	PGSCOPE_CNT_WAIT_REPEATS = 15,	     /* sampled off CPU: still in the wait last sent */
+	PGSCOPE_CNT_WAIT_NO_STACK = 16,	     /* sampled off CPU: idle or client waits, counted only */
+	PGSCOPE_CNT_WAIT_SKIPPED = 17,	     /* sampled off CPU: target threads found running */
+	PGSCOPE_CNT_MAX = 18,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -289,6 +293,46 @@ _Static_assert(sizeof(struct pgscope_long_wait_end) == 64, "read by agent/src/bp
 enum pgscope_off_cpu_flags {
 	/* Stacks taken when the wait began; its blocked time follows in a pgscope_wait_end. */
 	PGSCOPE_OFF_CPU_PENDING = 1,
+	/* A wait sample (the sampled off-CPU profile): off_cpu_ns is one tick's weight. */
+	PGSCOPE_OFF_CPU_SAMPLED = 2,
+};
+
+/* Sampled off CPU: a thread found, at this tick, in the very wait of the last sample sent for it
+ * with stacks (it has not run since: same stacks, same attribution), weighing weight_ns more.
+ * Told apart from the other records by its size. */
+struct pgscope_wait_repeat {
+	__u32 tgid;
+	__u32 tid;
+	__u64 weight_ns;
+	__u64 magic; /* PGSCOPE_WAIT_REPEAT_MAGIC */
+};
+
+#define PGSCOPE_WAIT_REPEAT_MAGIC 0x7065527469615753ULL /* "SWaitRep" */
+
+_Static_assert(sizeof(struct pgscope_wait_repeat) == 24, "read by agent/src/bpf/abi.rs");
+
+/* Sampled off CPU: a thread's state between ticks (task storage wait_sample_tasks). */
+struct pgscope_wait_sample_task {
+	/* nvcsw + nivcsw + 1 at the last sample (0: never sampled): unchanged, the thread has not
+	 * run since, and nothing it shows has changed. */
+	__u64 switches;
+	/* What the last sample was: enum pgscope_wait_sample_kind. */
+	__u32 kind;
+	__u32 _pad;
+	/* The attribution of the last sample (the key of a wait counted without stacks). */
+	struct pgscope_attribution attr;
+	/* Addresses that do not change once set (see pgscope_off_cpu_task). 0 until known. */
+	__u64 status_entry;
+	__u64 wait_event_ptr;
+};
+
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 64, "read by agent/src/bpf/abi.rs");
+
+/* pgscope_wait_sample_task.kind */
+enum pgscope_wait_sample_kind {
+	PGSCOPE_WAIT_SAMPLE_NONE = 0,	  /* nothing to repeat */
+	PGSCOPE_WAIT_SAMPLE_STACKS = 1,	  /* sent with stacks: repeat with a pgscope_wait_repeat */
+	PGSCOPE_WAIT_SAMPLE_NO_STACK = 2, /* counted without stacks: add to the same total */
 };
 
 /* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU

@@ -73,6 +73,10 @@ pub enum Counter {
     ProbeMapFull = c::pgscope_counter::PGSCOPE_CNT_PROBE_MAP_FULL,
     OffCpuStacks = c::pgscope_counter::PGSCOPE_CNT_OFF_CPU_STACKS,
     OffCpuMapFull = c::pgscope_counter::PGSCOPE_CNT_OFF_CPU_MAP_FULL,
+    WaitSamples = c::pgscope_counter::PGSCOPE_CNT_WAIT_SAMPLES,
+    WaitRepeats = c::pgscope_counter::PGSCOPE_CNT_WAIT_REPEATS,
+    WaitNoStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_NO_STACK,
+    WaitSkipped = c::pgscope_counter::PGSCOPE_CNT_WAIT_SKIPPED,
 }
 
 const _: () = assert!(covers_every_value(
@@ -81,7 +85,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 14] = [
+    pub const ALL: [Counter; 18] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -96,6 +100,10 @@ impl Counter {
         Counter::ProbeMapFull,
         Counter::OffCpuStacks,
         Counter::OffCpuMapFull,
+        Counter::WaitSamples,
+        Counter::WaitRepeats,
+        Counter::WaitNoStack,
+        Counter::WaitSkipped,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -118,6 +126,10 @@ impl Counter {
             Counter::ProbeMapFull => "lost_probe_map_full",
             Counter::OffCpuStacks => "off_cpu_stacks",
             Counter::OffCpuMapFull => "lost_off_cpu_map_full",
+            Counter::WaitSamples => "wait_samples",
+            Counter::WaitRepeats => "wait_sample_repeats",
+            Counter::WaitNoStack => "wait_samples_without_stack",
+            Counter::WaitSkipped => "wait_sample_threads_on_cpu",
         }
     }
 }
@@ -243,6 +255,22 @@ pub type OffCpuTask = c::pgscope_off_cpu_task;
 /// blocked time follows in a [`WaitEnd`].
 pub const OFF_CPU_PENDING: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_PENDING;
 
+/// `enum pgscope_off_cpu_flags`: a wait sample of the sampled off-CPU profile (`off_cpu_ns`
+/// is its tick's weight).
+pub const OFF_CPU_SAMPLED: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_SAMPLED;
+
+/// `struct pgscope_wait_repeat`: a thread still in the wait of its last sample with stacks.
+pub type WaitRepeat = c::pgscope_wait_repeat;
+
+const WAIT_REPEAT_MAGIC: u64 = c::PGSCOPE_WAIT_REPEAT_MAGIC;
+
+impl WaitRepeat {
+    /// A ring buffer record that is a repeat of a thread's last wait sample.
+    pub fn parse(bytes: &[u8]) -> Option<Self> {
+        record_of::<Self>(bytes).filter(|repeat| repeat.magic == WAIT_REPEAT_MAGIC)
+    }
+}
+
 /// `struct pgscope_wait_end`: the end of a wait sent with [`OFF_CPU_PENDING`] (`blocked_ns` 0:
 /// shorter than the threshold, counted in the totals: drop the stacks).
 pub type WaitEnd = c::pgscope_wait_end;
@@ -288,6 +316,7 @@ unsafe impl aya::Pod for OffCpuTotal {}
 unsafe impl aya::Pod for OffCpuTask {}
 unsafe impl aya::Pod for WaitEnd {}
 unsafe impl aya::Pod for LongWaitEnd {}
+unsafe impl aya::Pod for WaitRepeat {}
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
 
 impl SampleHeader {

@@ -3,12 +3,14 @@
 //! counters. Dropping [`OnCpuProbes`] detaches every program (aya closes the links).
 
 pub mod abi;
+mod iter;
 mod open_waits;
 mod task_storage;
 
 pub use open_waits::OpenWait;
 
 use anyhow::{anyhow, Context, Result};
+use std::os::fd::AsFd;
 use std::path::Path;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap, RingBuf};
@@ -52,6 +54,8 @@ pub struct OnCpuProbes {
     /// slot not handed out yet.
     free_gates: Vec<u32>,
     next_gate: u32,
+    /// The wait sampler's iterator, once attached.
+    wait_sampler: Option<iter::IterLink>,
 }
 
 impl OnCpuProbes {
@@ -70,6 +74,7 @@ impl OnCpuProbes {
             ebpf,
             free_gates: Vec::new(),
             next_gate: 1,
+            wait_sampler: None,
         })
     }
 
@@ -151,9 +156,69 @@ impl OnCpuProbes {
         Ok(())
     }
 
+    /// Loads the wait sampler: a sleepable task iterator that [`Self::sample_waits`] runs once
+    /// per tick, sampling every thread of the profiled processes that is off CPU. Nothing
+    /// runs between ticks. Needs Linux 5.18 (bpf_copy_from_user_task).
+    pub fn attach_wait_sampler(&mut self) -> Result<()> {
+        let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
+        let program: &mut aya::programs::Iter = self
+            .ebpf
+            .program_mut("sample_waits")
+            .ok_or_else(|| anyhow!("BPF object has no program `sample_waits`"))?
+            .try_into()?;
+        program
+            .load("task", &btf)
+            .context("loading the wait sampler `sample_waits` (sleepable task iterators and bpf_copy_from_user_task need Linux 5.18 or newer)")?;
+        let fd = program.fd().context("the wait sampler's program descriptor")?;
+        let link =
+            iter::IterLink::attach(fd.as_fd()).context("attaching the wait sampler's task iterator")?;
+        self.wait_sampler = Some(link);
+        Ok(())
+    }
+
+    /// Whether the wait sampler is attached.
+    pub fn samples_waits(&self) -> bool {
+        self.wait_sampler.is_some()
+    }
+
+    /// Samples every profiled thread that is off CPU now, each sample weighing `weight_ns`
+    /// (the time since the last run). Its records arrive through the ring buffer; waits counted
+    /// without stacks add to [`Self::wait_sample_totals`].
+    pub fn sample_waits(&mut self, weight_ns: u64) -> Result<()> {
+        if self.wait_sampler.is_none() {
+            return Ok(());
+        }
+        {
+            let mut config: aya::maps::Array<_, u64> =
+                aya::maps::Array::try_from(self.map_mut("wait_sample_config")?)?;
+            config
+                .set(0, weight_ns, 0)
+                .context("setting the wait samples' weight")?;
+        }
+        if let Some(link) = &self.wait_sampler {
+            link.run().context("running the wait sampler's task iterator")?;
+        }
+        Ok(())
+    }
+
+    /// Sampled off-CPU time counted without a stack (idle and client waits), per (process,
+    /// class, wait event, queryid, state): ticks × their weight.
+    pub fn wait_sample_totals(&self) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
+        self.totals_of("wait_sample_totals")
+    }
+
+    /// Drops sampled totals of processes that exited (read for the last time).
+    pub fn remove_wait_sample_totals(&mut self, keys: &[OffCpuKey]) -> Result<()> {
+        self.remove_totals_of("wait_sample_totals", keys)
+    }
+
     /// Off-CPU time of waits without a stack, per (process, class, wait event, queryid, state).
     pub fn off_cpu_totals(&self) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
-        self.sum_per_cpu_hash("off_cpu_totals", |per_cpu: &[OffCpuTotal]| {
+        self.totals_of("off_cpu_totals")
+    }
+
+    fn totals_of(&self, map: &str) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
+        self.sum_per_cpu_hash(map, |per_cpu: &[OffCpuTotal]| {
             per_cpu
                 .iter()
                 .fold(OffCpuTotal::default(), |sum, cpu| OffCpuTotal {
@@ -166,8 +231,11 @@ impl OnCpuProbes {
     /// Drops the totals of processes that exited (read for the last time): the map is bounded
     /// and backends come and go.
     pub fn remove_off_cpu_totals(&mut self, keys: &[OffCpuKey]) -> Result<()> {
-        let mut map: PerCpuHashMap<_, OffCpuKey, OffCpuTotal> =
-            PerCpuHashMap::try_from(self.map_mut("off_cpu_totals")?)?;
+        self.remove_totals_of("off_cpu_totals", keys)
+    }
+
+    fn remove_totals_of(&mut self, map: &str, keys: &[OffCpuKey]) -> Result<()> {
+        let mut map: PerCpuHashMap<_, OffCpuKey, OffCpuTotal> = PerCpuHashMap::try_from(self.map_mut(map)?)?;
         for key in keys {
             // Gone already is fine: the goal is that it is gone.
             let _ = map.remove(key);

@@ -4,9 +4,53 @@
 //! nanosecond is in the profile.
 
 use exporters::Profile;
+use serde::Deserialize;
 
 use crate::bpf::abi::{OffCpuClass, OffCpuKey, OffCpuTotal, RawAttribution, ATTR_STACK_NOT_SAMPLED};
 use crate::bpf::OpenWait;
+
+/// How off-CPU time is measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OffCpuMode {
+    /// Not at all.
+    None,
+    /// Sampled: at each tick every profiled thread that is off CPU is sampled with its stack
+    /// and wait event, weighing one tick. Costs threads × ticks, never context switches.
+    #[default]
+    Sampled,
+    /// Traced: every context switch of the host runs a program that times each wait exactly
+    /// (3-10% of a busy pgbench's throughput: bench/offcpu.sh).
+    Exact,
+    /// Both at once, each in its own profile: for checking one against the other (`trace`
+    /// only).
+    Both,
+}
+
+impl OffCpuMode {
+    /// Whether the wait sampler runs.
+    pub fn samples(self) -> bool {
+        matches!(self, Self::Sampled | Self::Both)
+    }
+
+    /// Whether the context-switch tracer runs.
+    pub fn traces(self) -> bool {
+        matches!(self, Self::Exact | Self::Both)
+    }
+
+    pub fn any(self) -> bool {
+        self != Self::None
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Sampled => "sampled",
+            Self::Exact => "exact",
+            Self::Both => "both",
+        }
+    }
+}
 
 /// Off-CPU stacks taken per second per CPU at most, by default. A stack is taken when a wait
 /// begins (its length is not known yet), so waits that turn out short cost one too; a busy

@@ -10,13 +10,16 @@ use tracing::debug;
 
 use super::instance::InstanceContext;
 use super::live::LiveCounts;
-use super::off_cpu::{class_of, syscall_frame, WaitWithoutStack};
+use super::off_cpu::{class_of, syscall_frame, OffCpuMode, WaitWithoutStack, PREEMPTED_FRAME};
 use super::settings_seen::SettingsSeen;
 use super::statement_link::{Held, StatementLink};
 use super::statement_read::StatementReader;
 use super::wait_reassembly::{OpenPart, PendingWait, WaitReassembly};
 use crate::aggregate::StackAggregator;
-use crate::bpf::abi::{LongWaitEnd, SampleHeader, SampleRecord, WaitEnd, OFF_CPU_PENDING};
+use crate::bpf::abi::{
+    LongWaitEnd, OffCpuClass, SampleHeader, SampleRecord, WaitEnd, WaitRepeat, OFF_CPU_PENDING,
+    OFF_CPU_SAMPLED,
+};
 use crate::bpf::OpenWait;
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
@@ -27,15 +30,36 @@ use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
 pub struct InstanceStacks {
     /// On-CPU samples, weight 1 each.
     pub on_cpu: StackAggregator,
-    /// Off-CPU waits, weighted by nanoseconds.
+    /// Off-CPU waits, weighted by nanoseconds: sampled, or traced when only the tracer runs.
     pub off_cpu: StackAggregator,
+    /// The tracer's waits when the sampler runs too (`--off-cpu=both`), kept apart.
+    pub off_cpu_exact: StackAggregator,
 }
 
 impl InstanceStacks {
     /// Distinct stacks held, on and off CPU: what memory grows with.
     pub fn distinct(&self) -> usize {
-        self.on_cpu.distinct() + self.off_cpu.distinct()
+        self.on_cpu.distinct() + self.off_cpu.distinct() + self.off_cpu_exact.distinct()
     }
+}
+
+/// Where off-CPU time measured without a stack comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitSource {
+    /// The wait sampler's totals (idle and client waits).
+    Sampled,
+    /// The context-switch tracer's totals and open waits.
+    Traced,
+}
+
+/// The last wait sample sent with stacks for a thread: repeats add to it.
+struct LastWait {
+    root: u32,
+    tgid: u32,
+    attribution: Attribution,
+    class: OffCpuClass,
+    leaf: &'static str,
+    user: UnwoundStack,
 }
 
 /// An attached instance and the stacks counted for it.
@@ -58,8 +82,13 @@ pub struct Session {
     pub unowned: u64,
     /// Processes the symbolizer holds state for.
     live_pids: HashSet<u32>,
-    /// Whether off-CPU time is measured (the programs attached).
-    pub off_cpu_measured: bool,
+    /// How off-CPU time is measured (the programs that did attach).
+    pub off_cpu: OffCpuMode,
+    /// Per thread, the last wait sample with stacks (None: it was filtered out or lost), for
+    /// the repeats that follow it.
+    last_waits: HashMap<u32, Option<LastWait>>,
+    /// Repeats of wait samples that did not arrive (counted as lost).
+    pub orphan_repeats: u64,
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     pub filtered_out: u64,
@@ -80,7 +109,7 @@ pub struct Session {
 impl Session {
     pub fn new(
         symbolizer: Symbolizer,
-        off_cpu_measured: bool,
+        off_cpu: OffCpuMode,
         query_filter: Option<i64>,
         live: Option<LiveCounts>,
     ) -> Self {
@@ -91,7 +120,9 @@ impl Session {
             malformed: 0,
             unowned: 0,
             live_pids: HashSet::new(),
-            off_cpu_measured,
+            off_cpu,
+            last_waits: HashMap::new(),
+            orphan_repeats: 0,
             query_filter,
             filtered_out: 0,
             live,
@@ -169,15 +200,37 @@ impl Session {
         meta: ProfileMeta,
         database_names: &HashMap<u32, String>,
     ) -> Profile {
+        self.profile_of(
+            |stacks| if off_cpu { &stacks.off_cpu } else { &stacks.on_cpu },
+            kernel,
+            meta,
+            database_names,
+        )
+    }
+
+    /// The tracer's off-CPU profile when the sampler ran too (`--off-cpu=both`).
+    pub fn exact_off_cpu_profile(
+        &mut self,
+        kernel: Option<&KernelSymbols>,
+        meta: ProfileMeta,
+        database_names: &HashMap<u32, String>,
+    ) -> Profile {
+        self.profile_of(|stacks| &stacks.off_cpu_exact, kernel, meta, database_names)
+    }
+
+    fn profile_of(
+        &mut self,
+        which: impl Fn(&InstanceStacks) -> &StackAggregator,
+        kernel: Option<&KernelSymbols>,
+        meta: ProfileMeta,
+        database_names: &HashMap<u32, String>,
+    ) -> Profile {
         let mut profile = Profile {
             meta: meta.clone(),
             samples: Vec::new(),
         };
         for instance in self.instances.values() {
-            let stacks = match off_cpu {
-                false => &instance.stacks.on_cpu,
-                true => &instance.stacks.off_cpu,
-            };
+            let stacks = which(&instance.stacks);
             let part = stacks.to_profile(&mut self.symbolizer, kernel, meta.clone(), database_names);
             profile.samples.extend(part.samples);
         }
@@ -192,6 +245,19 @@ impl Session {
     /// The off-CPU stacks of the one instance of a trace (empty before one is added).
     pub fn off_cpu(&self) -> Option<&StackAggregator> {
         self.only().map(|instance| &instance.stacks.off_cpu)
+    }
+
+    /// Whether off-CPU time is measured at all.
+    pub fn off_cpu_measured(&self) -> bool {
+        self.off_cpu.any()
+    }
+
+    /// The stacks the tracer's waits go to: their own with the sampler running too.
+    fn traced_waits(off_cpu: OffCpuMode, stacks: &mut InstanceStacks) -> &mut StackAggregator {
+        match off_cpu {
+            OffCpuMode::Both => &mut stacks.off_cpu_exact,
+            _ => &mut stacks.off_cpu,
+        }
     }
 
     /// The instance `tgid` belongs to: known, itself a root, or a child of a root. A process
@@ -236,6 +302,10 @@ impl Session {
             self.end_long_wait(end);
             return;
         }
+        if let Some(repeat) = WaitRepeat::parse(bytes) {
+            self.repeat_wait(repeat);
+            return;
+        }
         let record = match SampleRecord::parse(bytes) {
             Ok(record) => record,
             Err(error) => {
@@ -245,6 +315,11 @@ impl Session {
             }
         };
         let header = record.header;
+        let sampled_wait = header.off_cpu_class != 0 && header.off_cpu_flags & OFF_CPU_SAMPLED != 0;
+        if sampled_wait {
+            // Until it is known to be added, the thread's repeats have nothing to repeat.
+            self.last_waits.insert(header.tid, None);
+        }
         let Some(root) = self.owner_of(header.tgid) else {
             self.unowned += 1;
             return;
@@ -292,7 +367,30 @@ impl Session {
                     },
                 );
             }
-            Some(class) => instance.stacks.off_cpu.add_off_cpu(
+            Some(class) if sampled_wait => {
+                let leaf = match class {
+                    OffCpuClass::Preempted => PREEMPTED_FRAME,
+                    _ => syscall_frame(header.off_cpu_syscall),
+                };
+                let last = LastWait {
+                    root,
+                    tgid: header.tgid,
+                    attribution: attribution.clone(),
+                    class,
+                    leaf,
+                    user: user.clone(),
+                };
+                instance.stacks.off_cpu.add_off_cpu(
+                    header.tgid,
+                    attribution,
+                    class,
+                    leaf,
+                    user,
+                    header.off_cpu_ns,
+                );
+                self.last_waits.insert(header.tid, Some(last));
+            }
+            Some(class) => Self::traced_waits(self.off_cpu, &mut instance.stacks).add_off_cpu(
                 header.tgid,
                 attribution,
                 class,
@@ -321,6 +419,29 @@ impl Session {
                 self.add_on_cpu(root, header.tgid, attribution, record.kernel_stack(), user);
             }
         }
+    }
+
+    /// A thread still in the wait of its last sample: the same stacks weigh one more tick.
+    fn repeat_wait(&mut self, repeat: WaitRepeat) {
+        let Some(Some(last)) = self.last_waits.get(&repeat.tid) else {
+            // Filtered out (None) is not lost; never seen is.
+            if !self.last_waits.contains_key(&repeat.tid) {
+                self.orphan_repeats += 1;
+            }
+            return;
+        };
+        let Some(instance) = self.instances.get_mut(&last.root) else {
+            self.unowned += 1;
+            return;
+        };
+        instance.stacks.off_cpu.add_off_cpu(
+            last.tgid,
+            last.attribution.clone(),
+            last.class,
+            last.leaf,
+            last.user.clone(),
+            repeat.weight_ns,
+        );
     }
 
     /// Adds one on-CPU sample to its instance's stacks, `--queryid` applied (again, for a
@@ -405,12 +526,15 @@ impl Session {
     fn end_long_wait(&mut self, end: LongWaitEnd) {
         let rest = self.waits.end_long(&end);
         if rest > 0 {
-            self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
-                tgid: end.tgid,
-                attr: end.attr,
-                ns: rest,
-                still_open: false,
-            }));
+            self.add_waits_without_stack(
+                std::iter::once(WaitWithoutStack {
+                    tgid: end.tgid,
+                    attr: end.attr,
+                    ns: rest,
+                    still_open: false,
+                }),
+                WaitSource::Traced,
+            );
         }
     }
 
@@ -423,21 +547,22 @@ impl Session {
         for part in self.waits.open_parts(open) {
             match part {
                 OpenPart::WithStacks(pending, ns) => self.add_pending_wait(pending, ns),
-                OpenPart::WithoutStacks(wait, ns) => {
-                    self.add_waits_without_stack(std::iter::once(WaitWithoutStack {
+                OpenPart::WithoutStacks(wait, ns) => self.add_waits_without_stack(
+                    std::iter::once(WaitWithoutStack {
                         tgid: wait.tgid,
                         attr: wait.attr,
                         ns,
                         still_open: false,
-                    }))
-                }
+                    }),
+                    WaitSource::Traced,
+                ),
             }
         }
     }
 
     fn add_pending_wait(&mut self, pending: PendingWait, ns: u64) {
         if let Some(instance) = self.instances.get_mut(&pending.root) {
-            instance.stacks.off_cpu.add_off_cpu(
+            Self::traced_waits(self.off_cpu, &mut instance.stacks).add_off_cpu(
                 pending.tgid,
                 pending.attribution,
                 pending.class,
@@ -449,7 +574,11 @@ impl Session {
     }
 
     /// Adds off-CPU time measured without a stack, labelled like any sample of its process.
-    pub fn add_waits_without_stack(&mut self, waits: impl Iterator<Item = WaitWithoutStack>) {
+    pub fn add_waits_without_stack(
+        &mut self,
+        waits: impl Iterator<Item = WaitWithoutStack>,
+        source: WaitSource,
+    ) {
         for wait in waits {
             let Some(root) = self.owner_of(wait.tgid) else {
                 self.unowned += 1;
@@ -464,13 +593,11 @@ impl Session {
             };
             let attribution =
                 Self::attribution(instance, &SampleHeader::with_attribution(wait.tgid, &wait.attr));
-            instance.stacks.off_cpu.add_without_stack(
-                wait.tgid,
-                attribution,
-                Some(class),
-                wait.frame(class),
-                wait.ns,
-            );
+            let stacks = match source {
+                WaitSource::Sampled => &mut instance.stacks.off_cpu,
+                WaitSource::Traced => Self::traced_waits(self.off_cpu, &mut instance.stacks),
+            };
+            stacks.add_without_stack(wait.tgid, attribution, Some(class), wait.frame(class), wait.ns);
         }
     }
 
@@ -507,6 +634,9 @@ impl Session {
         }
         if !exited.is_empty() {
             self.waits.forget_processes(&exited);
+            let gone: HashSet<u32> = exited.iter().copied().collect();
+            self.last_waits
+                .retain(|_, last| last.as_ref().is_none_or(|l| !gone.contains(&l.tgid)));
             let held = self.statements.release_processes(&exited);
             self.add_released(held);
         }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer};
 
+use crate::collect::off_cpu::OffCpuMode;
 use crate::input_file;
 use crate::redact::{self, Secret};
 
@@ -90,9 +91,11 @@ pub struct CollectionConfig {
     pub frequency: u64,
     #[serde(deserialize_with = "duration")]
     pub upload_interval: Duration,
-    /// Off-CPU profiling: every context switch and syscall on the host then runs a BPF
-    /// program (bench/offcpu.sh measures what that costs); off by default.
-    pub off_cpu: bool,
+    /// Off-CPU profiling: `"sampled"` (the default: each tick samples the backends off CPU),
+    /// `"exact"` (every context switch on the host runs a BPF program; bench/offcpu.sh
+    /// measures what that costs) or `"none"`. `true` and `false` read as sampled and none.
+    #[serde(deserialize_with = "off_cpu_mode")]
+    pub off_cpu: OffCpuMode,
     #[serde(deserialize_with = "duration")]
     pub off_cpu_min_stack: Duration,
     /// Off-CPU stacks taken per second per CPU at most (taken when a wait begins).
@@ -180,7 +183,7 @@ impl Default for CollectionConfig {
             // from several agents then line up.
             frequency: 19,
             upload_interval: Duration::from_secs(15),
-            off_cpu: false,
+            off_cpu: OffCpuMode::Sampled,
             off_cpu_min_stack: Duration::from_micros(100),
             off_cpu_stack_rate: crate::collect::off_cpu::DEFAULT_STACK_RATE,
             off_cpu_idle: false,
@@ -258,6 +261,29 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
     })
 }
 
+/// `collection.off_cpu`: a mode, or a boolean as earlier versions took it (on is sampled).
+fn off_cpu_mode<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<OffCpuMode, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ModeOrBool {
+        Bool(bool),
+        Mode(String),
+    }
+    match ModeOrBool::deserialize(deserializer)? {
+        ModeOrBool::Bool(true) => Ok(OffCpuMode::Sampled),
+        ModeOrBool::Bool(false) => Ok(OffCpuMode::None),
+        ModeOrBool::Mode(text) => match text.as_str() {
+            "sampled" => Ok(OffCpuMode::Sampled),
+            "exact" => Ok(OffCpuMode::Exact),
+            "none" => Ok(OffCpuMode::None),
+            "both" => Ok(OffCpuMode::Both),
+            _ => Err(serde::de::Error::custom(format!(
+                "`{text}` is not an off-CPU mode: use \"sampled\", \"exact\" or \"none\""
+            ))),
+        },
+    }
+}
+
 /// What the command line sets; `None` leaves the file's (or the default) value.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
@@ -266,7 +292,7 @@ pub struct Overrides {
     pub frequency: Option<u64>,
     pub upload_interval: Option<Duration>,
     pub metrics_addr: Option<SocketAddr>,
-    pub off_cpu: Option<bool>,
+    pub off_cpu: Option<OffCpuMode>,
     pub log_format: Option<LogFormat>,
     /// `--probes`: replaces `probes.functions`.
     pub probes: Option<Vec<String>>,
@@ -395,7 +421,7 @@ impl AgentConfig {
             self.pyroscope.queue_max_bytes >> 20,
             self.collection.frequency,
             self.collection.upload_interval,
-            if self.collection.off_cpu { "on" } else { "off" },
+            self.collection.off_cpu.name(),
             self.labels.service_name,
             if self.labels.pid { "on" } else { "off" },
             self.labels.static_labels.len(),
@@ -446,6 +472,9 @@ impl AgentConfig {
         }
         if self.pyroscope.queue_max_bytes < 1 << 20 {
             bail!("pyroscope.queue_max_bytes must be at least 1 MiB (1048576)");
+        }
+        if self.collection.off_cpu == OffCpuMode::Both {
+            bail!("collection.off_cpu = \"both\" is for `pgscope trace` (it would ship off-CPU time twice): use \"sampled\", \"exact\" or \"none\"");
         }
         if !(1..=1000).contains(&self.collection.frequency) {
             bail!(

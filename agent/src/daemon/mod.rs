@@ -27,6 +27,7 @@ use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
 use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
+use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::probes::statement_clock::CounterLayout;
 use crate::collect::{self, Session};
 use crate::preflight;
@@ -76,24 +77,14 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
 
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
-    let off_cpu = config.collection.off_cpu
-        && match probes.attach_off_cpu(
-            config.collection.off_cpu_min_stack.as_nanos() as u64,
-            config.collection.off_cpu_stack_rate,
-        ) {
-            Ok(()) => true,
-            Err(error) => {
-                warn!("no off-CPU profiles: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
+    let off_cpu = attach_off_cpu(&mut probes, &config);
     let ring = probes.take_samples()?;
     probes.attach_sampling(config.collection.frequency)?;
     let symbolizer = Symbolizer::new(SymbolizerOptions {
         debug_dirs: config.collection.debug_dirs.clone(),
     });
     let mut session = Session::new(symbolizer, off_cpu, None, None);
-    let mut totals = off_cpu_totals::Tracker::default();
+    let mut totals = off_cpu_totals::Trackers::default();
     let mut state = LoopState::default();
     let mut function_probes = probes::AgentProbes::new(&config);
     let mut agent_findings = findings_state::AgentFindings::default();
@@ -113,9 +104,11 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     info!(
         frequency_hz = config.collection.frequency,
         upload_interval = ?config.collection.upload_interval,
-        off_cpu,
+        off_cpu = off_cpu.name(),
         "profiling"
     );
+    // A reload that changes the frequency restarts the agent (`restart_needed`).
+    let frequency_hz = config.collection.frequency;
     let mut policy = AgentLoop {
         source: &source,
         config: &mut config,
@@ -131,7 +124,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         upload,
         signals: Signals::install()?,
     };
-    let ring = driver::run(ring, &mut session, &mut probes, &mut policy).await?;
+    let ring = driver::run(ring, &mut session, &mut probes, &mut policy, frequency_hz).await?;
     let interval_start = policy.interval_start;
     let stopping = Instant::now();
     info!("stopping: sending what was collected");
@@ -175,8 +168,8 @@ struct AgentLoop<'a> {
     function_probes: &'a mut probes::AgentProbes,
     findings: &'a mut findings_state::AgentFindings,
     state: &'a mut LoopState,
-    totals: &'a mut off_cpu_totals::Tracker,
-    off_cpu: bool,
+    totals: &'a mut off_cpu_totals::Trackers,
+    off_cpu: OffCpuMode,
     /// When the interval being collected began (Unix ns).
     interval_start: u64,
     discovery: tokio::time::Interval,
@@ -339,7 +332,7 @@ struct Discoverer<'a> {
 impl Discoverer<'_> {
     /// Attaches postmasters that appeared (and that the configuration lets in); sends and drops
     /// instances whose postmaster is gone or that the configuration now leaves out.
-    fn discover(&mut self, config: &AgentConfig, off_cpu: bool) {
+    fn discover(&mut self, config: &AgentConfig, off_cpu: OffCpuMode) {
         let Discoverer {
             probes,
             session,
@@ -371,7 +364,7 @@ impl Discoverer<'_> {
             }
             let _ = probes.remove_target(*root);
         }
-        let flags = if off_cpu { TARGET_OFF_CPU } else { 0 };
+        let flags = if off_cpu.traces() { TARGET_OFF_CPU } else { 0 };
         for found in found {
             if attached.contains(&found.postmaster.pid) {
                 continue;
@@ -442,6 +435,37 @@ impl Discoverer<'_> {
     }
 }
 
+/// Attaches the off-CPU programs the configuration asks for; returns the mode measured (a part
+/// that cannot attach is logged and left out: on-CPU profiling goes on).
+fn attach_off_cpu(probes: &mut OnCpuProbes, config: &AgentConfig) -> OffCpuMode {
+    let mode = config.collection.off_cpu;
+    let traced = mode.traces()
+        && match probes.attach_off_cpu(
+            config.collection.off_cpu_min_stack.as_nanos() as u64,
+            config.collection.off_cpu_stack_rate,
+        ) {
+            Ok(()) => true,
+            Err(error) => {
+                warn!("no exact off-CPU profiles: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
+    let sampled = mode.samples()
+        && match probes.attach_wait_sampler() {
+            Ok(()) => true,
+            Err(error) => {
+                warn!("no off-CPU profiles: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
+    match (sampled, traced) {
+        (true, true) => OffCpuMode::Both,
+        (true, false) => OffCpuMode::Sampled,
+        (false, true) => OffCpuMode::Exact,
+        (false, false) => OffCpuMode::None,
+    }
+}
+
 /// Counters the loop keeps for /metrics.
 #[derive(Default)]
 struct LoopState {
@@ -458,7 +482,7 @@ impl LoopState {
         exporter: &export::Exporter,
         function_probes: &probes::AgentProbes,
         findings: &findings_state::AgentFindings,
-        off_cpu: bool,
+        off_cpu: OffCpuMode,
     ) -> metrics::Snapshot {
         let bpf_counters = match probes.counters() {
             Ok(counters) => Counter::ALL
@@ -495,7 +519,7 @@ impl LoopState {
             dropped_in_agent: vec![("malformed", session.malformed), ("no_instance", session.unowned)],
             instances,
             stacks_held: session.instances().map(|i| i.stacks.distinct() as u64).sum(),
-            off_cpu,
+            off_cpu: off_cpu.any(),
             profiles_enqueued: self.enqueued.clone(),
             labels_dropped: exporter.labels_dropped(),
             stacks_dropped: exporter.stacks_dropped(),

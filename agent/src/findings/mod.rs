@@ -107,7 +107,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         |query_id| commands?.get(&query_id.to_string()).cloned(),
     );
     findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
-    findings.extend(waits::top_waiters(analysis.waits.as_ref()));
+    findings.extend(waits::top_waiters(analysis.waits.as_ref(), &analysis.walls));
     if let Some(instance) = measured.instance {
         facts::annotate(&mut findings, instance);
     }

@@ -5,13 +5,15 @@
 //! queryid meanwhile), not time the statement spent in the database.
 
 use super::{percent, Finding, Severity};
-use crate::model::WaitTables;
+use crate::model::{StatementWall, WaitTables};
 
 /// Statements named, at most, and the share of all waiting a statement needs to be named.
 const TOP: usize = 3;
 const TOP_MIN_SHARE: f64 = 0.01;
 
-pub fn top_waiters(waits: Option<&WaitTables>) -> Vec<Finding> {
+/// `walls`: each statement's wall-clock split (on- and off-CPU samples of one weight), which
+/// says what share of the statement's own time its main wait took.
+pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall]) -> Vec<Finding> {
     let Some(waits) = waits else {
         return Vec::new();
     };
@@ -37,20 +39,39 @@ pub fn top_waiters(waits: Option<&WaitTables>) -> Vec<Finding> {
                 ("ms blocked".to_string(), format!("{:.1}", ns as f64 / 1e6)),
             ];
             // Longest first, equal ones in (wait event, class) order.
-            if let Some(main) = query.blocked().next() {
+            let main = query.blocked().next();
+            if let Some(main) = main {
                 numbers.push((
                     format!("in {} ({})", main.wait, main.class),
                     percent(main.ns as f64 / ns as f64),
                 ));
             }
+            let wall = walls.iter().find(|w| w.query_id == query.query_id);
+            let mut title = format!(
+                "queryid {} accounts for {} of the time statements were blocked",
+                query.query_id,
+                percent(share)
+            );
+            if let Some(wall) = wall {
+                numbers.push(("its time".to_string(), wall.render()));
+                // Its main wait as a share of everything the statement did, CPU included:
+                // "spends 41% of its time waiting on LWLock:pg_stat_statements".
+                if let Some(part) = wall
+                    .parts
+                    .iter()
+                    .find(|p| p.name != crate::model::wall_clock::CPU)
+                {
+                    title.push_str(&format!(
+                        "; it spends {} of its time waiting on {}",
+                        percent(wall.pct(part.ns) / 100.0),
+                        part.name
+                    ));
+                }
+            }
             Finding {
                 kind: "top_wait",
                 severity: Severity::Info,
-                title: format!(
-                    "queryid {} accounts for {} of the time statements were blocked",
-                    query.query_id,
-                    percent(share)
-                ),
+                title,
                 numbers,
                 query_ids: vec![query.query_id],
                 frames: Vec::new(),
@@ -68,6 +89,7 @@ mod tests {
     use super::*;
     use crate::findings::tests::named;
     use crate::model::fixtures::{labelled, off_cpu};
+    use crate::model::wall_clock::statement_walls;
     use crate::model::QueryId;
 
     fn wait(query_id: i64, wait_event: &str, class: &str, ns: u64) -> exporters::StackSample {
@@ -91,12 +113,39 @@ mod tests {
             wait(9, "Client:ClientRead", "latch", 100_000),
             wait(0, "IO:DataFileRead", "io", 5),
         ]);
-        let found = top_waiters(Some(&WaitTables::from_profile(&profile)));
+        let found = top_waiters(Some(&WaitTables::from_profile(&profile)), &[]);
         assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(found[0]
             .numbers
             .iter()
             .any(|(k, v)| k == "in LWLock:pg_stat_statements (futex)" && v == "85.7%"));
-        assert!(top_waiters(None).is_empty());
+        assert!(top_waiters(None, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_waiter_is_told_what_share_of_its_own_time_its_main_wait_takes() {
+        use crate::model::fixtures::{profile, sample};
+        let on_cpu = profile(vec![sample(7, "run", &["ExecScan"], 38)]);
+        let period = on_cpu.meta.period;
+        let off = off_cpu(vec![
+            wait(7, "LWLock:pg_stat_statements", "futex", 41 * period),
+            wait(7, "IO:DataFileRead", "io", 12 * period),
+            wait(7, "Client:ClientRead", "idle", 900 * period),
+        ]);
+        let statements = crate::model::statements::statements(&on_cpu);
+        let walls = statement_walls(&statements, period, &off);
+        let found = top_waiters(Some(&WaitTables::from_profile(&off)), &walls);
+        assert!(
+            found[0]
+                .title
+                .ends_with("it spends 45.1% of its time waiting on LWLock:pg_stat_statements"),
+            "{}",
+            found[0].title
+        );
+        assert!(found[0]
+            .numbers
+            .iter()
+            .any(|(k, v)| k == "its time"
+                && v == "LWLock:pg_stat_statements 45% · CPU 42% · IO:DataFileRead 13%"));
     }
 }

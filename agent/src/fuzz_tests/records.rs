@@ -7,7 +7,8 @@
 //! Seeds (`agent/tests/corpus/bpf_records/`) are records laid out as the BPF programs send
 //! them, with the values of a Postgres 15 backend: on-CPU samples (with and without a user
 //! stack, one with the largest stack), off-CPU samples (one pending, with the wait end that
-//! completes it), a long wait end, and rejected ones (`bad-*`).
+//! completes it; one sampled, with a repeat of it), a long wait end, and rejected ones
+//! (`bad-*`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -16,18 +17,22 @@ use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
 use crate::bpf::abi::{
-    LongWaitEnd, RecordError, SampleRecord, WaitEnd, KERNEL_FRAMES_MAX, SAMPLE_STACK_OFFSET, USER_STACK_MAX,
+    LongWaitEnd, RecordError, SampleRecord, WaitEnd, WaitRepeat, KERNEL_FRAMES_MAX, SAMPLE_STACK_OFFSET,
+    USER_STACK_MAX,
 };
 use crate::collect::instance::{InstanceContext, InstanceFacts, Scope};
+use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::Session;
 use crate::fuzzing::{self, Mutation};
 use crate::postgres::instance_names::InstanceNames;
 use exporters::{FoldedOptions, ProfileMeta};
 use symbolizer::{Symbolizer, SymbolizerOptions};
 
-/// `PGSCOPE_WAIT_END_MAGIC` and `PGSCOPE_LONG_WAIT_END_MAGIC` of the C header.
+/// `PGSCOPE_WAIT_END_MAGIC`, `PGSCOPE_LONG_WAIT_END_MAGIC` and `PGSCOPE_WAIT_REPEAT_MAGIC` of
+/// the C header.
 const WAIT_END_MAGIC: u64 = 0x646e_4574_6961_5750;
 const LONG_WAIT_END_MAGIC: u64 = 0x646e_4574_6961_574c;
+const WAIT_REPEAT_MAGIC: u64 = 0x7065_5274_6961_5753;
 /// `offsetof(struct pgscope_sample, user_stack_len)`.
 const STACK_LEN_AT: usize = 48;
 
@@ -66,6 +71,17 @@ fn check_parsers(bytes: &[u8]) {
         assert_eq!(end.blocked_ns, u64_at(bytes, 16));
         assert_eq!(end.attr.query_id, u64_at(bytes, 24));
         assert_eq!(end.attr.off_cpu_class, u32_at(bytes, 52));
+    }
+    let repeat = WaitRepeat::parse(bytes);
+    assert_eq!(
+        repeat.is_some(),
+        bytes.len() == 24 && u64_at(bytes, 16) == WAIT_REPEAT_MAGIC,
+        "wait repeat of {} bytes",
+        bytes.len()
+    );
+    if let Some(repeat) = repeat {
+        assert_eq!((repeat.tgid, repeat.tid), (u32_at(bytes, 0), u32_at(bytes, 4)));
+        assert_eq!(repeat.weight_ns, u64_at(bytes, 8));
     }
     match SampleRecord::parse(bytes) {
         Err(RecordError::Short(len)) => {
@@ -126,7 +142,13 @@ impl Shared {
 }
 
 fn session() -> Session {
-    let mut session = Session::new(Symbolizer::new(SymbolizerOptions::default()), true, None, None);
+    let mut session = Session::new(
+        Symbolizer::new(SymbolizerOptions::default()),
+        // Both: every kind of off-CPU record has its path.
+        OffCpuMode::Both,
+        None,
+        None,
+    );
     session.add_instance(InstanceContext {
         root: std::process::id(),
         scope: Scope::Instance,
@@ -143,7 +165,9 @@ fn collect(session: &mut Session, records: &[Vec<u8>], repeat: usize) {
     let before = session.malformed;
     let mut rejected = 0;
     for record in records {
-        let is_end = WaitEnd::parse(record).is_some() || LongWaitEnd::parse(record).is_some();
+        let is_end = WaitEnd::parse(record).is_some()
+            || LongWaitEnd::parse(record).is_some()
+            || WaitRepeat::parse(record).is_some();
         if !is_end && SampleRecord::parse(record).is_err() {
             rejected += repeat as u64;
         }
@@ -161,6 +185,7 @@ fn collect(session: &mut Session, records: &[Vec<u8>], repeat: usize) {
         for (aggregator, meta) in [
             (&stacks.on_cpu, ProfileMeta::cpu(99, 0, 1)),
             (&stacks.off_cpu, ProfileMeta::off_cpu(0, 1)),
+            (&stacks.off_cpu_exact, ProfileMeta::off_cpu(0, 1)),
         ] {
             let profile = aggregator.to_profile(symbolizer, None, meta, &HashMap::new());
             let _ = profile.total_count();
@@ -288,13 +313,15 @@ fn seed_records_parse_as_their_kind() {
         let kind = (
             WaitEnd::parse(&bytes).is_some(),
             LongWaitEnd::parse(&bytes).is_some(),
+            WaitRepeat::parse(&bytes).is_some(),
             SampleRecord::parse(&bytes).is_ok(),
         );
         let expected = match name.split('-').next() {
-            Some("sample") => (false, false, true),
-            Some("wait") => (true, false, false),
-            Some("long") => (false, true, false),
-            Some("bad") => (false, false, false),
+            Some("sample") => (false, false, false, true),
+            Some("wait") => (true, false, false, false),
+            Some("long") => (false, true, false, false),
+            Some("repeat") => (false, false, true, false),
+            Some("bad") => (false, false, false, false),
             _ => panic!("seed `{name}` is named after no record kind"),
         };
         assert_eq!(kind, expected, "seed `{name}`");

@@ -14,6 +14,7 @@ pub mod plan_nodes;
 mod query_id;
 pub mod statements;
 pub mod waits;
+pub mod wall_clock;
 
 use std::collections::HashMap;
 
@@ -26,6 +27,7 @@ pub use plan_nodes::{NodeFunctions, StatementPlanNodes};
 pub use query_id::{shorten, QueryId};
 pub use statements::StatementCpu;
 pub use waits::WaitTables;
+pub use wall_clock::StatementWall;
 
 use crate::postgres::sql::InstanceFacts;
 use labels::SampleLabels;
@@ -60,6 +62,9 @@ pub struct Analysis<'a> {
     pub waits: Option<WaitTables>,
     /// Per queryid, its time on and off CPU.
     pub statement_time: StatementTime,
+    /// Per queryid, its wall-clock time split into CPU and each wait, largest first; empty
+    /// without off-CPU time.
+    pub walls: Vec<StatementWall>,
     /// Per queryid, its on-CPU samples by innermost plan node; empty unless
     /// [`Analysis::with_plan_nodes`] was given the executor's per-node functions.
     pub plan_nodes: Vec<StatementPlanNodes>,
@@ -69,12 +74,18 @@ impl<'a> Analysis<'a> {
     pub fn new(measured: Measurements<'a>) -> Self {
         let statements = statements::statements(measured.on_cpu);
         let waits = measured.off_cpu.map(WaitTables::from_profile);
-        let statement_time = statement_time(&statements, measured.on_cpu.meta.period, measured.off_cpu);
+        let period = measured.on_cpu.meta.period;
+        let statement_time = statement_time(&statements, period, measured.off_cpu);
+        let walls = measured
+            .off_cpu
+            .map(|off_cpu| wall_clock::statement_walls(&statements, period, off_cpu))
+            .unwrap_or_default();
         Self {
             measured,
             statements,
             waits,
             statement_time,
+            walls,
             plan_nodes: Vec::new(),
         }
     }

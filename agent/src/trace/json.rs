@@ -12,10 +12,11 @@ use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::abi::Function;
 use crate::bpf::Counters;
+use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::probes::Extrapolation;
 use crate::findings::Finding;
 use crate::model::labels;
-use crate::model::{StatementCpu, StatementPlanNodes, WaitTables};
+use crate::model::{StatementCpu, StatementPlanNodes, StatementWall, WaitTables};
 use crate::postgres::phase::Phase;
 use crate::target::Target;
 
@@ -51,8 +52,13 @@ pub struct Summary {
     pub relation_locks: Vec<RelationLockJson>,
     /// s_lock calls per (queryid, call site): which spinlock acquisitions had to spin.
     pub spin_sites: Vec<SpinSiteJson>,
-    /// Time off CPU; null when it was not measured (no --off-cpu, or the kernel refused).
+    /// Time off CPU; null when it was not measured (`--off-cpu=none`, or the kernel refused).
     pub off_cpu: Option<OffCpuJson>,
+    /// With `--off-cpu=both`: the exact tracer's tables beside the sampled ones in `off_cpu`.
+    pub off_cpu_exact: Option<OffCpuJson>,
+    /// Per queryid, its wall-clock time (on and off CPU, the client's time left out) split
+    /// into CPU and each wait, largest first; empty without off-CPU time.
+    pub wall_clock: Vec<WallClockJson>,
     /// The findings the trace printed, most severe first.
     pub findings: Vec<FindingJson>,
 }
@@ -135,9 +141,29 @@ impl FindingJson {
 }
 
 #[derive(Serialize)]
+pub struct WallClockJson {
+    pub queryid: String,
+    pub total_ns: u64,
+    /// `CPU`, a wait event (`LWLock:pg_stat_statements`), or off CPU without one its class
+    /// (`preempted`, `io`, …); largest first.
+    pub parts: Vec<WallPartJson>,
+}
+
+#[derive(Serialize)]
+pub struct WallPartJson {
+    pub name: String,
+    pub ns: u64,
+    pub pct: f64,
+}
+
+#[derive(Serialize)]
 pub struct OffCpuJson {
-    /// Waits at least this long were recorded with their stacks; shorter ones without.
-    pub min_stack_ns: u64,
+    /// `sampled` (each tick samples the threads off CPU, weighing one tick) or `exact` (every
+    /// wait timed by the context-switch tracer).
+    pub mode: &'static str,
+    /// `exact`: waits at least this long were recorded with their stacks; shorter ones
+    /// without. Null for `sampled`.
+    pub min_stack_ns: Option<u64>,
     /// Every nanosecond the traced processes spent off CPU, idle waits included.
     pub total_ns: u64,
     /// Per (backend type, wait event in force when it blocked, class), longest first.
@@ -353,8 +379,12 @@ pub struct SummaryInputs<'a> {
     pub plan_nodes: &'a [StatementPlanNodes],
     pub probes: &'a ProbeResults,
     pub query_texts: &'a std::collections::HashMap<i64, String>,
-    /// The off-CPU tables (idle waits included) and the stack threshold in ns.
-    pub off_cpu: Option<(&'a WaitTables, u64)>,
+    /// The off-CPU tables (idle waits included), how they were measured, and the exact
+    /// tracer's stack threshold in ns.
+    pub off_cpu: Option<(&'a WaitTables, OffCpuMode, u64)>,
+    /// The exact tracer's tables when the sampler ran too.
+    pub off_cpu_exact: Option<&'a WaitTables>,
+    pub walls: &'a [StatementWall],
     pub findings: &'a [Finding],
 }
 
@@ -501,9 +531,39 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                 extrapolated: inputs.probes.extrapolation(Function::SLock).extrapolated,
             })
             .collect(),
-        off_cpu: inputs
-            .off_cpu
-            .map(|(waits, min_stack_ns)| off_cpu_json(waits, min_stack_ns)),
+        off_cpu: inputs.off_cpu.map(|(waits, mode, min_stack_ns)| {
+            let min_stack_ns = (mode == OffCpuMode::Exact).then_some(min_stack_ns);
+            off_cpu_json(
+                waits,
+                if mode == OffCpuMode::Exact {
+                    "exact"
+                } else {
+                    "sampled"
+                },
+                min_stack_ns,
+            )
+        }),
+        off_cpu_exact: inputs.off_cpu_exact.map(|waits| {
+            let min_stack_ns = inputs.off_cpu.map(|(_, _, ns)| ns);
+            off_cpu_json(waits, "exact", min_stack_ns)
+        }),
+        wall_clock: inputs
+            .walls
+            .iter()
+            .map(|wall| WallClockJson {
+                queryid: wall.query_id.to_string(),
+                total_ns: wall.total_ns,
+                parts: wall
+                    .parts
+                    .iter()
+                    .map(|part| WallPartJson {
+                        name: part.name.clone(),
+                        ns: part.ns,
+                        pct: wall.pct(part.ns),
+                    })
+                    .collect(),
+            })
+            .collect(),
         findings: inputs
             .findings
             .iter()
@@ -512,8 +572,9 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
     }
 }
 
-fn off_cpu_json(waits: &WaitTables, min_stack_ns: u64) -> OffCpuJson {
+fn off_cpu_json(waits: &WaitTables, mode: &'static str, min_stack_ns: Option<u64>) -> OffCpuJson {
     OffCpuJson {
+        mode,
         min_stack_ns,
         total_ns: waits.total_ns(),
         by_wait: waits

@@ -10,6 +10,7 @@ pub(crate) mod queries;
 mod report;
 mod spin_sites;
 mod sql_facts;
+mod wall_clock;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -25,8 +26,10 @@ use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
 use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
+use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::off_cpu::WaitWithoutStack;
 use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
+use crate::collect::session::WaitSource;
 use crate::collect::{self, Session};
 use crate::output_file::{self, OutputMode, Planned};
 use crate::postgres;
@@ -64,8 +67,8 @@ pub struct TraceOptions {
     pub probe_budget: Option<f64>,
     /// `--conninfo`: how to reach the instance for query texts.
     pub conninfo: Option<String>,
-    /// Measure time off CPU too (`--off-cpu`).
-    pub off_cpu: bool,
+    /// How time off CPU is measured (`--off-cpu`).
+    pub off_cpu: crate::collect::off_cpu::OffCpuMode,
     /// Off-CPU waits at least this long get their stacks; shorter ones only count.
     pub off_cpu_min_stack: Duration,
     /// Off-CPU stacks taken per second per CPU at most.
@@ -86,7 +89,7 @@ impl TraceOptions {
         for (option, path) in with_off_cpu {
             if let Some(path) = path {
                 planned.push(Planned::new(option, path));
-                if self.off_cpu {
+                if self.off_cpu.any() {
                     planned.push(Planned::new(
                         format!("{option} (off-CPU)"),
                         &off_cpu::beside(path),
@@ -123,7 +126,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let layout_source = target.pid();
     // Targets are flagged for off-CPU now; its programs attach with the sampler, so that both
     // measure the same period (the probes' calibration comes in between).
-    let off_cpu_flag = if options.off_cpu { TARGET_OFF_CPU } else { 0 };
+    let off_cpu_flag = if options.off_cpu.traces() {
+        TARGET_OFF_CPU
+    } else {
+        0
+    };
     let (root, scope) = match &target {
         Target::Backend(process) => (process, Scope::Backend),
         Target::Instance { postmaster } => (postmaster, Scope::Instance),
@@ -208,17 +215,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
         }
     }
-    let off_cpu_measured = options.off_cpu
-        && match probes.attach_off_cpu(
-            options.off_cpu_min_stack.as_nanos() as u64,
-            options.off_cpu_stack_rate,
-        ) {
-            Ok(()) => true,
-            Err(error) => {
-                note!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
+    let off_cpu_measured = attach_off_cpu(&mut probes, &options);
     // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
     let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
     let ring = probes.take_samples()?;
@@ -276,7 +273,15 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     // kernel grace period per probe, during which functions detached later would count on.
     probe_set.stop_clock(&traced_pids(&probes, layout_source));
     let counters = probes.counters()?;
-    let (off_cpu_totals, open_waits) = if session.off_cpu_measured {
+    let sampled_totals = if session.off_cpu.samples() {
+        probes.wait_sample_totals().unwrap_or_else(|error| {
+            warn!("cannot read the sampled off-CPU totals: {error:#}");
+            Vec::new()
+        })
+    } else {
+        Vec::new()
+    };
+    let (off_cpu_totals, open_waits) = if session.off_cpu.traces() {
         let totals = probes.off_cpu_totals().unwrap_or_else(|error| {
             warn!("cannot read the off-CPU totals: {error:#}");
             Vec::new()
@@ -317,6 +322,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     .await;
     session.add_waits_without_stack(
         WaitWithoutStack::from_totals(&off_cpu_totals).chain(WaitWithoutStack::from_open(&open_waits)),
+        WaitSource::Traced,
+    );
+    session.add_waits_without_stack(
+        WaitWithoutStack::from_totals(&sampled_totals),
+        WaitSource::Sampled,
     );
     let measured = report::Measured {
         counters,
@@ -328,6 +338,36 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         pgss_start: pgss_start.map(|start| start.info),
     };
     report::finish(&options, &target, session, measured)
+}
+
+/// Attaches the off-CPU programs `--off-cpu` asks for; returns the mode that is measured (a
+/// part that cannot attach is said and left out, on-CPU profiling goes on).
+fn attach_off_cpu(probes: &mut OnCpuProbes, options: &TraceOptions) -> OffCpuMode {
+    let traced = options.off_cpu.traces()
+        && match probes.attach_off_cpu(
+            options.off_cpu_min_stack.as_nanos() as u64,
+            options.off_cpu_stack_rate,
+        ) {
+            Ok(()) => true,
+            Err(error) => {
+                note!("pgscope: no exact off-CPU profile: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
+    let sampled = options.off_cpu.samples()
+        && match probes.attach_wait_sampler() {
+            Ok(()) => true,
+            Err(error) => {
+                note!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
+                false
+            }
+        };
+    match (sampled, traced) {
+        (true, true) => OffCpuMode::Both,
+        (true, false) => OffCpuMode::Sampled,
+        (false, true) => OffCpuMode::Exact,
+        (false, false) => OffCpuMode::None,
+    }
 }
 
 /// The traced processes, all of the one instance (or backend) rooted at `root`.
@@ -379,7 +419,7 @@ async fn collect(
         signals,
         ended_early: false,
     };
-    driver::run(ring, session, probes, &mut policy).await?;
+    driver::run(ring, session, probes, &mut policy, options.frequency_hz).await?;
     policy.progress.finish();
     Ok(policy.ended_early)
 }

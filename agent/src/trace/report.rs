@@ -11,8 +11,9 @@ use symbolizer::KernelSymbols;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
 use crate::bpf::Counters;
+use crate::collect::off_cpu::OffCpuMode;
 use crate::model::{
-    shorten, Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu,
+    shorten, Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu, WaitTables,
 };
 use crate::output_file::{self, OutputMode};
 use crate::report::{RecordedProbe, Recording};
@@ -69,9 +70,15 @@ pub(super) fn finish(
     );
     print_losses(&counters, session.malformed);
     print_missing_symbols(&session);
-    let off_cpu_profile = session.off_cpu_measured.then(|| {
+    let off_cpu_profile = session.off_cpu_measured().then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
         session.profile(true, kernel.as_ref(), meta, &database_names)
+    });
+    // `--off-cpu=both`: the tracer's waits, to set beside the sampled ones.
+    let session_off_cpu = session.off_cpu;
+    let exact_waits = (session.off_cpu == OffCpuMode::Both).then(|| {
+        let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
+        WaitTables::from_profile(&session.exact_off_cpu_profile(kernel.as_ref(), meta, &database_names))
     });
     let probe_rows: Vec<ProbeRow> = probe_results
         .by_query()
@@ -132,6 +139,12 @@ pub(super) fn finish(
                      of the queries' figures and the findings",
                     100.0 * traps as f64 / total as f64
                 );
+            }
+            if !analysis.walls.is_empty() {
+                out!(
+                    "where each query's time went (on CPU and off CPU, samples of one weight; the client's time left out):"
+                );
+                out!("{}", super::wall_clock::render(&analysis.walls, options.top));
             }
             if !analysis.plan_nodes.is_empty() {
                 out!("by plan node (innermost executor node on the stack, % of the query's samples):");
@@ -299,10 +312,15 @@ pub(super) fn finish(
             plan_nodes: &analysis.plan_nodes,
             probes: &probe_results,
             query_texts: &query_texts,
-            off_cpu: analysis
-                .waits
-                .as_ref()
-                .map(|waits| (waits, options.off_cpu_min_stack.as_nanos() as u64)),
+            off_cpu: analysis.waits.as_ref().map(|waits| {
+                (
+                    waits,
+                    session_off_cpu,
+                    options.off_cpu_min_stack.as_nanos() as u64,
+                )
+            }),
+            off_cpu_exact: exact_waits.as_ref(),
+            walls: &analysis.walls,
             findings: &findings,
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));

@@ -1,0 +1,312 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Sampled off-CPU time: a task iterator that user space runs once per profiling tick.
+ *
+ * A part of the one BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+/*
+ * Each run visits every thread of the host and samples the target threads that are not on a
+ * CPU: blocked (class from the syscall it blocked in, as the exact tracer tells them) or
+ * runnable and waiting for a CPU (preempted). A thread on a CPU is the perf-event sampler's. A
+ * sample weighs the tick (set by user space before the run), so that on- and off-CPU samples
+ * add up to wall-clock time. Nothing runs on context switches: the cost is threads × ticks.
+ *
+ * What a sample carries is read from the thread's own memory with bpf_copy_from_user_task (the
+ * iterator runs in pgscope's context, hence a sleepable program): what pg_stat_activity shows,
+ * and the user stack above the registers saved when it entered the kernel. A thread that has
+ * not run since its last sample (its switch counts unchanged) is in the same wait with the
+ * same stack: it costs a 24-byte repeat record and no read of its memory. Idle waits (a
+ * backend waiting for its client between statements, a background process in its main loop)
+ * and waits for the client inside a transaction are counted per process and attribution, never
+ * with a stack: that keeps 1000 idle connections at one hash update each per tick.
+ */
+
+/* Set by user space before each run. Index 0: the weight of this run's samples (ns). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} wait_sample_config SEC(".maps");
+
+/* Waits sampled without stacks (idle and client waits), per process and attribution; the same
+ * layout as the exact tracer's off_cpu_totals, so that user space reads both alike. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_off_cpu_key);
+	__type(value, struct pgscope_off_cpu_total);
+} wait_sample_totals SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct pgscope_wait_sample_task);
+} wait_sample_tasks SEC(".maps");
+
+/* Its own record buffer: the iterator may sleep in a read, and other programs run meanwhile. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pgscope_sample);
+} wait_sample_scratch SEC(".maps");
+
+/* One word of the thread's memory; false when it cannot be read. */
+static __always_inline bool read_task_word(void *dst, __u32 size, __u64 address, struct task_struct *task)
+{
+	return address && bpf_copy_from_user_task(dst, size, (void *)address, task, 0) == 0;
+}
+
+/* What pg_stat_activity shows for the thread: read_attribution's fields, from another task's
+ * memory. What does not change once set (backend type, database, the addresses of the status
+ * entry and the wait-event word) is read once per thread. */
+static __always_inline void read_task_attribution(struct pgscope_wait_sample_task *state, struct task_struct *task,
+						   __u32 tgid, struct pgscope_pg_layout **layout_out)
+{
+	struct pgscope_attribution *a = &state->attr;
+	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
+	__u32 flags = 0;
+	int faults = 0;
+
+	*layout_out = layout;
+	a->query_id = 0;
+	a->wait_event_info = 0;
+	a->backend_state = 0;
+	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
+	if (!layout) {
+		a->backend_type = 0;
+		a->database_id = 0;
+		a->flags = 0;
+		return;
+	}
+	if (a->backend_type || read_task_word(&a->backend_type, 4, layout->my_backend_type, task)) {
+		if (a->backend_type)
+			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+	} else if (layout->my_backend_type) {
+		faults++;
+	}
+	if (a->database_id || read_task_word(&a->database_id, 4, layout->my_database_id, task)) {
+		if (a->database_id)
+			flags |= PGSCOPE_ATTR_DATABASE;
+	} else if (layout->my_database_id) {
+		faults++;
+	}
+	if (!state->status_entry && layout->my_be_entry &&
+	    !read_task_word(&state->status_entry, 8, layout->my_be_entry, task))
+		faults++;
+	__u64 entry = state->status_entry;
+	if (entry) {
+		if (read_task_word(&a->backend_state, 4, entry + layout->st_state_offset, task) &&
+		    (!layout->st_query_id_offset ||
+		     read_task_word(&a->query_id, 8, entry + layout->st_query_id_offset, task)))
+			flags |= PGSCOPE_ATTR_STATUS;
+		else
+			faults++;
+	}
+	if (!state->wait_event_ptr && layout->my_wait_event_info) {
+		__u64 pointer = 0;
+		if (!read_task_word(&pointer, 8, layout->my_wait_event_info, task))
+			faults++;
+		/* With a status entry the backend has its PGPROC: the word stays where it is. */
+		else if (entry)
+			state->wait_event_ptr = pointer;
+		else if (read_task_word(&a->wait_event_info, 4, pointer, task))
+			flags |= PGSCOPE_ATTR_WAIT_EVENT;
+	}
+	if (state->wait_event_ptr) {
+		if (read_task_word(&a->wait_event_info, 4, state->wait_event_ptr, task))
+			flags |= PGSCOPE_ATTR_WAIT_EVENT;
+		else
+			faults++;
+	}
+	a->flags = flags;
+	if (faults)
+		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+}
+
+/* Copies the thread's user stack from its saved sp upwards, bounded like copy_user_stack. */
+static __always_inline __u64 copy_task_stack(struct pgscope_sample *s, struct task_struct *task)
+{
+	__u64 sp = s->user_sp;
+	__u64 top = BPF_CORE_READ(task, mm, start_stack);
+	__u64 len = PGSCOPE_USER_STACK_MAX;
+
+	if (top > sp && top - sp < len)
+		len = top - sp;
+	if (len > PGSCOPE_USER_STACK_MAX)
+		len = PGSCOPE_USER_STACK_MAX;
+	if (len && bpf_copy_from_user_task(s->user_stack, len, (void *)sp, task, 0) == 0)
+		return len;
+	count(PGSCOPE_CNT_USER_STACK_FAULT);
+	len = 4096 - (sp & 4095);
+	if (len > PGSCOPE_USER_STACK_MAX)
+		len = PGSCOPE_USER_STACK_MAX;
+	if (len && bpf_copy_from_user_task(s->user_stack, len, (void *)sp, task, 0) == 0)
+		return len;
+	count(PGSCOPE_CNT_USER_STACK_LOST);
+	return 0;
+}
+
+/* Adds one tick to the wait counted without stacks under the thread's attribution. */
+static __always_inline void add_sampled_total(__u32 tgid, struct pgscope_attribution *attr, __u64 weight)
+{
+	struct pgscope_off_cpu_key key = {
+		.tgid = tgid,
+		.attr = *attr,
+	};
+	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&wait_sample_totals, &key);
+
+	count(PGSCOPE_CNT_WAIT_NO_STACK);
+	if (total) {
+		total->ns += weight;
+		total->waits += 1;
+		return;
+	}
+	struct pgscope_off_cpu_total first = { .ns = weight, .waits = 1 };
+	if (bpf_map_update_elem(&wait_sample_totals, &key, &first, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+}
+
+/* Sends the thread's sample with its user stack; true when it went out. */
+static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *state, struct task_struct *task,
+					     __u32 tgid, __u32 tid, struct pt_regs *regs, __u64 weight)
+{
+	__u32 zero = 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
+
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		return false;
+	}
+	s->tgid = tgid;
+	s->tid = tid;
+	s->time_ns = bpf_ktime_get_ns();
+	s->cpu = bpf_get_smp_processor_id();
+	s->kernel_frames = 0;
+	s->user_ip = BPF_CORE_READ(regs, ip);
+	s->user_sp = BPF_CORE_READ(regs, sp);
+	s->user_bp = BPF_CORE_READ(regs, bp);
+	s->attr = state->attr;
+	s->off_cpu_ns = weight;
+	long syscall = BPF_CORE_READ(regs, orig_ax);
+	s->off_cpu_syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
+	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
+	s->statement_start = 0;
+
+	__u64 len = copy_task_stack(s, task);
+	s->user_stack_len = len;
+	restore_uretprobe_returns(s, task, len);
+	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
+	if (size > sizeof(*s))
+		size = sizeof(*s);
+	if (bpf_ringbuf_output(&samples, s, size, 0)) {
+		count(PGSCOPE_CNT_RINGBUF_FULL);
+		return false;
+	}
+	count(PGSCOPE_CNT_WAIT_SAMPLES);
+	return true;
+}
+
+/* The off-CPU class of a thread that is not on a CPU, and whether it is waiting for work. */
+static __always_inline __u32 sampled_class(struct pgscope_wait_sample_task *state, struct pgscope_pg_layout *layout,
+					   unsigned int task_state, long syscall)
+{
+	struct pgscope_attribution *a = &state->attr;
+	/* Runnable in a wait Postgres reports, inside a syscall: woken, not on a CPU yet. The
+	 * exact tracer counts that run-queue delay in the wait it ends, classed as the wait was
+	 * when it blocked; so does this. Runnable otherwise: preempted. */
+	bool woken = task_state == TASK_RUNNING_STATE && a->wait_event_info && syscall >= 0;
+	__u32 class = task_state == TASK_RUNNING_STATE && !woken ? PGSCOPE_OFF_CPU_PREEMPTED
+								  : class_of_syscall(syscall, task_state);
+	bool waits_for_client = layout && (a->flags & PGSCOPE_ATTR_STATUS) && layout->state_idle &&
+				a->backend_state == layout->state_idle &&
+				a->wait_event_info == layout->wait_client_read;
+	bool main_loop = (a->wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
+	/* Without a status entry or a wait event, waiting in poll/select: the postmaster's loop. */
+	bool no_status_loop = !(a->flags & PGSCOPE_ATTR_STATUS) && !a->wait_event_info &&
+			      class == PGSCOPE_OFF_CPU_LATCH;
+	if (waits_for_client || main_loop || no_status_loop)
+		return PGSCOPE_OFF_CPU_IDLE;
+	return class;
+}
+
+SEC("iter.s/task")
+int sample_waits(struct bpf_iter__task *ctx)
+{
+	struct task_struct *task = ctx->task;
+
+	if (!task)
+		return 0;
+	__u32 tgid = BPF_CORE_READ(task, tgid);
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		return 0;
+	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
+	if (BPF_CORE_READ(task, on_cpu) || BPF_CORE_READ(task, exit_state)) {
+		count(PGSCOPE_CNT_WAIT_SKIPPED);
+		return 0;
+	}
+	struct pgscope_wait_sample_task *state =
+		bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	__u32 zero = 0;
+	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
+	if (!state || !weight_ns) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		return 0;
+	}
+	__u64 weight = *weight_ns;
+	__u32 tid = BPF_CORE_READ(task, pid);
+	__u64 switches = BPF_CORE_READ(task, nvcsw) + BPF_CORE_READ(task, nivcsw) + 1;
+
+	if (switches == state->switches) {
+		if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
+			add_sampled_total(tgid, &state->attr, weight);
+			return 0;
+		}
+		if (state->kind == PGSCOPE_WAIT_SAMPLE_STACKS) {
+			struct pgscope_wait_repeat repeat = {
+				.tgid = tgid,
+				.tid = tid,
+				.weight_ns = weight,
+				.magic = PGSCOPE_WAIT_REPEAT_MAGIC,
+			};
+			if (bpf_ringbuf_output(&samples, &repeat, sizeof(repeat), 0) == 0) {
+				count(PGSCOPE_CNT_WAIT_REPEATS);
+				return 0;
+			}
+			count(PGSCOPE_CNT_RINGBUF_FULL);
+			/* Lost with the record: the next tick sends the whole sample again. */
+			state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+			return 0;
+		}
+	}
+
+	struct pgscope_pg_layout *layout = NULL;
+	read_task_attribution(state, task, tgid, &layout);
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+	long syscall = BPF_CORE_READ(regs, orig_ax);
+	unsigned int task_state = BPF_CORE_READ(task, __state);
+	__u32 class = sampled_class(state, layout, task_state, syscall);
+	state->attr.off_cpu_class = class;
+	state->switches = switches;
+
+	/* Waiting for work, or for the client inside a transaction (whose stack is always the
+	 * same read from the socket): counted, without a stack. Not the queryid of a finished
+	 * statement: it would only split the idle total. */
+	bool client_wait = (state->attr.wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_CLIENT;
+	if (class == PGSCOPE_OFF_CPU_IDLE || client_wait) {
+		if (class == PGSCOPE_OFF_CPU_IDLE)
+			state->attr.query_id = 0;
+		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
+		add_sampled_total(tgid, &state->attr, weight);
+		return 0;
+	}
+	state->kind = send_wait_sample(state, task, tgid, tid, regs, weight) ? PGSCOPE_WAIT_SAMPLE_STACKS
+									      : PGSCOPE_WAIT_SAMPLE_NONE;
+	return 0;
+}
