@@ -132,7 +132,7 @@ def test_default_config_is_what_the_agent_defaults_to():
     _, manifests = render(*REQUIRED)
     config = agent_config(manifests)
     assert config["collection"] == {
-        "frequency": 19, "upload_interval": "15s", "off_cpu": False,
+        "frequency": 19, "upload_interval": "15s", "off_cpu": "sampled",
         "off_cpu_min_stack": "100us", "off_cpu_idle": False}
     assert config["labels"] == {"service_name": "postgres/{instance}", "pid": False, "pod_service_name": True}
     assert config["discovery"] == {"include": [], "exclude": []}
@@ -165,7 +165,7 @@ def test_every_option_is_wired():
     config = agent_config(manifests)
     assert config["pyroscope"] == {"timeout": "5s", "queue_max_bytes": 33554432, "ca_file": "/etc/pgscope/ca/ca.pem"}
     assert config["collection"] == {
-        "frequency": 49, "upload_interval": "10s", "off_cpu": True,
+        "frequency": 49, "upload_interval": "10s", "off_cpu": "exact",
         "off_cpu_min_stack": "1ms", "off_cpu_idle": True}
     assert config["labels"] == {
         "service_name": "pg/{instance}", "pid": True, "pod_service_name": False,
@@ -203,6 +203,12 @@ def test_an_existing_secret_replaces_the_rendered_one():
     _, container = agent_container(manifests)
     env = {e["name"]: e for e in container["env"]}
     assert env["PGSCOPE_PYROSCOPE_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "pyroscope-creds"
+
+
+@pytest.mark.parametrize("given,rendered", [("true", "sampled"), ("false", "none"), ("none", "none")])
+def test_off_cpu_takes_a_mode_or_the_booleans_of_earlier_charts(given, rendered):
+    _, manifests = render(*REQUIRED, "--set", f"collection.offCpu={given}")
+    assert agent_config(manifests)["collection"]["off_cpu"] == rendered
 
 
 def test_privileged_switch_for_old_kernels():

@@ -1,6 +1,6 @@
-//! `pgscope agent --off-cpu`: a backend blocked across upload intervals is in each interval's
-//! off-CPU profile as far as its wait went, not all at once in the interval it ends in — and
-//! the parts add up to the wait, counted once.
+//! `pgscope agent`, off CPU sampled (the default) and exact: a backend blocked across upload
+//! intervals is in each interval's off-CPU profile as far as its wait went, not all at once in
+//! the interval it ends in — and the parts add up to the wait, counted once.
 
 use std::time::{Duration, Instant};
 
@@ -52,13 +52,24 @@ fn lock_ns_per_push(capture: &PyroscopeCapture) -> Result<Vec<i64>> {
 }
 
 #[test]
-fn a_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()> {
+fn a_sampled_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()> {
+    wait_across_intervals("sampled")
+}
+
+#[test]
+fn an_exact_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()> {
+    wait_across_intervals("exact")
+}
+
+/// Sampled, each tick of the wait falls in the interval it was taken in; exact, the open wait
+/// is shipped as far as it went at each upload and its end carries the rest.
+fn wait_across_intervals(mode: &str) -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     cluster.psql("CREATE TABLE held (id int PRIMARY KEY, v int); INSERT INTO held VALUES (1, 0)")?;
     let capture = PyroscopeCapture::start()?;
     let config = format!(
-        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\noff_cpu = true\n\
+        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"2s\"\noff_cpu = \"{mode}\"\n\
          [[discovery.include]]\ndata_dir = \"{}\"\n",
         capture.url(),
         cluster.data_dir().display()
@@ -104,7 +115,7 @@ fn a_wait_across_intervals_is_shipped_in_parts_that_add_up_to_it() -> Result<()>
     let total = Duration::from_nanos(per_push.iter().sum::<i64>().max(0) as u64);
     let parts = per_push.iter().filter(|&&ns| ns > 0).count();
     eprintln!(
-        "{WAIT_EVENT}: {total:?} in {parts} pushes ({per_push:?} ns per push), {:?} shipped before the \
+        "{mode}: {WAIT_EVENT}: {total:?} in {parts} pushes ({per_push:?} ns per push), {:?} shipped before the \
          commit; {held:?} between the wait being seen and the commit",
         Duration::from_nanos(before_the_end as u64)
     );

@@ -516,7 +516,11 @@ impl LoopState {
             .collect();
         metrics::Snapshot {
             bpf_counters,
-            dropped_in_agent: vec![("malformed", session.malformed), ("no_instance", session.unowned)],
+            dropped_in_agent: vec![
+                ("malformed", session.malformed),
+                ("no_instance", session.unowned),
+                ("off_cpu_repeat_without_sample", session.orphan_repeats),
+            ],
             instances,
             stacks_held: session.instances().map(|i| i.stacks.distinct() as u64).sum(),
             off_cpu: off_cpu.any(),

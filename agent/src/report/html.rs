@@ -242,7 +242,8 @@ fn queries_section(page: &mut String, recording: &Recording, analysis: &Analysis
         page,
         "<section id=\"queries\">\n<h2>Queries ({})</h2>\n\
          <p class=\"caption\">Phases in % of the query's on-CPU samples; off-CPU time without idle \
-         client waits; probe counts are estimates where the probes were duty-cycled.</p>",
+         client waits; where its time went: its time on and off CPU (the client's left out), split \
+         into CPU and each wait; probe counts are estimates where the probes were duty-cycled.</p>",
         rows.len()
     );
     if rows.is_empty() {
@@ -255,7 +256,7 @@ fn queries_section(page: &mut String, recording: &Recording, analysis: &Analysis
     for phase in Phase::ALL {
         let _ = write!(page, "<th>{}</th>", phase.label());
     }
-    page.push_str("<th>other</th><th>hottest function</th><th>off-CPU ms</th><th>longest wait</th><th>probes</th></tr>\n");
+    page.push_str("<th>other</th><th>hottest function</th><th>off-CPU ms</th><th>longest wait</th><th>where its time went</th><th>probes</th></tr>\n");
     let total = recording.on_cpu.total_count().max(1) as f64;
     for row in &rows {
         query_row(page, row, total);
@@ -291,11 +292,12 @@ fn query_row(page: &mut String, row: &QueryRow, total: f64) {
         .unwrap_or("");
     let _ = write!(
         page,
-        "<td>{}</td><td class=\"left\"><code>{}</code></td><td>{:.1}</td><td class=\"left\">{}</td><td class=\"left\">",
+        "<td>{}</td><td class=\"left\"><code>{}</code></td><td>{:.1}</td><td class=\"left\">{}</td><td class=\"left\">{}</td><td class=\"left\">",
         of_query(other),
         escape(hottest),
         row.off_cpu_ns as f64 / 1e6,
-        escape(row.longest_wait.as_deref().unwrap_or(""))
+        escape(row.longest_wait.as_deref().unwrap_or("")),
+        escape(row.time_split.as_deref().unwrap_or(""))
     );
     for probe in &row.probes {
         let average_us = probe.total_ns as f64 / probe.calls.max(1) as f64 / 1e3;
@@ -390,6 +392,27 @@ mod tests {
             .with_analysis(|analysis| render(&recording, analysis, &[]))
             .expect("page");
         assert!(page.contains("CPU by plan node (0)") && !page.contains("id=\"n7\""));
+    }
+
+    #[test]
+    fn each_querys_row_says_where_its_time_went_on_and_off_cpu() {
+        use crate::model::fixtures::{labelled, off_cpu};
+        let mut recording = hash_join_recording();
+        let period = recording.on_cpu.meta.period;
+        let lock = [
+            ("off_cpu", "latch"),
+            ("queryid", "7"),
+            ("wait_event", "Lock:transactionid"),
+        ];
+        recording.off_cpu = Some(off_cpu(vec![labelled(&["ProcSleep"], &lock, 50 * period)]));
+        let page = recording
+            .with_analysis(|analysis| render(&recording, analysis, &[]))
+            .expect("page");
+        let row = page.split("<tr id=\"q7\">").nth(1).expect("the query's row");
+        assert!(
+            row.contains("<td class=\"left\">CPU 50% · Lock:transactionid 50%</td>"),
+            "{row}"
+        );
     }
 
     #[test]

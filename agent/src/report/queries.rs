@@ -18,6 +18,8 @@ pub struct QueryRow {
     pub off_cpu_ns: u64,
     /// Its longest wait: `LWLock:pg_stat_statements (futex) 12.3 ms`.
     pub longest_wait: Option<String>,
+    /// Where its wall-clock time went: `CPU 38% · LWLock:pg_stat_statements 41% · …`.
+    pub time_split: Option<String>,
     /// Its function-probe counts, most calls first.
     pub probes: Vec<ProbeRow>,
 }
@@ -44,6 +46,9 @@ pub fn query_rows(recording: &Recording, analysis: &Analysis) -> Vec<QueryRow> {
         let entry = row(&mut rows, recording, query.query_id);
         entry.longest_wait = Some(longest_wait);
         entry.off_cpu_ns = not_idle.map(|w| w.ns).sum();
+    }
+    for wall in &analysis.walls {
+        row(&mut rows, recording, wall.query_id).time_split = Some(wall.render());
     }
     for probe in analysis.measured.probes {
         row(&mut rows, recording, probe.query_id)
@@ -77,6 +82,7 @@ fn row<'a>(
         cpu: None,
         off_cpu_ns: 0,
         longest_wait: None,
+        time_split: None,
         probes: Vec::new(),
     })
 }

@@ -68,7 +68,7 @@ pub(super) fn finish(
         stats.samples,
         stats.complete_pct()
     );
-    print_losses(&counters, session.malformed);
+    print_losses(&counters, session.malformed, session.orphan_repeats);
     print_missing_symbols(&session);
     let off_cpu_profile = session.off_cpu_measured().then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
@@ -388,7 +388,7 @@ fn print_query_texts(queries: &[StatementCpu], texts: &HashMap<i64, String>, lim
     out!();
 }
 
-fn print_losses(counters: &Counters, malformed: u64) {
+fn print_losses(counters: &Counters, malformed: u64, orphan_repeats: u64) {
     let mut parts: Vec<String> = counters
         .losses()
         .into_iter()
@@ -397,6 +397,10 @@ fn print_losses(counters: &Counters, malformed: u64) {
         .collect();
     if malformed > 0 {
         parts.push(format!("malformed {malformed}"));
+    }
+    // Repeats of a wait sample that never arrived: each one a tick of off-CPU time lost.
+    if orphan_repeats > 0 {
+        parts.push(format!("off_cpu_repeats_without_sample {orphan_repeats}"));
     }
     if !parts.is_empty() {
         out!(
