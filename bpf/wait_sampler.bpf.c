@@ -24,10 +24,14 @@
  * with a stack: that keeps 1000 idle connections at one hash update each per tick.
  */
 
-/* Set by user space before each run. Index 0: the weight of this run's samples (ns). */
+/* Set by user space before each run. Index 0: the weight of this run's samples (ns). Index 1:
+ * stacks sent per run at most (each is a copy of up to 16 KiB of a backend's stack: with
+ * hundreds of backends waiting, and each having run since the last tick, this bounds a tick's
+ * cost; threads over it are counted without a stack, marked so). Index 2: stacks sent in this
+ * run so far (user space zeroes it; one run at a time, on one CPU). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 3);
 	__type(key, __u32);
 	__type(value, __u64);
 } wait_sample_config SEC(".maps");
@@ -306,7 +310,22 @@ int sample_waits(struct bpf_iter__task *ctx)
 		add_sampled_total(tgid, &state->attr, weight);
 		return 0;
 	}
-	state->kind = send_wait_sample(state, task, tgid, tid, regs, weight) ? PGSCOPE_WAIT_SAMPLE_STACKS
-									      : PGSCOPE_WAIT_SAMPLE_NONE;
+	__u32 budget_index = 1, sent_index = 2;
+	__u64 *budget = bpf_map_lookup_elem(&wait_sample_config, &budget_index);
+	__u64 *sent = bpf_map_lookup_elem(&wait_sample_config, &sent_index);
+	if (!budget || !sent || *sent >= *budget) {
+		/* The time is not lost with the stack: it is counted, marked as left without. */
+		count(PGSCOPE_CNT_WAIT_OVER_BUDGET);
+		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
+		add_sampled_total(tgid, &state->attr, weight);
+		return 0;
+	}
+	if (send_wait_sample(state, task, tgid, tid, regs, weight)) {
+		*sent += 1;
+		state->kind = PGSCOPE_WAIT_SAMPLE_STACKS;
+	} else {
+		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+	}
 	return 0;
 }

@@ -52,7 +52,8 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_REPEATS = 15,	     /* sampled off CPU: still in the wait last sent */
 	PGSCOPE_CNT_WAIT_NO_STACK = 16,	     /* sampled off CPU: idle or client waits, counted only */
 	PGSCOPE_CNT_WAIT_SKIPPED = 17,	     /* sampled off CPU: target threads found running */
-	PGSCOPE_CNT_MAX = 18,
+	PGSCOPE_CNT_WAIT_OVER_BUDGET = 18,   /* degraded: sampled off CPU without a stack, over the tick's budget */
+	PGSCOPE_CNT_MAX = 19,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -197,7 +198,8 @@ enum pgscope_attribution_flags {
 	PGSCOPE_ATTR_DATABASE = 2,
 	PGSCOPE_ATTR_STATUS = 4,     /* st_state and st_query_id (the backend has a status entry) */
 	PGSCOPE_ATTR_WAIT_EVENT = 8,
-	/* Off-CPU totals: long enough for a stack, but the stack rate limit left it without. */
+	/* Off-CPU totals: long enough for a stack, but the stack rate limit (exact) or the tick's
+	 * stack budget (sampled) left it without. */
 	PGSCOPE_ATTR_STACK_NOT_SAMPLED = 16,
 };
 

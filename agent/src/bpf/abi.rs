@@ -77,6 +77,7 @@ pub enum Counter {
     WaitRepeats = c::pgscope_counter::PGSCOPE_CNT_WAIT_REPEATS,
     WaitNoStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_NO_STACK,
     WaitSkipped = c::pgscope_counter::PGSCOPE_CNT_WAIT_SKIPPED,
+    WaitOverBudget = c::pgscope_counter::PGSCOPE_CNT_WAIT_OVER_BUDGET,
 }
 
 const _: () = assert!(covers_every_value(
@@ -85,7 +86,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 18] = [
+    pub const ALL: [Counter; 19] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -104,6 +105,7 @@ impl Counter {
         Counter::WaitRepeats,
         Counter::WaitNoStack,
         Counter::WaitSkipped,
+        Counter::WaitOverBudget,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -130,6 +132,7 @@ impl Counter {
             Counter::WaitRepeats => "wait_sample_repeats",
             Counter::WaitNoStack => "wait_samples_without_stack",
             Counter::WaitSkipped => "wait_sample_threads_on_cpu",
+            Counter::WaitOverBudget => "wait_sample_stack_over_budget",
         }
     }
 }

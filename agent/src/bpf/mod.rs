@@ -28,6 +28,11 @@ use abi::{
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
+/// Off-CPU stacks the wait sampler copies per tick at most (a copy is up to 16 KiB of a
+/// backend's stack, about what an on-CPU sample costs). Only threads that ran since the last
+/// tick and now wait need one; past this, they are counted without a stack, marked so.
+const WAIT_STACKS_PER_TICK: u64 = 256;
+
 /// The uprobe and uretprobe programs every probed function shares.
 const FUNCTION_PROGRAMS: [&str; 2] = ["on_function_entry", "on_function_return"];
 
@@ -194,6 +199,12 @@ impl OnCpuProbes {
             config
                 .set(0, weight_ns, 0)
                 .context("setting the wait samples' weight")?;
+            config
+                .set(1, WAIT_STACKS_PER_TICK, 0)
+                .context("setting the wait samples' stack budget")?;
+            config
+                .set(2, 0, 0)
+                .context("resetting the wait samples' stack count")?;
         }
         if let Some(link) = &self.wait_sampler {
             link.run().context("running the wait sampler's task iterator")?;
@@ -597,6 +608,7 @@ impl Counters {
             Counter::UserStackFault,
             Counter::UserStackLost,
             Counter::KernelStackFault,
+            Counter::WaitOverBudget,
         ]
         .into_iter()
         .map(|c| (c, self.get(c)))

@@ -63,7 +63,12 @@ impl StatementWall {
             }
         }
         if rest > 0 {
-            shown.push(format!("{OTHER_WAITS} {:.0}%", self.pct(rest)));
+            let pct = self.pct(rest);
+            if pct < SHOWN_PCT {
+                shown.push(format!("{OTHER_WAITS} <1%"));
+            } else {
+                shown.push(format!("{OTHER_WAITS} {pct:.0}%"));
+            }
         }
         shown.join(" · ")
     }
@@ -165,6 +170,6 @@ mod tests {
             wait("7", Some("IO:WALWrite"), "io", 2 * period),
         ]);
         let walls = statement_walls(&statements(&on_cpu), period, &off);
-        assert_eq!(walls[0].render(), "CPU 100% · other waits 0%");
+        assert_eq!(walls[0].render(), "CPU 100% · other waits <1%");
     }
 }
