@@ -1,7 +1,9 @@
-//! Off-CPU time of a trace: where backends wait, weighted by blocked nanoseconds, labelled with
-//! the wait event in force when they blocked. Waits long enough arrive with their stacks; the
-//! others (and idle client waits) are exact totals read from the kernel at the end, shown as one
-//! placeholder frame so that every nanosecond is in the profile.
+//! Off-CPU time of a trace: where backends wait, weighted by nanoseconds, labelled with the
+//! wait event in force. Sampled (the default), each thread off CPU at a tick is one sample of a
+//! tick's weight; exact, waits long enough arrive with their stacks and the others are exact
+//! totals read from the kernel at the end. Time without a stack (idle and client waits, and
+//! exact's short waits) is shown as one placeholder frame, so every nanosecond is in the
+//! profile.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -28,25 +30,47 @@ fn millis(ns: u64) -> f64 {
     ns as f64 / 1e6
 }
 
+/// How the off-CPU time was measured, for the summary's first line.
+pub enum Measured {
+    /// Sampled at each tick of this frequency.
+    Sampled { frequency_hz: u64 },
+    /// Traced at every context switch; waits shorter than this have no stack.
+    Exact { min_stack: Duration },
+}
+
 /// The off-CPU part of the summary.
-pub fn render(waits: &WaitTables, min_stack: Duration, limit: usize) -> String {
+pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
     let mut out = String::new();
     let total = waits.total_ns();
     if total == 0 {
         let _ = writeln!(out, "off-CPU: no time off CPU was measured");
         return out;
     }
-    let _ = writeln!(
-        out,
-        "off-CPU: {:.1} ms in all; waits under {} µs ({:.1} ms) are counted without a stack",
-        millis(total),
-        min_stack.as_micros(),
-        millis(waits.short_waits_ns)
-    );
+    let wait_column = match measured {
+        Measured::Sampled { frequency_hz } => {
+            let _ = writeln!(
+                out,
+                "off-CPU: {:.1} ms in all, sampled: every thread off CPU at each tick ({frequency_hz} Hz), \
+                 weighing the time since the last",
+                millis(total)
+            );
+            "wait event"
+        }
+        Measured::Exact { min_stack } => {
+            let _ = writeln!(
+                out,
+                "off-CPU: {:.1} ms in all, exact; waits under {} µs ({:.1} ms) are counted without a stack",
+                millis(total),
+                min_stack.as_micros(),
+                millis(waits.short_waits_ns)
+            );
+            "wait event (when it blocked)"
+        }
+    };
     let _ = writeln!(
         out,
         "{:<22} {:<36} {:<10} {:>12} {:>7}",
-        "backend type", "wait event (when it blocked)", "off_cpu", "total ms", "share"
+        "backend type", wait_column, "off_cpu", "total ms", "share"
     );
     for row in waits.by_wait.iter().take(limit) {
         let _ = writeln!(
@@ -127,14 +151,22 @@ mod tests {
             ),
         ]);
         assert_eq!(without_idle(&profile).samples.len(), 2);
+        let tables = WaitTables::from_profile(&profile);
         let text = render(
-            &WaitTables::from_profile(&profile),
-            Duration::from_micros(100),
+            &tables,
+            Measured::Exact {
+                min_stack: Duration::from_micros(100),
+            },
             10,
         );
         assert!(
-            text.contains("13.0 ms in all; waits under 100 µs (1.0 ms)"),
+            text.contains("13.0 ms in all, exact; waits under 100 µs (1.0 ms)"),
             "{text}"
+        );
+        let sampled = render(&tables, Measured::Sampled { frequency_hz: 99 }, 10);
+        assert!(
+            sampled.contains("13.0 ms in all, sampled: every thread off CPU at each tick (99 Hz)"),
+            "{sampled}"
         );
         assert!(text.contains("LWLock:pg_stat_statements"), "{text}");
         assert!(text.contains("LWLockAcquire ← pgss_store ← main"), "{text}");

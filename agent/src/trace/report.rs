@@ -171,7 +171,18 @@ pub(super) fn finish(
     if let Some(waits) = &analysis.waits {
         out!(
             "{}",
-            super::off_cpu::render(waits, options.off_cpu_min_stack, options.top)
+            super::off_cpu::render(
+                waits,
+                match session_off_cpu {
+                    OffCpuMode::Exact => super::off_cpu::Measured::Exact {
+                        min_stack: options.off_cpu_min_stack,
+                    },
+                    _ => super::off_cpu::Measured::Sampled {
+                        frequency_hz: options.frequency_hz,
+                    },
+                },
+                options.top
+            )
         );
     }
     // What the off-CPU files show: idle client waits only on request.
