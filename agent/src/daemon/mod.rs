@@ -13,7 +13,7 @@ pub(crate) mod pods;
 mod probe_estimates;
 mod probes;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -95,6 +95,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         function_probes: &mut function_probes,
         findings: &mut agent_findings,
         enqueued: &mut state.enqueued,
+        facts: &mut state.facts,
     };
     discoverer.discover(&config, off_cpu);
     shared.ready.store(true, Ordering::Relaxed);
@@ -212,6 +213,7 @@ impl Policy for AgentLoop<'_> {
                 function_probes: self.function_probes,
                 findings: self.findings,
                 enqueued: &mut self.state.enqueued,
+                facts: &mut self.state.facts,
             }
             .discover(self.config, self.off_cpu),
             AgentEvent::Upload => {
@@ -327,6 +329,7 @@ struct Discoverer<'a> {
     findings: &'a mut findings_state::AgentFindings,
     /// Batches queued per profile type (`pgscope_profiles_enqueued_total`).
     enqueued: &'a mut BTreeMap<&'static str, u64>,
+    facts: &'a mut discovery::FactsCache,
 }
 
 impl Discoverer<'_> {
@@ -340,12 +343,24 @@ impl Discoverer<'_> {
             function_probes,
             findings,
             enqueued,
+            facts,
         } = self;
-        let found = discovery::scan(&config.discovery);
         let attached: Vec<u32> = session
             .instances()
             .map(|instance| instance.context.root)
             .collect();
+        // The followed children of profiled instances, not their roots: a root must be found
+        // again, or it is taken for gone.
+        let children: HashSet<u32> = probes
+            .target_pids()
+            .unwrap_or_else(|error| {
+                warn!("cannot list the profiled processes, the scan reads them all: {error:#}");
+                Vec::new()
+            })
+            .into_iter()
+            .filter(|pid| !attached.contains(pid))
+            .collect();
+        let found = discovery::scan(&config.discovery, &children, facts);
         for root in &attached {
             if found.iter().any(|f| f.postmaster.pid == *root) {
                 continue;
@@ -470,6 +485,8 @@ fn attach_off_cpu(probes: &mut OnCpuProbes, config: &AgentConfig) -> OffCpuMode 
 #[derive(Default)]
 struct LoopState {
     enqueued: BTreeMap<&'static str, u64>,
+    /// Facts of the postmasters discovered, read once each.
+    facts: discovery::FactsCache,
     reloads_ok: u64,
     reloads_failed: u64,
 }
