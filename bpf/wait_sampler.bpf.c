@@ -28,7 +28,7 @@
  * stacks sent per run at most (each is a copy of up to 16 KiB of a backend's stack: with
  * hundreds of backends waiting, and each having run since the last tick, this bounds a tick's
  * cost; threads over it are counted without a stack, marked so). Index 2: stacks sent in this
- * run so far (user space zeroes it; one run at a time, on one CPU). */
+ * run so far (zeroed at the run's first object; one run at a time, on one CPU). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 3);
@@ -88,18 +88,16 @@ static __always_inline void read_task_attribution(struct pgscope_wait_sample_tas
 		a->flags = 0;
 		return;
 	}
-	if (a->backend_type || read_task_word(&a->backend_type, 4, layout->my_backend_type, task)) {
-		if (a->backend_type)
-			flags |= PGSCOPE_ATTR_BACKEND_TYPE;
-	} else if (layout->my_backend_type) {
+	/* Read until known (a backend still starting has not set them yet; 0 read is 0 shown, as
+	 * the on-CPU sampler shows it), then kept. */
+	if (a->backend_type || read_task_word(&a->backend_type, 4, layout->my_backend_type, task))
+		flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+	else if (layout->my_backend_type)
 		faults++;
-	}
-	if (a->database_id || read_task_word(&a->database_id, 4, layout->my_database_id, task)) {
-		if (a->database_id)
-			flags |= PGSCOPE_ATTR_DATABASE;
-	} else if (layout->my_database_id) {
+	if (a->database_id || read_task_word(&a->database_id, 4, layout->my_database_id, task))
+		flags |= PGSCOPE_ATTR_DATABASE;
+	else if (layout->my_database_id)
 		faults++;
-	}
 	if (!state->status_entry && layout->my_be_entry &&
 	    !read_task_word(&state->status_entry, 8, layout->my_be_entry, task))
 		faults++;
@@ -244,6 +242,12 @@ int sample_waits(struct bpf_iter__task *ctx)
 {
 	struct task_struct *task = ctx->task;
 
+	if (ctx->meta->seq_num == 0) {
+		__u32 sent_index = 2;
+		__u64 *sent = bpf_map_lookup_elem(&wait_sample_config, &sent_index);
+		if (sent)
+			*sent = 0;
+	}
 	if (!task)
 		return 0;
 	__u32 tgid = BPF_CORE_READ(task, tgid);

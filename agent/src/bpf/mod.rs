@@ -6,8 +6,10 @@ pub mod abi;
 mod iter;
 mod open_waits;
 mod task_storage;
+mod wait_sampler;
 
 pub use open_waits::OpenWait;
+pub use wait_sampler::WaitSampling;
 
 use anyhow::{anyhow, Context, Result};
 use std::os::fd::AsFd;
@@ -59,8 +61,8 @@ pub struct OnCpuProbes {
     /// slot not handed out yet.
     free_gates: Vec<u32>,
     next_gate: u32,
-    /// The wait sampler's iterator, once attached.
-    wait_sampler: Option<iter::IterLink>,
+    /// The wait sampler, once attached and until started.
+    wait_sampler: Option<wait_sampler::WaitSampler>,
 }
 
 impl OnCpuProbes {
@@ -161,8 +163,8 @@ impl OnCpuProbes {
         Ok(())
     }
 
-    /// Loads the wait sampler: a sleepable task iterator that [`Self::sample_waits`] runs once
-    /// per tick, sampling every thread of the profiled processes that is off CPU. Nothing
+    /// Loads the wait sampler: a sleepable task iterator that [`Self::start_wait_sampling`] runs
+    /// once per tick, sampling every thread of the profiled processes that is off CPU. Nothing
     /// runs between ticks. Needs Linux 5.18 (bpf_copy_from_user_task).
     pub fn attach_wait_sampler(&mut self) -> Result<()> {
         let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
@@ -177,39 +179,26 @@ impl OnCpuProbes {
         let fd = program.fd().context("the wait sampler's program descriptor")?;
         let link =
             iter::IterLink::attach(fd.as_fd()).context("attaching the wait sampler's task iterator")?;
-        self.wait_sampler = Some(link);
+        let map = self
+            .ebpf
+            .take_map("wait_sample_config")
+            .ok_or_else(|| missing_map("wait_sample_config"))?;
+        let mut config: aya::maps::Array<MapData, u64> = aya::maps::Array::try_from(map)?;
+        config
+            .set(1, WAIT_STACKS_PER_TICK, 0)
+            .context("setting the wait samples' stack budget")?;
+        self.wait_sampler = Some(wait_sampler::WaitSampler { link, config });
         Ok(())
     }
 
-    /// Whether the wait sampler is attached.
-    pub fn samples_waits(&self) -> bool {
-        self.wait_sampler.is_some()
-    }
-
-    /// Samples every profiled thread that is off CPU now, each sample weighing `weight_ns`
-    /// (the time since the last run). Its records arrive through the ring buffer; waits counted
-    /// without stacks add to [`Self::wait_sample_totals`].
-    pub fn sample_waits(&mut self, weight_ns: u64) -> Result<()> {
-        if self.wait_sampler.is_none() {
-            return Ok(());
-        }
-        {
-            let mut config: aya::maps::Array<_, u64> =
-                aya::maps::Array::try_from(self.map_mut("wait_sample_config")?)?;
-            config
-                .set(0, weight_ns, 0)
-                .context("setting the wait samples' weight")?;
-            config
-                .set(1, WAIT_STACKS_PER_TICK, 0)
-                .context("setting the wait samples' stack budget")?;
-            config
-                .set(2, 0, 0)
-                .context("resetting the wait samples' stack count")?;
-        }
-        if let Some(link) = &self.wait_sampler {
-            link.run().context("running the wait sampler's task iterator")?;
-        }
-        Ok(())
+    /// Starts the wait sampler, when it is attached, on its own thread at `frequency_hz` (the
+    /// on-CPU sampling frequency, so that on- and off-CPU samples weigh alike); it stops when
+    /// the returned handle is dropped.
+    pub fn start_wait_sampling(&mut self, frequency_hz: u64) -> Result<Option<WaitSampling>> {
+        self.wait_sampler
+            .take()
+            .map(|sampler| sampler.start(frequency_hz))
+            .transpose()
     }
 
     /// Sampled off-CPU time counted without a stack (idle and client waits), per (process,

@@ -9,7 +9,6 @@ use anyhow::{Context, Result};
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tracing::warn;
 
 use super::{drain, Session};
 use crate::bpf::OnCpuProbes;
@@ -21,10 +20,6 @@ pub const DUTY_TICK: Duration = Duration::from_millis(50);
 /// memory between batches of samples: a client waiting a few tens of milliseconds between
 /// statements leaves the last one's queryid readable that long. A no-op when none waits.
 const HELD_TICK: Duration = Duration::from_millis(10);
-
-/// A wait sample weighs the time since the last one, up to this: a loop held up for longer
-/// (a stalled upload) does not make one sample stand for seconds.
-const MAX_WAIT_WEIGHT: Duration = Duration::from_millis(500);
 
 /// Whether the loop goes on after a front end's event.
 pub enum Flow {
@@ -59,9 +54,9 @@ pub trait Policy {
 }
 
 /// Runs the loop until the policy stops it; the records still in the ring buffer then are
-/// taken too. Returns the ring buffer (the front end drops it with the probes). With the wait
-/// sampler attached, it runs at `frequency_hz`, the on-CPU sampling frequency, so that on- and
-/// off-CPU samples weigh alike.
+/// taken too. Returns the ring buffer (the front end drops it with the probes). The wait
+/// sampler, when attached, runs on its own thread for as long as the loop does, at
+/// `frequency_hz`; the time it could not stand for is kept in the session.
 pub async fn run<P: Policy>(
     ring: RingBuf<MapData>,
     session: &mut Session,
@@ -78,12 +73,7 @@ pub async fn run<P: Policy>(
     let mut duty = tokio::time::interval(DUTY_TICK);
     let mut held = tokio::time::interval(HELD_TICK);
     held.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut sampling_waits = probes.samples_waits();
-    let wait_period = Duration::from_nanos(1_000_000_000 / frequency_hz.max(1));
-    let mut wait_tick = tokio::time::interval(wait_period);
-    // Late ticks are not made up in a burst: the next sample weighs the time that passed.
-    wait_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_wait_sample = tokio::time::Instant::now();
+    let sampling = probes.start_wait_sampling(frequency_hz)?;
     loop {
         // The branches' futures are dropped before a handler runs: handlers may use what
         // they borrowed.
@@ -94,30 +84,25 @@ pub async fn run<P: Policy>(
                 guard.clear_ready();
             }
             _ = second.tick() => {
+                if let Some(sampling) = &sampling {
+                    session.unsampled_off_cpu_ns = sampling.unsampled_ns();
+                }
                 session.forget_exited();
                 policy.each_second(session, probes);
             }
             _ = duty.tick() => policy.duty_tick(session, probes)?,
             // A backend gone idle after its last sample sends none to trigger the read.
             _ = held.tick() => session.resolve_held_from_memory(),
-            _ = wait_tick.tick(), if sampling_waits => {
-                let now = tokio::time::Instant::now();
-                let weight = now.saturating_duration_since(last_wait_sample).min(MAX_WAIT_WEIGHT);
-                last_wait_sample = now;
-                // The first tick fires at once: it has no time behind it.
-                if !weight.is_zero() {
-                    if let Err(error) = probes.sample_waits(weight.as_nanos() as u64) {
-                        warn!("off-CPU sampling stopped: {error:#}; on-CPU profiling goes on");
-                        sampling_waits = false;
-                    }
-                }
-            }
             event = policy.next_event() => {
                 if let Flow::Stop = policy.handle(event, session, probes, ring.get_mut()).await? {
                     break;
                 }
             }
         }
+    }
+    // Stopped first: its last run's records are in the ring buffer for the drain.
+    if let Some(sampling) = sampling {
+        session.unsampled_off_cpu_ns = sampling.unsampled_ns();
     }
     // Records already in the ring buffer belong to the session.
     drain(ring.get_mut(), session);

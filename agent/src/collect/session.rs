@@ -89,6 +89,9 @@ pub struct Session {
     last_waits: HashMap<u32, Option<LastWait>>,
     /// Repeats of wait samples that did not arrive (counted as lost).
     pub orphan_repeats: u64,
+    /// Off-CPU time the wait sampler could not stand for (its thread held up between two
+    /// runs longer than a sample may weigh), in ns; kept current by the collection loop.
+    pub unsampled_off_cpu_ns: u64,
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     pub filtered_out: u64,
@@ -123,6 +126,7 @@ impl Session {
             off_cpu,
             last_waits: HashMap::new(),
             orphan_repeats: 0,
+            unsampled_off_cpu_ns: 0,
             query_filter,
             filtered_out: 0,
             live,

@@ -23,6 +23,8 @@ pub struct Snapshot {
     pub stacks_held: u64,
     /// Off-CPU profiling is attached.
     pub off_cpu: bool,
+    /// Off-CPU time the wait sampler could not stand for, in ns.
+    pub off_cpu_unsampled_ns: u64,
     /// Profiles built and handed to the upload queue, per profile type.
     pub profiles_enqueued: BTreeMap<&'static str, u64>,
     /// Label sets cut because a series would exceed Pyroscope's limits.
@@ -85,6 +87,16 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         "1 when off-CPU profiling is attached.",
     );
     out.value("pgscope_off_cpu_enabled", &[], u64::from(snapshot.off_cpu));
+    out.family(
+        "pgscope_off_cpu_unsampled_seconds_total",
+        "counter",
+        "Off-CPU time no wait sample stood for: the sampler's thread was held up between two runs for longer than a sample may weigh.",
+    );
+    out.value(
+        "pgscope_off_cpu_unsampled_seconds_total",
+        &[],
+        snapshot.off_cpu_unsampled_ns as f64 / 1e9,
+    );
     out.family(
         "pgscope_profiles_enqueued_total",
         "counter",

@@ -541,6 +541,7 @@ impl LoopState {
             instances,
             stacks_held: session.instances().map(|i| i.stacks.distinct() as u64).sum(),
             off_cpu: off_cpu.any(),
+            off_cpu_unsampled_ns: session.unsampled_off_cpu_ns,
             profiles_enqueued: self.enqueued.clone(),
             labels_dropped: exporter.labels_dropped(),
             stacks_dropped: exporter.stacks_dropped(),

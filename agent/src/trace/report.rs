@@ -68,7 +68,7 @@ pub(super) fn finish(
         stats.samples,
         stats.complete_pct()
     );
-    print_losses(&counters, session.malformed, session.orphan_repeats);
+    print_losses(&counters, &session);
     print_missing_symbols(&session);
     let off_cpu_profile = session.off_cpu_measured().then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
@@ -399,7 +399,8 @@ fn print_query_texts(queries: &[StatementCpu], texts: &HashMap<i64, String>, lim
     out!();
 }
 
-fn print_losses(counters: &Counters, malformed: u64, orphan_repeats: u64) {
+fn print_losses(counters: &Counters, session: &Session) {
+    let (malformed, orphan_repeats) = (session.malformed, session.orphan_repeats);
     let mut parts: Vec<String> = counters
         .losses()
         .into_iter()
@@ -412,6 +413,12 @@ fn print_losses(counters: &Counters, malformed: u64, orphan_repeats: u64) {
     // Repeats of a wait sample that never arrived: each one a tick of off-CPU time lost.
     if orphan_repeats > 0 {
         parts.push(format!("off_cpu_repeats_without_sample {orphan_repeats}"));
+    }
+    if session.unsampled_off_cpu_ns > 0 {
+        parts.push(format!(
+            "off_cpu_ms_unsampled {:.1} (the sampler's thread was held up)",
+            session.unsampled_off_cpu_ns as f64 / 1e6
+        ));
     }
     if !parts.is_empty() {
         out!(

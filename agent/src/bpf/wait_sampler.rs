@@ -1,0 +1,110 @@
+//! The wait sampler's clock: a thread of its own runs the task iterator (`sample_waits`) at
+//! the profiling frequency. Not the collection loop: a loop busy draining the ring buffer would
+//! delay the ticks, and run them at its quiet moments, which would bias what they see. Each run
+//! weighs the time since the last one (set in `wait_sample_config` before it); time a tick
+//! could not stand for (a thread held up for more than [`MAX_WEIGHT`]) is counted, not lost
+//! silently.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use aya::maps::{Array, MapData};
+use tracing::warn;
+
+use super::iter::IterLink;
+
+/// A sample weighs the time since the last run, up to this: a thread held up for longer does
+/// not make one sample stand for seconds.
+const MAX_WEIGHT: Duration = Duration::from_millis(500);
+
+/// The loaded sampler, not running yet.
+pub struct WaitSampler {
+    pub(super) link: IterLink,
+    /// Index 0: the weight of the next run's samples (ns).
+    pub(super) config: Array<MapData, u64>,
+}
+
+/// The sampler running at its frequency; dropping it stops the thread (after its current run).
+pub struct WaitSampling {
+    stop: Arc<AtomicBool>,
+    over_max_ns: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WaitSampler {
+    /// Starts sampling every `1 / frequency_hz`.
+    pub fn start(self, frequency_hz: u64) -> Result<WaitSampling> {
+        let period = Duration::from_nanos(1_000_000_000 / frequency_hz.max(1));
+        let stop = Arc::new(AtomicBool::new(false));
+        let over_max_ns = Arc::new(AtomicU64::new(0));
+        let thread = std::thread::Builder::new()
+            .name("pgscope-waits".into())
+            .spawn({
+                let stop = stop.clone();
+                let over_max_ns = over_max_ns.clone();
+                move || self.run(period, &stop, &over_max_ns)
+            })
+            .context("starting the wait sampler's thread")?;
+        Ok(WaitSampling {
+            stop,
+            over_max_ns,
+            thread: Some(thread),
+        })
+    }
+
+    fn run(mut self, period: Duration, stop: &AtomicBool, over_max_ns: &AtomicU64) {
+        let mut last = Instant::now();
+        let mut next = last + period;
+        while !stop.load(Ordering::Relaxed) {
+            let now = Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            }
+            // The next deadline follows the schedule, not this tick's lateness; a tick later
+            // than a whole period starts the schedule again rather than running a burst.
+            next += period;
+            let now = Instant::now();
+            if next <= now {
+                next = now + period;
+            }
+            let elapsed = now.duration_since(last);
+            last = now;
+            let weight = elapsed.min(MAX_WEIGHT);
+            over_max_ns.fetch_add((elapsed - weight).as_nanos() as u64, Ordering::Relaxed);
+            if let Err(error) = self.tick(weight) {
+                warn!("off-CPU sampling stopped: {error:#}; on-CPU profiling goes on");
+                return;
+            }
+        }
+    }
+
+    fn tick(&mut self, weight: Duration) -> Result<()> {
+        self.config
+            .set(0, weight.as_nanos() as u64, 0)
+            .context("setting the wait samples' weight")?;
+        self.link
+            .run()
+            .context("running the wait sampler's task iterator")?;
+        Ok(())
+    }
+}
+
+impl WaitSampling {
+    /// Off-CPU time no sample stood for: the sampler's thread was held up longer than
+    /// [`MAX_WEIGHT`] between two runs.
+    pub fn unsampled_ns(&self) -> u64 {
+        self.over_max_ns.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for WaitSampling {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
