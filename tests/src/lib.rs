@@ -5,6 +5,7 @@
 //! `cargo test -p pgscope-tests -- --test-threads=1`.
 
 pub mod activity;
+pub mod activity_sampler;
 pub mod agent;
 pub mod agreement;
 pub mod app_database;

@@ -168,6 +168,12 @@ impl Trace {
         self.flag("--off-cpu")
     }
 
+    /// `--off-cpu=<mode>`: `sampled` (the default), `exact` (the context-switch tracer), `both`
+    /// (the tracer's tables go to the JSON's `off_cpu_exact`) or `none`.
+    pub fn off_cpu_mode(self, mode: &str) -> Self {
+        self.flag(&format!("--off-cpu={mode}"))
+    }
+
     /// `--probe FUNCTION=PATH:OFFSET`: probe a function at a location given by hand.
     pub fn explicit_probe(self, spec: &str) -> Self {
         self.arg("--probe", spec)

@@ -71,6 +71,23 @@ pub struct OffCpuQueryWait {
     pub stack: String,
 }
 
+/// One `wall_clock[]` row: a statement's wall-clock time (the client's time left out) and its
+/// parts, largest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatementWall {
+    pub queryid: String,
+    pub total_ns: u64,
+    pub parts: Vec<WallPart>,
+}
+
+/// One part of a statement's time: `CPU`, a wait event, or the class of off-CPU time without one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WallPart {
+    pub name: String,
+    pub ns: u64,
+    pub pct: f64,
+}
+
 impl TraceSummary {
     /// Parses `path` and checks its `schema`.
     pub fn read(path: &Path) -> Result<Self> {
@@ -286,14 +303,83 @@ impl TraceSummary {
 
     /// `off_cpu.by_wait[]`; an error when off-CPU time was not measured.
     pub fn off_cpu_by_wait(&self) -> Result<Vec<OffCpuWait>> {
-        self.off_cpu_array("by_wait")?
+        by_wait_rows(self.off_cpu_array("by_wait")?)
+    }
+
+    /// `off_cpu_exact.by_wait[]`: the context-switch tracer's rows under `--off-cpu=both`; an
+    /// error when it did not run.
+    pub fn off_cpu_exact_by_wait(&self) -> Result<Vec<OffCpuWait>> {
+        let rows = self
+            .json
+            .pointer("/off_cpu_exact/by_wait")
+            .and_then(Value::as_array)
+            .context("the summary has no array `off_cpu_exact.by_wait` (not --off-cpu=both?)")?;
+        by_wait_rows(rows)
+    }
+
+    /// `off_cpu.mode` (`sampled` or `exact`) and `off_cpu_exact.mode` (`exact` under
+    /// `--off-cpu=both`, else `None`).
+    pub fn off_cpu_modes(&self) -> Result<(String, Option<String>)> {
+        let mode = |key: &str| {
+            self.json
+                .pointer(&format!("/{key}/mode"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        let sampled = mode("off_cpu").context("the summary has no string `off_cpu.mode`")?;
+        Ok((sampled, mode("off_cpu_exact")))
+    }
+
+    /// `duration_seconds`: how long the trace collected.
+    pub fn duration_seconds(&self) -> Result<f64> {
+        self.json
+            .get("duration_seconds")
+            .and_then(Value::as_f64)
+            .context("the summary has no number `duration_seconds`")
+    }
+
+    /// `samples.lost` as given: reason → count, only reasons that occurred.
+    pub fn samples_lost_by_reason(&self) -> Result<BTreeMap<String, u64>> {
+        let lost = self
+            .json
+            .pointer("/samples/lost")
+            .and_then(Value::as_object)
+            .context("the summary has no object `samples.lost`")?;
+        lost.iter()
+            .map(|(reason, n)| {
+                let n = n
+                    .as_u64()
+                    .with_context(|| format!("`samples.lost.{reason}` is not a count: {n}"))?;
+                Ok((reason.clone(), n))
+            })
+            .collect()
+    }
+
+    /// `wall_clock[]`: each statement's time split into CPU and its waits.
+    pub fn wall_clock(&self) -> Result<Vec<StatementWall>> {
+        self.array("wall_clock")?
             .iter()
             .map(|row| {
-                Ok(OffCpuWait {
-                    backend_type: string_field(row, "backend_type")?,
-                    wait_event: string_field(row, "wait_event")?,
-                    off_cpu: string_field(row, "off_cpu")?,
-                    ns: u64_field(row, "ns")?,
+                let parts = row
+                    .get("parts")
+                    .and_then(Value::as_array)
+                    .with_context(|| format!("no array `parts` in {row}"))?
+                    .iter()
+                    .map(|part| {
+                        Ok(WallPart {
+                            name: string_field(part, "name")?,
+                            ns: u64_field(part, "ns")?,
+                            pct: part
+                                .get("pct")
+                                .and_then(Value::as_f64)
+                                .with_context(|| format!("no number `pct` in {part}"))?,
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(StatementWall {
+                    queryid: string_field(row, "queryid")?,
+                    total_ns: u64_field(row, "total_ns")?,
+                    parts,
                 })
             })
             .collect()
@@ -334,6 +420,19 @@ impl TraceSummary {
             .and_then(Value::as_array)
             .with_context(|| format!("the summary has no array `{key}`"))
     }
+}
+
+fn by_wait_rows(rows: &[Value]) -> Result<Vec<OffCpuWait>> {
+    rows.iter()
+        .map(|row| {
+            Ok(OffCpuWait {
+                backend_type: string_field(row, "backend_type")?,
+                wait_event: string_field(row, "wait_event")?,
+                off_cpu: string_field(row, "off_cpu")?,
+                ns: u64_field(row, "ns")?,
+            })
+        })
+        .collect()
 }
 
 fn call_stats(row: &Value) -> Result<CallStats> {

@@ -1,0 +1,564 @@
+//! Sampled off-CPU time (`--off-cpu`, the default: each tick samples every backend off CPU,
+//! weighing one tick) checked against two references that measure the same waits another way:
+//! the exact context-switch tracer run in the same trace (`--off-cpu=both`), and
+//! pg_stat_activity polled from a connection of its own. And what idle connections cost: time
+//! counted as idle, never a stack.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::activity_sampler::{sample_activity, ActivitySamples};
+use pgscope_tests::summary::OffCpuWait;
+use pgscope_tests::{require_root_and_bpf, workload, PgCluster, PgInstall, Profile, Trace, TraceSummary};
+
+/// Largest difference allowed between a wait event's share in the sampled profile and in the
+/// reference, in percentage points.
+const SHARE_PP: f64 = 5.0;
+/// Largest relative difference allowed between the sampled and the exact total.
+const TOTAL_TOLERANCE: f64 = 0.10;
+
+/// The settings of a cluster whose commits wait for their WAL flush: the test clusters run with
+/// fsync off, for speed.
+const SYNCHRONOUS_COMMITS: &[(&str, &str)] = &[
+    ("fsync", "on"),
+    ("synchronous_commit", "on"),
+    ("wal_sync_method", "fdatasync"),
+];
+
+/// One wait event's amount in the reference and in the sampled profile.
+struct ShareRow {
+    wait_event: String,
+    reference: f64,
+    sampled: f64,
+}
+
+/// Per wait event, the reference's and the sampled profile's amounts, compared as shares of
+/// their own totals over the rows given.
+struct ShareComparison {
+    reference_name: &'static str,
+    /// Units of the reference's and the sampled amounts.
+    units: (&'static str, &'static str),
+    rows: Vec<ShareRow>,
+}
+
+impl ShareComparison {
+    fn new(
+        reference_name: &'static str,
+        units: (&'static str, &'static str),
+        reference: &BTreeMap<String, f64>,
+        sampled: &BTreeMap<String, f64>,
+    ) -> Self {
+        let events: BTreeSet<&String> = reference.keys().chain(sampled.keys()).collect();
+        let mut rows: Vec<ShareRow> = events
+            .into_iter()
+            .map(|event| ShareRow {
+                wait_event: event.clone(),
+                reference: reference.get(event).copied().unwrap_or(0.0),
+                sampled: sampled.get(event).copied().unwrap_or(0.0),
+            })
+            .collect();
+        rows.sort_by(|a, b| b.reference.total_cmp(&a.reference));
+        Self {
+            reference_name,
+            units,
+            rows,
+        }
+    }
+
+    fn reference_total(&self) -> f64 {
+        self.rows.iter().map(|r| r.reference).sum()
+    }
+
+    fn sampled_total(&self) -> f64 {
+        self.rows.iter().map(|r| r.sampled).sum()
+    }
+
+    /// (reference share, sampled share) of `row`, in percent.
+    fn shares(&self, row: &ShareRow) -> (f64, f64) {
+        let pct = |n: f64, total: f64| if total > 0.0 { 100.0 * n / total } else { 0.0 };
+        (
+            pct(row.reference, self.reference_total()),
+            pct(row.sampled, self.sampled_total()),
+        )
+    }
+
+    fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<36} {:>14} {:>8} {:>14} {:>8} {:>8}",
+            "wait event",
+            format!("{} {}", self.reference_name, self.units.0),
+            "share",
+            format!("sampled {}", self.units.1),
+            "share",
+            "diff pp"
+        );
+        for row in &self.rows {
+            let (reference, sampled) = self.shares(row);
+            let _ = writeln!(
+                out,
+                "{:<36} {:>14.1} {:>7.1}% {:>14.1} {:>7.1}% {:>+8.1}",
+                row.wait_event,
+                row.reference,
+                reference,
+                row.sampled,
+                sampled,
+                sampled - reference
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{:<36} {:>14.1} {:>8} {:>14.1}",
+            "total",
+            self.reference_total(),
+            "",
+            self.sampled_total()
+        );
+        out
+    }
+
+    /// The rows whose shares differ by more than [`SHARE_PP`].
+    fn disagreements(&self) -> Vec<String> {
+        self.rows
+            .iter()
+            .filter_map(|row| {
+                let (reference, sampled) = self.shares(row);
+                ((sampled - reference).abs() > SHARE_PP).then(|| {
+                    format!(
+                        "{}: {sampled:.1}% sampled, {reference:.1}% {}",
+                        row.wait_event, self.reference_name
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+/// Off-CPU milliseconds per wait event (summed over backend types and classes) of the rows the
+/// sampler and the exact tracer both measure alike; left out:
+/// - class `idle` rows (a client backend waiting for its next statement, a background process
+///   in its main loop): neither tracer takes a stack there, and they are the processes' whole
+///   lives (seconds per process), which would shrink every real wait to a share of nothing;
+/// - `Client:*` waits inside a transaction: the client's think time and round trips, not a wait
+///   of the server. Both count them without a stack, but the line between them and idle time is
+///   the backend's state, which the tracer reads when the wait begins and the sampler at each
+///   tick: time the tracer calls idle the sampler can call a client wait, and the other way.
+///
+/// Kept: every other wait event, whatever its class (a backend woken from a lock wait but not
+/// on a CPU yet is in that wait for both), and `(no wait event)`: preemptions outside any wait
+/// and blocking syscalls Postgres does not report, which both measure alike.
+fn comparable_waits(rows: &[OffCpuWait]) -> BTreeMap<String, f64> {
+    let mut by_event = BTreeMap::new();
+    for row in rows
+        .iter()
+        .filter(|r| r.off_cpu != "idle" && !r.wait_event.starts_with("Client:"))
+    {
+        *by_event.entry(row.wait_event.clone()).or_insert(0.0) += row.ns as f64 / 1e6;
+    }
+    by_event
+}
+
+/// The exact and the sampled `by_wait` rows side by side, in ms: where a disagreement of the
+/// compared table comes from.
+fn rows_side_by_side(exact: &[OffCpuWait], sampled: &[OffCpuWait]) -> String {
+    let mut rows: BTreeMap<(String, String, String), (f64, f64)> = BTreeMap::new();
+    let key = |w: &OffCpuWait| (w.wait_event.clone(), w.off_cpu.clone(), w.backend_type.clone());
+    for w in exact {
+        rows.entry(key(w)).or_default().0 += w.ns as f64 / 1e6;
+    }
+    for w in sampled {
+        rows.entry(key(w)).or_default().1 += w.ns as f64 / 1e6;
+    }
+    let mut out = format!(
+        "{:<36} {:<10} {:<28} {:>12} {:>12}\n",
+        "wait event", "off_cpu", "backend type", "exact ms", "sampled ms"
+    );
+    for ((wait, class, backend_type), (exact, sampled)) in rows {
+        let _ = writeln!(
+            out,
+            "{wait:<36} {class:<10} {backend_type:<28} {exact:>12.1} {sampled:>12.1}"
+        );
+    }
+    out
+}
+
+/// The sampled profile against the exact one of the same `--off-cpu=both` trace: every wait
+/// event's share within [`SHARE_PP`], the total within [`TOTAL_TOLERANCE`].
+fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result<()> {
+    let (mode, exact_mode) = summary.off_cpu_modes()?;
+    ensure!(
+        mode == "sampled" && exact_mode.as_deref() == Some("exact"),
+        "--off-cpu=both measured off_cpu.mode {mode} and off_cpu_exact.mode {exact_mode:?}"
+    );
+    // One process asleep for the whole trace: its sampled time is how much of the trace the
+    // sampler's ticks covered (said, not checked: it tells a share gone wrong from time lost).
+    let launcher_ms: f64 = summary
+        .off_cpu_by_wait()?
+        .iter()
+        .filter(|w| w.backend_type == "logical replication launcher")
+        .map(|w| w.ns as f64 / 1e6)
+        .sum();
+    eprintln!(
+        "{workload}: the logical replication launcher, asleep throughout, sampled off CPU for \
+         {launcher_ms:.0} ms of the trace's {:.0} ms; samples lost: {:?}",
+        1e3 * summary.duration_seconds()?,
+        summary.samples_lost_by_reason()?
+    );
+    let comparison = ShareComparison::new(
+        "exact",
+        ("ms", "ms"),
+        &comparable_waits(&summary.off_cpu_exact_by_wait()?),
+        &comparable_waits(&summary.off_cpu_by_wait()?),
+    );
+    eprintln!(
+        "{workload}: off-CPU time by wait event, idle and Client:* rows left out\n{}\n\
+         {workload}: every row by backend type, wait event and class, in ms (not compared)\n{}",
+        comparison.table(),
+        rows_side_by_side(&summary.off_cpu_exact_by_wait()?, &summary.off_cpu_by_wait()?)
+    );
+    let (exact, sampled) = (comparison.reference_total(), comparison.sampled_total());
+    ensure!(
+        exact > 0.0,
+        "{workload}: the exact tracer measured no off-CPU time outside idle and client waits"
+    );
+    let disagreements = comparison.disagreements();
+    ensure!(
+        disagreements.is_empty(),
+        "{workload}: wait event shares differ by more than {SHARE_PP} pp between the sampled and \
+         the exact profile:\n{}\n{}",
+        disagreements.join("\n"),
+        comparison.table()
+    );
+    let off = (sampled - exact).abs() / exact;
+    ensure!(
+        off <= TOTAL_TOLERANCE,
+        "{workload}: sampled off-CPU total {sampled:.1} ms is {:.1}% away from the exact {exact:.1} ms \
+         (at most {:.0}% allowed)\n{}",
+        100.0 * off,
+        100.0 * TOTAL_TOLERANCE,
+        comparison.table()
+    );
+    Ok(())
+}
+
+/// The pg_stat_statements eviction storm: 16 clients running 128 distinct statements into 100
+/// entries queue on the extension's LWLock (futex waits, short and many).
+///
+/// 20 s rather than 8: the LWLock waits come in convoys (one backend evicting, the others
+/// queued behind it), so few ticks see one and each sees many backends at once. Over 8 s at
+/// 99 Hz, runs in which the storm waited little (1-2 s of waits in all) came out up to 16 pp
+/// off; the more ticks, the smaller that swing.
+#[test]
+fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &PgInstall::distro()?,
+        &[("pg_stat_statements.max", "100")],
+    )?;
+    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
+    args.extend(["-n", "-c", "16", "-j", "2", "-T", "20"].map(String::from));
+    let trace = Trace::instance(cluster.data_dir())
+        .off_cpu_mode("both")
+        .spawn_summarized()?;
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    cluster.pgbench(&arg_refs)?;
+    let (_, summary) = trace.finish()?;
+    let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
+    eprintln!("pg_stat_statements evictions: {dealloc}");
+    check_sampled_against_exact(&summary, "eviction storm")
+}
+
+/// pgbench's TPC-B-like script with synchronous commits: commits wait for their WAL flush
+/// (`IO:WALSync`, or `LWLock:WALWrite` behind another backend's flush), and 8 clients updating
+/// 4 branch rows wait for each other's row locks (`Lock:transactionid`, `Lock:tuple`).
+///
+/// Also the wall-clock split of the branch update: its parts add up to its total, and the row
+/// lock waits are among them.
+#[test]
+fn sampled_waits_agree_with_the_exact_tracer_under_tpcb() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, SYNCHRONOUS_COMMITS)?;
+    cluster.pgbench(&["-i", "-q", "-s", "4"])?;
+    cluster.psql("SELECT pg_stat_statements_reset()")?;
+    let trace = Trace::instance(cluster.data_dir())
+        .off_cpu_mode("both")
+        .spawn_summarized()?;
+    cluster.pgbench(&["-n", "-c", "8", "-j", "2", "-T", "10"])?;
+    let (_, summary) = trace.finish()?;
+    let branch_update = cluster.psql(
+        "SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE 'UPDATE pgbench_branches%'",
+    )?;
+    check_branch_update_wall_clock(&summary, branch_update.trim())?;
+    check_sampled_against_exact(&summary, "TPC-B")
+}
+
+/// The wall-clock split of TPC-B's branch update (`queryid`): its parts add up to its total,
+/// and waits for the other clients' row locks are among them.
+fn check_branch_update_wall_clock(summary: &TraceSummary, queryid: &str) -> Result<()> {
+    ensure!(
+        !queryid.is_empty(),
+        "no pg_stat_statements entry for the branch update"
+    );
+    let walls = summary.wall_clock()?;
+    let wall = walls.iter().find(|w| w.queryid == queryid).with_context(|| {
+        format!("no wall_clock row for the branch update (queryid {queryid}): {walls:#?}")
+    })?;
+    let parts: Vec<String> = wall
+        .parts
+        .iter()
+        .map(|p| format!("{} {:.1} ms ({:.1}%)", p.name, p.ns as f64 / 1e6, p.pct))
+        .collect();
+    eprintln!(
+        "UPDATE pgbench_branches (queryid {queryid}): {:.1} ms = {}",
+        wall.total_ns as f64 / 1e6,
+        parts.join(" + ")
+    );
+    let sum: u64 = wall.parts.iter().map(|p| p.ns).sum();
+    ensure!(
+        sum == wall.total_ns,
+        "the branch update's parts add up to {sum} ns, its total is {} ns: {wall:#?}",
+        wall.total_ns
+    );
+    let pct: f64 = wall.parts.iter().map(|p| p.pct).sum();
+    ensure!(
+        (pct - 100.0).abs() < 0.5,
+        "the branch update's parts' shares add up to {pct:.2}%: {wall:#?}"
+    );
+    ensure!(
+        wall.parts
+            .iter()
+            .any(|p| (p.name == "Lock:transactionid" || p.name == "Lock:tuple") && p.ns > 0),
+        "8 clients updating 4 branch rows wait for each other's row locks, yet the branch update's \
+         wall-clock time has no Lock:transactionid or Lock:tuple part: {}",
+        parts.join(", ")
+    );
+    Ok(())
+}
+
+/// Per wait event, what pg_stat_activity showed of client backends that were not idle and
+/// waited on something, in rows seen.
+fn activity_waits(samples: &ActivitySamples) -> BTreeMap<String, f64> {
+    let mut by_event = BTreeMap::new();
+    for ((state, wait), n) in &samples.seen {
+        if let Some(wait) = wait.as_ref().filter(|_| state != "idle") {
+            *by_event.entry(wait.clone()).or_insert(0.0) += *n as f64;
+        }
+    }
+    by_event
+}
+
+/// Per wait event, the sampled off-CPU milliseconds of client backends that were not idle and
+/// waited on something.
+fn traced_client_waits(rows: &[OffCpuWait]) -> BTreeMap<String, f64> {
+    let mut by_event = BTreeMap::new();
+    for row in rows.iter().filter(|r| {
+        r.backend_type == "client backend" && r.off_cpu != "idle" && r.wait_event != "(no wait event)"
+    }) {
+        *by_event.entry(row.wait_event.clone()).or_insert(0.0) += row.ns as f64 / 1e6;
+    }
+    by_event
+}
+
+/// A default trace (sampled off-CPU time) of TPC-B with synchronous commits against
+/// pg_stat_activity polled at 100 Hz over the same window, per wait event of client backends.
+///
+/// What is compared: the time client backends spent in each wait event, as a share of their
+/// time in any wait event while not idle.
+/// - pg_stat_activity side: rows of client backends (the poller's own left out) whose `state`
+///   is not `idle` and whose `wait_event` is set, counted per `wait_event_type:wait_event`.
+/// - trace side: `off_cpu.by_wait` rows of client backends whose class is not `idle` and that
+///   carry a wait event, in ns.
+///
+/// Left out on both sides: a backend running (pg_stat_activity: active, no wait event; the
+/// trace: its on-CPU samples, not in `off_cpu`) and idle time between statements
+/// (pg_stat_activity: state `idle`; the trace: class `idle`), which would dwarf every wait.
+/// Off CPU without a wait event (preempted outside any wait, a syscall Postgres does not
+/// report) is left out of the trace's side: pg_stat_activity shows that time as running. In a
+/// transaction between statements (`idle in transaction`, `Client:ClientRead`) both count the
+/// wait. Time in a reported wait that the backend spends on CPU (the copy of a `write()` under
+/// `IO:WALWrite`, a read served from the page cache under `IO:DataFileRead`) pg_stat_activity
+/// counts and the off-CPU profile does not: those events are 0.1-0.2% of the waits here.
+///
+/// The poller runs in the test's thread, over its own connection, while pgscope (a process of
+/// its own) traces the same 10 s.
+#[test]
+fn sampled_waits_agree_with_pg_stat_activity_polled_meanwhile() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, SYNCHRONOUS_COMMITS)?;
+    cluster.pgbench(&["-i", "-q", "-s", "4"])?;
+    // Longer than the test: stopped once the trace is done.
+    let pgbench = cluster.spawn_pgbench(&["-n", "-c", "8", "-j", "2", "-T", "300"], 8)?;
+    let trace = Trace::instance(cluster.data_dir()).spawn_summarized()?;
+    let polled = sample_activity(&cluster, 100, Duration::from_secs(10))?;
+    let (_, summary) = trace.finish()?;
+    pgbench.stop()?;
+
+    let (mode, _) = summary.off_cpu_modes()?;
+    ensure!(
+        mode == "sampled",
+        "a trace without --off-cpu measured off_cpu.mode {mode}, not sampled"
+    );
+    let comparison = ShareComparison::new(
+        "activity",
+        ("rows", "ms"),
+        &activity_waits(&polled),
+        &traced_client_waits(&summary.off_cpu_by_wait()?),
+    );
+    eprintln!(
+        "{} reads of pg_stat_activity in {:.1} s ({:.0} Hz); every row seen: {:?}\n\
+         client backends' waits, not idle:\n{}",
+        polled.polls,
+        polled.elapsed.as_secs_f64(),
+        polled.rate_hz(),
+        polled.seen,
+        comparison.table()
+    );
+    // Fewer rows would make a share's sampling error itself a few points.
+    ensure!(
+        comparison.reference_total() >= 500.0,
+        "pg_stat_activity showed only {} rows of waiting client backends in {} reads",
+        comparison.reference_total(),
+        polled.polls
+    );
+    let disagreements = comparison.disagreements();
+    ensure!(
+        disagreements.is_empty(),
+        "wait event shares of client backends differ by more than {SHARE_PP} pp between the sampled \
+         profile and pg_stat_activity:\n{}\n{}",
+        disagreements.join("\n"),
+        comparison.table()
+    );
+    Ok(())
+}
+
+/// Idle connections held open: 200 pgbench clients whose script only sleeps on the client's
+/// side, so their backends wait for a first statement that never comes.
+const IDLE_CONNECTIONS: usize = 200;
+
+/// 200 idle connections during a default trace: their time is counted as idle
+/// (`Client:ClientRead`, class `idle`, ~200 × the trace's duration) and none of them has a
+/// stack in the off-CPU profile; nothing is lost. A backend sleeping in `pg_sleep` beside them
+/// (a real wait: `Timeout:PgSleep`) does have its stack, so the profile is not empty for want
+/// of off-CPU sampling.
+#[test]
+fn idle_connections_are_counted_as_idle_without_stacks() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with(&PgInstall::distro()?, &[("max_connections", "250")])?;
+    let scripts = tempfile::tempdir()?;
+    let script = scripts.path().join("sleep.sql");
+    std::fs::write(&script, "\\sleep 1 s\n")?;
+    let script = script.display().to_string();
+    let clients = IDLE_CONNECTIONS.to_string();
+    let idle = cluster.spawn_pgbench(
+        &["-n", "-c", &clients, "-j", "1", "-T", "300", "-f", &script],
+        IDLE_CONNECTIONS,
+    )?;
+    let idle_pids: BTreeSet<u32> = cluster
+        .psql(&format!(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}'",
+            idle.tag()
+        ))?
+        .lines()
+        .map(|pid| pid.trim().parse().with_context(|| format!("bad pid `{pid}`")))
+        .collect::<Result<_>>()?;
+    ensure!(
+        idle_pids.len() == IDLE_CONNECTIONS,
+        "{} backends of the idle connections, expected {IDLE_CONNECTIONS}",
+        idle_pids.len()
+    );
+    let sleeper = cluster.spawn_session("SELECT pg_sleep(600)")?;
+    let sleeper_pid = sleeper.pid();
+
+    let dir = tempfile::tempdir()?;
+    let folded = dir.path().join("stacks.folded");
+    let json = dir.path().join("summary.json");
+    Trace::instance(cluster.data_dir())
+        .duration_secs(10)
+        .folded(&folded)
+        .json(&json)
+        .output()?;
+    let summary = TraceSummary::read(&json)?;
+    let off_cpu_folded = dir.path().join("stacks.offcpu.folded");
+    let off_cpu = Profile::read_folded(&off_cpu_folded)?;
+    drop(sleeper);
+    idle.stop()?;
+
+    let lost = summary.samples_lost_by_reason()?;
+    ensure!(lost.is_empty(), "samples were lost: {lost:?}");
+    let of_pid = |pid: u32| {
+        let root = format!("postgres-{pid}");
+        off_cpu.count_where(|s| s.frames.first() == Some(&root))
+    };
+    let idle_stacks: Vec<String> = off_cpu
+        .stacks
+        .iter()
+        .filter(|s| {
+            s.frames
+                .first()
+                .and_then(|root| root.strip_prefix("postgres-"))
+                .and_then(|pid| pid.parse().ok())
+                .is_some_and(|pid| idle_pids.contains(&pid))
+        })
+        .map(|s| format!("{} {}", s.frames.join(";"), s.count))
+        .collect();
+    let sleeper_ns = of_pid(sleeper_pid);
+    let sleeper_in_pg_sleep = off_cpu.count_where(|s| {
+        s.frames.first() == Some(&format!("postgres-{sleeper_pid}"))
+            && s.frames.iter().any(|f| f == "pg_sleep")
+    });
+    eprintln!(
+        "off-CPU folded file: {} stacks, {:.1} ms; of the idle backends: {}; of the pg_sleep \
+         backend: {:.1} ms",
+        off_cpu.stacks.len(),
+        off_cpu.total() as f64 / 1e6,
+        idle_stacks.len(),
+        sleeper_ns as f64 / 1e6
+    );
+    ensure!(
+        sleeper_in_pg_sleep > 0,
+        "the backend in pg_sleep ({sleeper_pid}) has no stack through pg_sleep in the off-CPU profile"
+    );
+    ensure!(
+        idle_stacks.is_empty(),
+        "idle backends have stacks in the off-CPU profile:\n{}",
+        idle_stacks.join("\n")
+    );
+
+    let waits = summary.off_cpu_by_wait()?;
+    let idle_ns: u64 = waits
+        .iter()
+        .filter(|w| {
+            w.backend_type == "client backend" && w.wait_event == "Client:ClientRead" && w.off_cpu == "idle"
+        })
+        .map(|w| w.ns)
+        .sum();
+    let duration = summary.duration_seconds()?;
+    let expected = IDLE_CONNECTIONS as f64 * duration;
+    let measured = idle_ns as f64 / 1e9;
+    let rows: Vec<String> = waits
+        .iter()
+        .map(|w| {
+            format!(
+                "{} / {} / {}: {:.1} ms",
+                w.backend_type,
+                w.wait_event,
+                w.off_cpu,
+                w.ns as f64 / 1e6
+            )
+        })
+        .collect();
+    eprintln!(
+        "idle Client:ClientRead time of client backends: {measured:.1} s; {IDLE_CONNECTIONS} \
+         connections × {duration:.2} s = {expected:.1} s\nby_wait:\n{}",
+        rows.join("\n")
+    );
+    ensure!(
+        (measured / expected - 1.0).abs() <= 0.2,
+        "{IDLE_CONNECTIONS} idle connections over {duration:.2} s should be ~{expected:.1} s of idle \
+         Client:ClientRead time, measured {measured:.1} s"
+    );
+    Ok(())
+}
