@@ -487,13 +487,16 @@ struct LoopState {
     enqueued: BTreeMap<&'static str, u64>,
     /// Facts of the postmasters discovered, read once each.
     facts: discovery::FactsCache,
+    /// The instance (root PID) of each process in the kernel's filter, for the per-instance
+    /// process counts.
+    roots: std::collections::HashMap<u32, u32>,
     reloads_ok: u64,
     reloads_failed: u64,
 }
 
 impl LoopState {
     fn snapshot(
-        &self,
+        &mut self,
         probes: &OnCpuProbes,
         session: &Session,
         exporter: &export::Exporter,
@@ -512,13 +515,27 @@ impl LoopState {
             }
         };
         // Processes in the kernel's filter, per instance: the postmaster and every process
-        // forked from it and still running (the exit tracepoint removes the others).
+        // forked from it and still running (the exit tracepoint removes the others). A
+        // process's instance is looked up once (its parent does not change while it runs):
+        // this runs every second, and reading /proc for a thousand backends each time would
+        // be most of what an idle host costs the agent.
+        let targets = probes.target_pids().unwrap_or_default();
+        let in_filter: HashSet<u32> = targets.iter().copied().collect();
+        self.roots.retain(|pid, _| in_filter.contains(pid));
         let mut per_root: BTreeMap<u32, u64> = BTreeMap::new();
-        for pid in probes.target_pids().unwrap_or_default() {
-            let root = match crate::target::ProcessInfo::read(pid) {
-                Some(process) if session.instances().any(|i| i.context.root == process.ppid) => process.ppid,
-                _ => pid,
-            };
+        for pid in targets {
+            let root = *self
+                .roots
+                .entry(pid)
+                .or_insert_with(|| match session.placed_in(pid) {
+                    Some(root) => root,
+                    None => match crate::target::ProcessInfo::read(pid) {
+                        Some(process) if session.instances().any(|i| i.context.root == process.ppid) => {
+                            process.ppid
+                        }
+                        _ => pid,
+                    },
+                });
             *per_root.entry(root).or_insert(0) += 1;
         }
         let instances = session
