@@ -5,6 +5,7 @@
 //! queryid meanwhile), not time the statement spent in the database.
 
 use super::{percent, Finding, Severity};
+use crate::bpf::abi::OffCpuClass;
 use crate::model::{StatementWall, WaitTables};
 
 /// Statements named, at most, and the share of all waiting a statement needs to be named.
@@ -61,10 +62,14 @@ pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall]) -> Vec<F
                     .iter()
                     .find(|p| p.name != crate::model::wall_clock::CPU)
                 {
+                    let what = if part.name == OffCpuClass::Preempted.name() {
+                        "runnable, waiting for a CPU (preempted)".to_string()
+                    } else {
+                        format!("waiting on {}", part.name)
+                    };
                     title.push_str(&format!(
-                        "; it spends {} of its time waiting on {}",
-                        percent(wall.pct(part.ns) / 100.0),
-                        part.name
+                        "; it spends {} of its time {what}",
+                        percent(wall.pct(part.ns) / 100.0)
                     ));
                 }
             }
@@ -147,5 +152,17 @@ mod tests {
             .iter()
             .any(|(k, v)| k == "its time"
                 && v == "LWLock:pg_stat_statements 45% · CPU 42% · IO:DataFileRead 13%"));
+        // Run-queue delay is not a wait on something.
+        let preempted = labelled(&["x"], &[("off_cpu", "preempted"), ("queryid", "7")], 41 * period);
+        let off = off_cpu(vec![preempted]);
+        let walls = statement_walls(&statements, period, &off);
+        let found = top_waiters(Some(&WaitTables::from_profile(&off)), &walls);
+        assert!(
+            found[0]
+                .title
+                .ends_with("of its time runnable, waiting for a CPU (preempted)"),
+            "{}",
+            found[0].title
+        );
     }
 }
