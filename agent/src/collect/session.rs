@@ -94,7 +94,10 @@ pub struct Session {
     pub unsampled_off_cpu_ns: u64,
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
+    /// On-CPU samples of other queries left out (`--queryid`).
     pub filtered_out: u64,
+    /// Off-CPU records (wait samples, waits) of other queries left out (`--queryid`).
+    pub filtered_out_waits: u64,
     /// Per-query and per-wait counts so far, for `trace`'s live view; the agent keeps none
     /// (they would grow with every queryid it ever sees).
     pub live: Option<LiveCounts>,
@@ -129,6 +132,7 @@ impl Session {
             unsampled_off_cpu_ns: 0,
             query_filter,
             filtered_out: 0,
+            filtered_out_waits: 0,
             live,
             waits: WaitReassembly::default(),
             settings_seen: None,
@@ -339,7 +343,10 @@ impl Session {
             header.off_cpu_class == 0 && header.statement_start != 0 && attribution.query_id == Some(0);
         if let Some(wanted) = self.query_filter.filter(|_| !before_query_id) {
             if attribution.query_id != Some(wanted) {
-                self.filtered_out += 1;
+                match header.off_cpu_class {
+                    0 => self.filtered_out += 1,
+                    _ => self.filtered_out_waits += 1,
+                }
                 return;
             }
         }

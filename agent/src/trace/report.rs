@@ -234,10 +234,11 @@ pub(super) fn finish(
             writes.attempt(path, written, || out!("wrote the report to {}", path.display()));
         }
     }
-    if session.filtered_out > 0 {
+    if session.filtered_out > 0 || session.filtered_out_waits > 0 {
         out!(
-            "{} samples of other queries left out (--queryid)",
-            session.filtered_out
+            "{} samples of other queries left out (--queryid), and {} off-CPU records",
+            session.filtered_out,
+            session.filtered_out_waits
         );
     }
 
