@@ -33,7 +33,12 @@ fn traps_of_other_instances_are_counted_and_budgeted() -> Result<()> {
     let json = dir.path().join("summary.json");
     // 0.5% of a busy CPU is 5 ms/s: the quiet instance's own 20 statements a second cost a
     // hundredth of it, the neighbour's thousands of traps a second more than all of it.
+    // Off-CPU sampling off: this is the probes' accounting alone. With it on (the default),
+    // on these two saturated cores the quiet instance's estimate came out 1.62-1.66 times its
+    // executions against 1.17-1.42 without: its few statements fall back to the CPU-based
+    // scale, which the sampler's own CPU use shifts (an open question, not settled here).
     let trace = Trace::instance(quiet.data_dir())
+        .off_cpu_mode("none")
         .probes("PortalStart")
         .probe_budget("0.5")
         .duration_secs(600)
