@@ -106,11 +106,15 @@ fn wait_across_intervals(mode: &str) -> Result<()> {
     drop(waiter);
     holder.close()?;
 
-    // Two more uploads: the wait's end, with what was not shipped of it, is in one of them.
+    // Two more uploads: the wait's end, with what was not shipped of it, is in one of them. An
+    // agent sends nothing for an interval with nothing in it (sampled, an idle instance's time
+    // is idle, which is not shipped): a sleeping session gives the next intervals something.
+    let _sleeper = cluster.spawn_session("SELECT pg_sleep(10)")?;
     let pushes = capture.requests().len();
     wait_for("two more uploads", Duration::from_secs(20), || {
         Ok((capture.requests().len() >= pushes + 2).then_some(()))
-    })?;
+    })
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
     let per_push = lock_ns_per_push(&capture)?;
     let total = Duration::from_nanos(per_push.iter().sum::<i64>().max(0) as u64);
     let parts = per_push.iter().filter(|&&ns| ns > 0).count();
