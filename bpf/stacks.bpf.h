@@ -61,6 +61,23 @@ static __always_inline void restore_uretprobe_returns(struct pgscope_sample *s, 
 	}
 }
 
+/* Sends a sample whose user stack copy holds `len` bytes, the return addresses uretprobes
+ * replaced put back; only the used prefix of the stack crosses the ring buffer. False when the
+ * ring buffer was full (counted). */
+static __always_inline bool output_sample(struct pgscope_sample *s, struct task_struct *task, __u64 len)
+{
+	s->user_stack_len = len;
+	restore_uretprobe_returns(s, task, len);
+	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
+	if (size > sizeof(*s))
+		size = sizeof(*s);
+	if (bpf_ringbuf_output(&samples, s, size, 0)) {
+		count(PGSCOPE_CNT_RINGBUF_FULL);
+		return false;
+	}
+	return true;
+}
+
 /* Fills in the current task's identity, kernel stack, user registers and user stack copy, and
  * sends the record (false: the ring buffer was full). The attribution fields are the caller's. */
 static __always_inline bool send_stacks(void *ctx, struct pgscope_sample *s, __u64 pid_tgid, bool kernel)
@@ -97,17 +114,8 @@ static __always_inline bool send_stacks(void *ctx, struct pgscope_sample *s, __u
 			s->user_ip -= 1;
 	}
 
-	__u64 len = copy_user_stack(s, task);
-	s->user_stack_len = len;
-	restore_uretprobe_returns(s, task, len);
-
-	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
-	if (size > sizeof(*s))
-		size = sizeof(*s);
-	if (bpf_ringbuf_output(&samples, s, size, 0)) {
-		count(PGSCOPE_CNT_RINGBUF_FULL);
+	if (!output_sample(s, task, copy_user_stack(s, task)))
 		return false;
-	}
 	count(PGSCOPE_CNT_SENT);
 	return true;
 }

@@ -200,16 +200,8 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
 	s->statement_start = 0;
 
-	__u64 len = copy_task_stack(s, task);
-	s->user_stack_len = len;
-	restore_uretprobe_returns(s, task, len);
-	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
-	if (size > sizeof(*s))
-		size = sizeof(*s);
-	if (bpf_ringbuf_output(&samples, s, size, 0)) {
-		count(PGSCOPE_CNT_RINGBUF_FULL);
+	if (!output_sample(s, task, copy_task_stack(s, task)))
 		return false;
-	}
 	count(PGSCOPE_CNT_WAIT_SAMPLES);
 	return true;
 }

@@ -52,6 +52,34 @@ impl OffCpuMode {
     }
 }
 
+/// Attaches the off-CPU programs `wanted` asks for; returns the mode measured. A part the
+/// kernel refuses is handed to `refused` (what is missing, and the error) and left out: the
+/// front end says so its own way, and on-CPU profiling goes on.
+pub fn attach(
+    probes: &mut crate::bpf::OnCpuProbes,
+    wanted: OffCpuMode,
+    min_stack: std::time::Duration,
+    stacks_per_cpu_per_s: u64,
+    refused: impl Fn(&'static str, anyhow::Error),
+) -> OffCpuMode {
+    let traced = wanted.traces()
+        && probes
+            .attach_off_cpu(min_stack.as_nanos() as u64, stacks_per_cpu_per_s)
+            .map_err(|error| refused("no exact off-CPU profile", error))
+            .is_ok();
+    let sampled = wanted.samples()
+        && probes
+            .attach_wait_sampler()
+            .map_err(|error| refused("no off-CPU profile", error))
+            .is_ok();
+    match (sampled, traced) {
+        (true, true) => OffCpuMode::Both,
+        (true, false) => OffCpuMode::Sampled,
+        (false, true) => OffCpuMode::Exact,
+        (false, false) => OffCpuMode::None,
+    }
+}
+
 /// Off-CPU stacks taken per second per CPU at most, by default. A stack is taken when a wait
 /// begins (its length is not known yet), so waits that turn out short cost one too; a busy
 /// Postgres that waits on locks thousands of times a second keeps a sample of them.

@@ -77,7 +77,13 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
 
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
-    let off_cpu = attach_off_cpu(&mut probes, &config);
+    let off_cpu = crate::collect::off_cpu::attach(
+        &mut probes,
+        config.collection.off_cpu,
+        config.collection.off_cpu_min_stack,
+        config.collection.off_cpu_stack_rate,
+        |what, error| warn!("{what}s: {error:#}; on-CPU profiling goes on"),
+    );
     let ring = probes.take_samples()?;
     probes.attach_sampling(config.collection.frequency)?;
     let symbolizer = Symbolizer::new(SymbolizerOptions {
@@ -447,37 +453,6 @@ impl Discoverer<'_> {
                 ),
             }
         }
-    }
-}
-
-/// Attaches the off-CPU programs the configuration asks for; returns the mode measured (a part
-/// that cannot attach is logged and left out: on-CPU profiling goes on).
-fn attach_off_cpu(probes: &mut OnCpuProbes, config: &AgentConfig) -> OffCpuMode {
-    let mode = config.collection.off_cpu;
-    let traced = mode.traces()
-        && match probes.attach_off_cpu(
-            config.collection.off_cpu_min_stack.as_nanos() as u64,
-            config.collection.off_cpu_stack_rate,
-        ) {
-            Ok(()) => true,
-            Err(error) => {
-                warn!("no exact off-CPU profiles: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
-    let sampled = mode.samples()
-        && match probes.attach_wait_sampler() {
-            Ok(()) => true,
-            Err(error) => {
-                warn!("no off-CPU profiles: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
-    match (sampled, traced) {
-        (true, true) => OffCpuMode::Both,
-        (true, false) => OffCpuMode::Sampled,
-        (false, true) => OffCpuMode::Exact,
-        (false, false) => OffCpuMode::None,
     }
 }
 

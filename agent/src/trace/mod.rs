@@ -26,7 +26,6 @@ use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
 use crate::bpf::OnCpuProbes;
 use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
-use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::off_cpu::WaitWithoutStack;
 use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
 use crate::collect::session::WaitSource;
@@ -215,7 +214,13 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
         }
     }
-    let off_cpu_measured = attach_off_cpu(&mut probes, &options);
+    let off_cpu_measured = collect::off_cpu::attach(
+        &mut probes,
+        options.off_cpu,
+        options.off_cpu_min_stack,
+        options.off_cpu_stack_rate,
+        |what, error| note!("pgscope: {what}: {error:#}; on-CPU profiling goes on"),
+    );
     // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
     let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
     let ring = probes.take_samples()?;
@@ -338,36 +343,6 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         pgss_start: pgss_start.map(|start| start.info),
     };
     report::finish(&options, &target, session, measured)
-}
-
-/// Attaches the off-CPU programs `--off-cpu` asks for; returns the mode that is measured (a
-/// part that cannot attach is said and left out, on-CPU profiling goes on).
-fn attach_off_cpu(probes: &mut OnCpuProbes, options: &TraceOptions) -> OffCpuMode {
-    let traced = options.off_cpu.traces()
-        && match probes.attach_off_cpu(
-            options.off_cpu_min_stack.as_nanos() as u64,
-            options.off_cpu_stack_rate,
-        ) {
-            Ok(()) => true,
-            Err(error) => {
-                note!("pgscope: no exact off-CPU profile: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
-    let sampled = options.off_cpu.samples()
-        && match probes.attach_wait_sampler() {
-            Ok(()) => true,
-            Err(error) => {
-                note!("pgscope: no off-CPU profile: {error:#}; on-CPU profiling goes on");
-                false
-            }
-        };
-    match (sampled, traced) {
-        (true, true) => OffCpuMode::Both,
-        (true, false) => OffCpuMode::Sampled,
-        (false, true) => OffCpuMode::Exact,
-        (false, false) => OffCpuMode::None,
-    }
 }
 
 /// The traced processes, all of the one instance (or backend) rooted at `root`.
