@@ -22,7 +22,7 @@ HELM = os.environ.get("HELM", "helm")
 KUBERNETES_VERSIONS = os.environ.get("KUBERNETES_VERSIONS", "1.37.0 1.33.0").split()
 REQUIRED = ["--set", "pyroscope.url=http://pyroscope.monitoring:4040"]
 
-CAPABILITIES = ["BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH", "SYS_RESOURCE", "SYSLOG"]
+CAPABILITIES = ["BPF", "PERFMON", "SYS_PTRACE", "DAC_READ_SEARCH", "SYS_RESOURCE", "SYSLOG", "SYS_NICE"]
 
 
 def helm(*args):
