@@ -139,7 +139,7 @@ struct ActiveProbe {
     function: Function,
     /// Where its values are among its arguments, in the instance's major.
     args: ProbeArgs,
-    path: PathBuf,
+    file: ProbedFile,
     file_offset: u64,
     links: Option<FunctionLinks>,
     /// Whether it follows the shared duty cycle (it is hot) or stays attached.
@@ -171,6 +171,29 @@ struct ActiveProbe {
     detached_since: Option<Instant>,
     /// Time detached since its last attachment, when the agent's current interval began.
     unseen_time_at_mark: Duration,
+}
+
+/// The file a probe is in, held open for as long as the probe may be attached again. Found
+/// through the process it was located in (`/proc/PID/root/…`: the process may live in another
+/// mount namespace), a path that is gone once that process is: the duty cycle attaches again
+/// long after, when the instance it was found through may have restarted, so attaching goes
+/// through the agent's own descriptor instead (the kernel resolves `/proc/self/fd/N` to the
+/// same file, whichever namespace it was opened in).
+struct ProbedFile {
+    file: std::fs::File,
+}
+
+impl ProbedFile {
+    fn open(path: &std::path::Path) -> Result<Self> {
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("cannot open `{}` to probe it", path.display()))?;
+        Ok(Self { file })
+    }
+
+    fn attach_path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
 }
 
 /// The probed functions of a trace and their duty cycle.
@@ -354,11 +377,18 @@ impl ProbeSet {
                     continue;
                 }
             };
-            match probes.attach_function(function, args, &location.path, location.file_offset) {
+            let file = match ProbedFile::open(&location.path) {
+                Ok(file) => file,
+                Err(error) => {
+                    note!("pgscope: probe {} not attached: {error:#}", function.name());
+                    continue;
+                }
+            };
+            match probes.attach_function(function, args, &file.attach_path(), location.file_offset) {
                 Ok(links) => set.probes.push(ActiveProbe {
                     function,
                     args,
-                    path: location.path,
+                    file,
                     file_offset: location.file_offset,
                     links: Some(links),
                     cycled: false,
@@ -685,7 +715,12 @@ impl ProbeSet {
                     probes.detach_function(links)
                 }
                 None => {
-                    match probes.attach_function(probe.function, probe.args, &probe.path, probe.file_offset) {
+                    match probes.attach_function(
+                        probe.function,
+                        probe.args,
+                        &probe.file.attach_path(),
+                        probe.file_offset,
+                    ) {
                         Ok(links) => {
                             // The attach itself counts as detached time.
                             self.account_statements(pids);
