@@ -301,9 +301,8 @@ int sample_waits(struct bpf_iter__task *ctx)
 	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
 	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
 		return 0;
-	/* On a CPU, now or at the run's instant: the perf-event sampler's. Exiting: gone before
-	 * the next tick. */
-	if (BPF_CORE_READ(task, on_cpu) || BPF_CORE_READ(task, exit_state) || left_cpu_since_instant(task)) {
+	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
+	if (BPF_CORE_READ(task, on_cpu) || BPF_CORE_READ(task, exit_state)) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
 		return 0;
 	}
@@ -340,6 +339,14 @@ int sample_waits(struct bpf_iter__task *ctx)
 			state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 			return 0;
 		}
+	}
+	/* Switched since its last sample: it may have been on a CPU at the run's instant, and is
+	 * then the perf-event sampler's too. (Not switched since, it left its CPU before an earlier
+	 * tick, so before this one: the repeats above need no such check, which keeps an idle
+	 * backend at a few reads of its task.) */
+	if (left_cpu_since_instant(task)) {
+		count(PGSCOPE_CNT_WAIT_SKIPPED);
+		return 0;
 	}
 
 	struct pgscope_pg_layout *layout = NULL;
