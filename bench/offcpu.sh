@@ -128,6 +128,18 @@ pgbench_tps() {
 }
 
 # utime + stime of a process, in clock ticks (its children are not counted).
+# Waits up to SECONDS for a line matching PATTERN in FILE, written by process PID; on a timeout
+# or the process gone first, prints WHAT and the file and stops the run.
+await_line() {
+  local file=$1 pattern=$2 pid=$3 seconds=$4 what=$5
+  for _ in $(seq "$((seconds * 10))"); do
+    grep -q "$pattern" "$file" && return
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  grep -q "$pattern" "$file" || { echo "$what:" >&2; cat "$file" >&2; exit 1; }
+}
+
 cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
 stime_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $13}'; }
 
@@ -206,8 +218,7 @@ run_variant() {
     floor)
       "$work/floor" "$work/floor.bpf.o" >"$work/floor.out" 2>&1 &
       floor_pid=$!
-      for _ in $(seq 100); do grep -q '^attached' "$work/floor.out" && break; sleep 0.1; done
-      grep -q '^attached' "$work/floor.out" || { cat "$work/floor.out" >&2; exit 1; }
+      await_line "$work/floor.out" '^attached' "$floor_pid" 10 "the empty sched_switch program did not attach"
       m="$(pgbench_tps "$script") 0 0 0 0 0 0 0 0 0 0"
       kill "$floor_pid"; wait "$floor_pid"; floor_pid= ;;
     trace | exact)
@@ -216,13 +227,7 @@ run_variant() {
       "$pgscope" trace --instance "$PGC_DATA" --duration "$((secs + 3))s" --top 0 "${mode[@]}" \
         >/dev/null 2>"$work/trace.err" &
       pgscope_pid=$!
-      for _ in $(seq 300); do
-        grep -q '^pgscope: profiling' "$work/trace.err" && break
-        kill -0 "$pgscope_pid" 2>/dev/null || break
-        sleep 0.1
-      done
-      grep -q '^pgscope: profiling' "$work/trace.err" ||
-        { echo "pgscope trace ${mode[*]} did not start:" >&2; cat "$work/trace.err" >&2; exit 1; }
+      await_line "$work/trace.err" '^pgscope: profiling' "$pgscope_pid" 30 "pgscope trace ${mode[*]} did not start"
       m=$(measured_pgbench "$script")
       rss=$(peak_rss_until_exit "$pgscope_pid")
       wait "$pgscope_pid" || { echo "pgscope trace ${mode[*]} failed:" >&2; cat "$work/trace.err" >&2; exit 1; }
@@ -305,12 +310,7 @@ while True:
     time.sleep(max(0, deadline - time.monotonic()))
 PY
   holder_pid=$!
-  for _ in $(seq 600); do
-    grep -q '^held' "$work/holder.out" && break
-    kill -0 "$holder_pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  grep -q '^held' "$work/holder.out" || { echo "cannot hold $n connections:" >&2; cat "$work/holder.out" >&2; exit 1; }
+  await_line "$work/holder.out" '^held' "$holder_pid" 60 "cannot hold $n connections"
   start_agent --frequency 19
   sleep 3   # past the agent's start (first symbolization, first discovery)
   c0=$(cpu_ticks "$pgscope_pid"); s0=$(stime_ticks "$pgscope_pid"); b0=$(bpf_stats "$pgscope_pid")
