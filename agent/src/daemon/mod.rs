@@ -82,7 +82,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
         config.collection.off_cpu,
         config.collection.off_cpu_min_stack,
         config.collection.off_cpu_stack_rate,
-        |what, error| warn!("{what}s: {error:#}; on-CPU profiling goes on"),
+        |what, error| warn!("{what}: {error:#}; on-CPU profiling goes on"),
     );
     let ring = probes.take_samples()?;
     probes.attach_sampling(config.collection.frequency)?;
