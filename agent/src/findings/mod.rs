@@ -77,7 +77,10 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     findings.extend(phases::unusual_phase(statements, period));
     findings.extend(indexes::repeated_descents(statements, period));
     let share_of = match measured.off_cpu {
-        Some(_) => functions::ShareOf::Time,
+        Some(off_cpu) => functions::ShareOf::Time {
+            on_cpu: measured.on_cpu,
+            off_cpu,
+        },
         None => functions::ShareOf::CpuSamples(measured.on_cpu),
     };
     findings.extend(functions::dominating(

@@ -205,10 +205,15 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
     out
 }
 
-/// Of `query_id`'s on-CPU samples, the share with `function` anywhere on the stack.
+/// Of `query_id`'s on-CPU samples, the share with `function` anywhere on the stack; pgscope's
+/// own probe traps (which show the probed function on the stack) are left out of both.
 pub fn share_with_frame(profile: &Profile, query_id: QueryId, function: &str) -> f64 {
     let (mut with, mut all) = (0u64, 0u64);
-    for sample in profile.samples.iter().filter(|s| s.query_id() == Some(query_id)) {
+    for sample in profile
+        .samples
+        .iter()
+        .filter(|s| s.query_id() == Some(query_id) && !in_probe_trap(&s.frames))
+    {
         all += sample.count;
         if sample.frames.iter().any(|f| &*f.name == function) {
             with += sample.count;

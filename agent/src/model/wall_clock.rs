@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use exporters::Profile;
 
 use super::labels::SampleLabels;
-use super::statements::StatementCpu;
+use super::statements::{in_probe_trap, StatementCpu};
 use super::QueryId;
 
 /// The part of a statement's time on CPU.
@@ -118,6 +118,29 @@ pub fn statement_walls(statements: &[StatementCpu], period_ns: u64, off_cpu: &Pr
         .collect();
     walls.sort_by_key(|w| std::cmp::Reverse(w.total_ns));
     walls
+}
+
+/// The part of `query_id`'s time with `function` anywhere on the stack, counted as the
+/// statement's time is: on-CPU samples × period (pgscope's own probe traps left out) and its
+/// off-CPU time (the client's left out). Time off CPU sampled without a stack (over the
+/// per-tick budget) shows no frame and is not counted.
+pub fn time_with_frame(on_cpu: &Profile, off_cpu: &Profile, query_id: QueryId, function: &str) -> u64 {
+    let has_frame = |sample: &&exporters::StackSample| sample.frames.iter().any(|f| &*f.name == function);
+    let cpu_samples: u64 = on_cpu
+        .samples
+        .iter()
+        .filter(|s| s.query_id() == Some(query_id) && !in_probe_trap(&s.frames))
+        .filter(has_frame)
+        .map(|s| s.count)
+        .sum();
+    let blocked_ns: u64 = off_cpu
+        .samples
+        .iter()
+        .filter(|s| s.query_id() == Some(query_id) && !s.is_client_time())
+        .filter(has_frame)
+        .map(|s| s.count)
+        .sum();
+    cpu_samples * on_cpu.meta.period + blocked_ns
 }
 
 #[cfg(test)]
