@@ -98,7 +98,11 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     findings.extend(cpu::spinning(statements, analysis.cpu_samples()));
     findings.extend(cpu::generic_plan_locking(statements, period));
     findings.extend(probes::locks_per_execution(measured.probes));
-    findings.extend(pgss::evictions(measured.pgss.as_ref(), analysis.waits.as_ref()));
+    findings.extend(pgss::evictions(
+        measured.pgss.as_ref(),
+        analysis.waits.as_ref(),
+        analysis.backend_time_ns(),
+    ));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     let commands = measured.instance.map(|facts| &facts.commands_by_query);
     let mut findings = group::group_and_weigh(
