@@ -25,6 +25,10 @@
  * backend waiting for its client between statements, a background process in its main loop)
  * and waits for the client inside a transaction are counted per process and attribution, never
  * with a stack: that keeps 1000 idle connections at one hash update each per tick.
+ *
+ * The iterator's task is a pointer the verifier knows the type of: its fields (and those of
+ * the structs it points to) are read with plain loads, faults caught, not a helper call each
+ * (BPF_CORE_READ): ~660 ns per visit of an idle backend against ~740 ns.
  */
 
 /* Set by user space before each run. Index 0: the weight of this run's samples (ns). Index 1:
@@ -140,7 +144,7 @@ static __always_inline void read_task_attribution(struct pgscope_wait_sample_tas
 static __always_inline __u64 copy_task_stack(struct pgscope_sample *s, struct task_struct *task)
 {
 	__u64 sp = s->user_sp;
-	__u64 top = BPF_CORE_READ(task, mm, start_stack);
+	__u64 top = task->mm->start_stack;
 	__u64 len = PGSCOPE_USER_STACK_MAX;
 
 	if (top > sp && top - sp < len)
@@ -195,12 +199,12 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 	s->time_ns = bpf_ktime_get_ns();
 	s->cpu = bpf_get_smp_processor_id();
 	s->kernel_frames = 0;
-	s->user_ip = BPF_CORE_READ(regs, ip);
-	s->user_sp = BPF_CORE_READ(regs, sp);
-	s->user_bp = BPF_CORE_READ(regs, bp);
+	s->user_ip = regs->ip;
+	s->user_sp = regs->sp;
+	s->user_bp = regs->bp;
 	s->attr = state->attr;
 	s->off_cpu_ns = weight;
-	long syscall = BPF_CORE_READ(regs, orig_ax);
+	long syscall = regs->orig_ax;
 	s->off_cpu_syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
 	s->statement_start = 0;
@@ -275,17 +279,17 @@ static __always_inline bool left_cpu_since_instant(struct task_struct *task)
 {
 	__u32 index = WAIT_CONFIG_INSTANT;
 	__u64 *instant = bpf_map_lookup_elem(&wait_sample_config, &index);
-	__u64 left = BPF_CORE_READ(task, se.exec_start);
+	__u64 left = task->se.exec_start;
 	if (!instant || !*instant || !left || !bpf_core_field_exists(task->se.cfs_rq) ||
 	    !bpf_core_field_exists(task->sched_info.last_arrival))
 		return false;
-	struct rq *rq = BPF_CORE_READ(task, se.cfs_rq, rq);
+	struct rq *rq = task->se.cfs_rq->rq;
 	if (!rq)
 		return false;
-	__u64 clock = BPF_CORE_READ(rq, clock), clock_task = BPF_CORE_READ(rq, clock_task);
+	__u64 clock = rq->clock, clock_task = rq->clock_task;
 	if (left + (clock > clock_task ? clock - clock_task : 0) < *instant)
 		return false;
-	return BPF_CORE_READ(task, sched_info.last_arrival) < *instant;
+	return task->sched_info.last_arrival < *instant;
 }
 
 SEC("iter.s/task")
@@ -297,12 +301,12 @@ int sample_waits(struct bpf_iter__task *ctx)
 		start_run();
 	if (!task)
 		return 0;
-	__u32 tgid = BPF_CORE_READ(task, tgid);
+	__u32 tgid = task->tgid;
 	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
 	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
 		return 0;
 	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
-	if (BPF_CORE_READ(task, on_cpu) || BPF_CORE_READ(task, exit_state)) {
+	if (task->on_cpu || task->exit_state) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
 		return 0;
 	}
@@ -315,8 +319,8 @@ int sample_waits(struct bpf_iter__task *ctx)
 		return 0;
 	}
 	__u64 weight = *weight_ns;
-	__u32 tid = BPF_CORE_READ(task, pid);
-	__u64 switches = BPF_CORE_READ(task, nvcsw) + BPF_CORE_READ(task, nivcsw) + 1;
+	__u32 tid = task->pid;
+	__u64 switches = task->nvcsw + task->nivcsw + 1;
 
 	if (switches == state->switches) {
 		if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
@@ -352,8 +356,8 @@ int sample_waits(struct bpf_iter__task *ctx)
 	struct pgscope_pg_layout *layout = NULL;
 	read_task_attribution(state, task, tgid, &layout);
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
-	long syscall = BPF_CORE_READ(regs, orig_ax);
-	unsigned int task_state = BPF_CORE_READ(task, __state);
+	long syscall = regs->orig_ax;
+	unsigned int task_state = task->__state;
 	__u32 class = sampled_class(state, layout, task_state, syscall);
 	state->attr.off_cpu_class = class;
 	state->switches = switches;
