@@ -179,3 +179,66 @@ fn probes_per_instance(budget: &str, seconds: &str, tolerance: f64) -> Result<()
     }
     Ok(())
 }
+
+/// The duty cycle attaches a probe again and again, long after it located the function through
+/// the process it found first. Once the instance restarts, that process and its `/proc/PID/root`
+/// path are gone: attaching through them failed for good (`cannot switch probe … No such file
+/// or directory`), and the restarted instance's calls were never measured again. The agent
+/// holds the probed file open and attaches through it.
+#[test]
+fn a_duty_cycled_probe_attaches_again_after_its_instance_restarts() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = start(&PgInstall::distro()?, "pgscope_restarted", None)?;
+    let capture = PyroscopeCapture::start()?;
+    let config = format!(
+        "[pyroscope]\nurl = \"{}\"\n\
+         [collection]\nupload_interval = \"2s\"\nfrequency = 49\n\
+         [probes]\nfunctions = [\"PortalStart\"]\n\
+         [[discovery.include]]\ndata_dir = \"{}\"\n",
+        capture.url(),
+        cluster.data_dir().display()
+    );
+    let agent = RunningAgent::start(&config, &[])?;
+    agent.wait_for_instances(1)?;
+    let calls = "pgscope_probe_calls_total{function=\"PortalStart\"}";
+    let select = ["-S", "-c", "1", "-T", "300"];
+
+    let pgbench = cluster.spawn_pgbench(&select, 1)?;
+    agent.wait_metric(
+        calls,
+        "PortalStart calls before the restart",
+        Duration::from_secs(60),
+        |n| n > 0.0,
+    )?;
+    pgbench.stop()?;
+    let old_postmaster = cluster.postmaster_pid()?;
+    cluster.restart()?;
+    ensure!(
+        cluster.postmaster_pid()? != old_postmaster,
+        "the restart left the same postmaster ({old_postmaster})"
+    );
+    agent.wait_for_instances(1)?;
+    // The old instance's calls reach /metrics at the agent's next reads: counted from after
+    // them, every call is the restarted instance's.
+    std::thread::sleep(Duration::from_secs(5));
+    let before = agent.metric(calls)?;
+
+    // Under the default budget the probe is detached most of the time: measured calls of the
+    // restarted instance mean the duty cycle attached it again since.
+    let pgbench = cluster.spawn_pgbench(&select, 1)?;
+    let after = agent.wait_metric(
+        calls,
+        "PortalStart calls measured in the restarted instance",
+        Duration::from_secs(90),
+        |n| n > before,
+    )?;
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    eprintln!("PortalStart calls measured: {before} before the restart, {after} in all");
+    ensure!(status.success(), "the agent exited with {status}:\n{log}");
+    ensure!(
+        !log.contains("cannot switch probe"),
+        "the duty cycle failed to switch a probe:\n{log}"
+    );
+    Ok(())
+}
