@@ -99,10 +99,7 @@ impl Fixtures {
     /// Run `exe` in `mode` and read what it recorded.
     pub fn run(&self, exe: &Path, mode: &str) -> Snapshot {
         let out = self.out_dir(exe, mode);
-        let status = Command::new(exe)
-            .arg(mode)
-            .env("FIXTURE_OUT", &out)
-            .status()
+        let status = while_busy(|| Command::new(exe).arg(mode).env("FIXTURE_OUT", &out).status())
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
         assert!(status.success(), "{} {mode} failed: {status}", exe.display());
         read_snapshot(&out)
@@ -111,13 +108,15 @@ impl Fixtures {
     /// Start `exe` in `mode`, keep it alive (blocked on stdin) once it has recorded its stack.
     pub fn spawn_waiting(&self, exe: &Path, mode: &str) -> (Child, Snapshot) {
         let out = self.out_dir(exe, mode);
-        let mut child = Command::new(exe)
-            .arg(mode)
-            .env("FIXTURE_OUT", &out)
-            .env("FIXTURE_WAIT", "1")
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
+        let mut child = while_busy(|| {
+            Command::new(exe)
+                .arg(mode)
+                .env("FIXTURE_OUT", &out)
+                .env("FIXTURE_WAIT", "1")
+                .stdin(Stdio::piped())
+                .spawn()
+        })
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
         let ready = out.join("ready");
         let deadline = Instant::now() + Duration::from_secs(30);
         while !ready.exists() {
@@ -212,5 +211,20 @@ pub fn addr(loc: &Location) -> u64 {
     match loc {
         Location::InModule { addr, .. } => *addr,
         Location::Unmapped { addr } => panic!("frame at {addr:#x} is unmapped"),
+    }
+}
+
+/// Runs `start` again while it fails with "Text file busy": a fixture this process just wrote
+/// is still open for writing in a child another test thread forked meanwhile, until that child
+/// execs (`ETXTBSY`, seen in CI). Gives up after a few seconds.
+fn while_busy<T>(mut start: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match start() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            result => return result,
+        }
     }
 }
