@@ -12,8 +12,8 @@
 //! two CPUs), the sampled off-CPU total was then 0.62-0.69 of the exact tracer's, and
 //! `LWLock:pg_stat_statements` less than half of it; at real-time priority, with the run's own
 //! doing left out (`left_cpu_since_instant` in the BPF program), 0.97-1.43, median 1.11, over
-//! 26 runs of 20-60 s. A run is bounded (its stack budget), and the kernel's real-time
-//! throttling bounds it again.
+//! 26 runs of 20-60 s (1.01-1.36, median 1.19, over 16 runs of 20 s on a later day). A run
+//! is bounded (its stack budget), and the kernel's real-time throttling bounds it again.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
