@@ -203,17 +203,7 @@ mod tests {
     /// without the client's, pgscope's probe traps left out.
     fn time_of(on_cpu: &Profile, off_cpu: &Profile) -> StatementTime {
         let statements = crate::model::statements::statements(on_cpu);
-        let mut time: StatementTime = statements
-            .iter()
-            .map(|s| (s.query_id, s.samples * on_cpu.meta.period))
-            .collect();
-        for sample in off_cpu.samples.iter() {
-            use crate::model::labels::SampleLabels;
-            if let Some(query_id) = sample.query_id().filter(|_| !sample.is_client_time()) {
-                *time.entry(query_id).or_insert(0) += sample.count;
-            }
-        }
-        time
+        crate::model::statement_time(&statements, on_cpu.meta.period, Some(off_cpu))
     }
 
     #[test]

@@ -107,6 +107,15 @@ mod tests {
         }
     }
 
+    /// `evictions` counted over `seconds` with `pg_stat_statements.max` = `max`.
+    fn evidence(evictions: i64, max: i64, seconds: f64) -> PgssEvidence {
+        PgssEvidence {
+            evictions,
+            max,
+            seconds,
+        }
+    }
+
     fn off_cpu(samples: Vec<StackSample>) -> WaitTables {
         WaitTables::from_profile(&Profile {
             meta: ProfileMeta::off_cpu(0, 1),
@@ -116,11 +125,7 @@ mod tests {
 
     #[test]
     fn an_eviction_storm_is_named_with_its_lock_waits_a_calm_instance_is_not() {
-        let storm = PgssEvidence {
-            evictions: 5783,
-            max: 100,
-            seconds: 8.0,
-        };
+        let storm = evidence(5783, 100, 8.0);
         let waits = off_cpu(vec![
             wait(PGSS_LOCK, "futex", 2_000),
             wait("(no wait event)", "preempted", 8_000),
@@ -138,20 +143,12 @@ mod tests {
             found[0].numbers
         );
 
-        let calm = PgssEvidence {
-            evictions: 0,
-            max: 5000,
-            seconds: 8.0,
-        };
+        let calm = evidence(0, 5000, 8.0);
         let quiet = off_cpu(vec![wait(PGSS_LOCK, "futex", 1), wait("IO:WALSync", "io", 8_000)]);
         assert!(evictions(Some(&calm), Some(&quiet), 20_000).is_empty());
         assert!(evictions(None, None, 20_000).is_empty());
         // One eviction in a short window: pgscope's own query of the counter can cause it.
-        let own = PgssEvidence {
-            evictions: 1,
-            max: 100,
-            seconds: 0.5,
-        };
+        let own = evidence(1, 100, 0.5);
         assert!(evictions(Some(&own), Some(&quiet), 20_000).is_empty());
     }
 
@@ -170,11 +167,7 @@ mod tests {
     fn a_few_lock_waits_of_statements_that_barely_block_are_not_named() {
         // Every statement has its entry: the lock's waits are 6.7% of the little the
         // statements blocked, and under 1% of their time.
-        let calm = PgssEvidence {
-            evictions: 0,
-            max: 5000,
-            seconds: 6.0,
-        };
+        let calm = evidence(0, 5000, 6.0);
         let waits = off_cpu(vec![
             wait(PGSS_LOCK, "futex", 71),
             wait("(no wait event)", "preempted", 984),

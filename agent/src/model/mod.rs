@@ -143,7 +143,11 @@ impl<'a> Analysis<'a> {
     }
 }
 
-fn statement_time(statements: &[StatementCpu], period_ns: u64, off_cpu: Option<&Profile>) -> StatementTime {
+pub(crate) fn statement_time(
+    statements: &[StatementCpu],
+    period_ns: u64,
+    off_cpu: Option<&Profile>,
+) -> StatementTime {
     let mut time: StatementTime = statements
         .iter()
         .map(|s| (s.query_id, s.samples * period_ns))

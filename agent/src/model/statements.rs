@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use exporters::{Frame, FrameKind, Profile};
+use exporters::{Frame, FrameKind, Profile, StackSample};
 
 use super::labels::SampleLabels;
 use super::QueryId;
@@ -205,6 +205,11 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
     out
 }
 
+/// Whether `function` is anywhere on the sample's stack.
+pub fn has_frame(sample: &StackSample, function: &str) -> bool {
+    sample.frames.iter().any(|f| &*f.name == function)
+}
+
 /// Of `query_id`'s on-CPU samples, the share with `function` anywhere on the stack; pgscope's
 /// own probe traps (which show the probed function on the stack) are left out of both.
 pub fn share_with_frame(profile: &Profile, query_id: QueryId, function: &str) -> f64 {
@@ -215,7 +220,7 @@ pub fn share_with_frame(profile: &Profile, query_id: QueryId, function: &str) ->
         .filter(|s| s.query_id() == Some(query_id) && !in_probe_trap(&s.frames))
     {
         all += sample.count;
-        if sample.frames.iter().any(|f| &*f.name == function) {
+        if has_frame(sample, function) {
             with += sample.count;
         }
     }

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use exporters::Profile;
 
 use super::labels::SampleLabels;
-use super::statements::{in_probe_trap, StatementCpu};
+use super::statements::{has_frame, in_probe_trap, StatementCpu};
 use super::QueryId;
 
 /// The part of a statement's time on CPU.
@@ -125,19 +125,16 @@ pub fn statement_walls(statements: &[StatementCpu], period_ns: u64, off_cpu: &Pr
 /// off-CPU time (the client's left out). Time off CPU sampled without a stack (over the
 /// per-tick budget) shows no frame and is not counted.
 pub fn time_with_frame(on_cpu: &Profile, off_cpu: &Profile, query_id: QueryId, function: &str) -> u64 {
-    let has_frame = |sample: &&exporters::StackSample| sample.frames.iter().any(|f| &*f.name == function);
     let cpu_samples: u64 = on_cpu
         .samples
         .iter()
-        .filter(|s| s.query_id() == Some(query_id) && !in_probe_trap(&s.frames))
-        .filter(has_frame)
+        .filter(|s| s.query_id() == Some(query_id) && !in_probe_trap(&s.frames) && has_frame(s, function))
         .map(|s| s.count)
         .sum();
     let blocked_ns: u64 = off_cpu
         .samples
         .iter()
-        .filter(|s| s.query_id() == Some(query_id) && !s.is_client_time())
-        .filter(has_frame)
+        .filter(|s| s.query_id() == Some(query_id) && !s.is_client_time() && has_frame(s, function))
         .map(|s| s.count)
         .sum();
     cpu_samples * on_cpu.meta.period + blocked_ns
