@@ -127,7 +127,6 @@ pgbench_tps() {
   sed -n 's/^tps = \([0-9.]*\).*/\1/p' <<<"$out"
 }
 
-# utime + stime of a process, in clock ticks (its children are not counted).
 # Waits up to SECONDS for a line matching PATTERN in FILE, written by process PID; on a timeout
 # or the process gone first, prints WHAT and the file and stops the run.
 await_line() {
@@ -140,6 +139,7 @@ await_line() {
   grep -q "$pattern" "$file" || { echo "$what:" >&2; cat "$file" >&2; exit 1; }
 }
 
+# utime + stime of a process, in clock ticks (its children are not counted).
 cpu_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
 stime_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $13}'; }
 
