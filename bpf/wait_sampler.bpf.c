@@ -21,7 +21,9 @@
  * iterator runs in pgscope's context, hence a sleepable program): what pg_stat_activity shows,
  * and the user stack above the registers saved when it entered the kernel. A thread that has
  * not run since its last sample (its switch counts unchanged) is in the same wait with the
- * same stack: it costs a 24-byte repeat record and no read of its memory. Idle waits (a
+ * same stack: it costs a 24-byte repeat record and no read of its memory. A run has two
+ * passes: the first (sample_waits) decides each thread's sample, the second
+ * (sample_wait_stacks, run only when the first left it work) copies the stacks. Idle waits (a
  * backend waiting for its client between statements, a background process in its main loop)
  * and waits for the client inside a transaction are counted per process and attribution, never
  * with a stack: that keeps 1000 idle connections at one hash update each per tick.
@@ -34,13 +36,15 @@
 /* Set by user space before each run. Index 0: the weight of this run's samples (ns). Index 1:
  * stacks sent per run at most (each is a copy of up to 16 KiB of a backend's stack: with
  * hundreds of backends waiting, and each having run since the last tick, this bounds a tick's
- * cost; threads over it are counted without a stack, marked so). Set by the run's first object
- * (one run at a time): index 2, stacks sent in this run so far; index 3, the run's instant. */
+ * cost; threads over it are counted without a stack, marked so). Set by the passes of a run
+ * (one run at a time): index 2, stacks sent in this run so far; index 3, the run's instant;
+ * index 4, threads the first pass left to the second (user space runs it only then). */
 #define WAIT_CONFIG_SENT 2
 #define WAIT_CONFIG_INSTANT 3
+#define WAIT_CONFIG_PENDING 4
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 4);
+	__uint(max_entries, 5);
 	__type(key, __u32);
 	__type(value, __u64);
 } wait_sample_config SEC(".maps");
@@ -256,7 +260,7 @@ static __always_inline void start_run(void)
 	__u64 instant = 0;
 	if (bpf_core_field_exists(self->sched_info.last_arrival))
 		instant = BPF_CORE_READ(self, sched_info.last_arrival);
-	set_wait_config(WAIT_CONFIG_SENT, 0);
+	set_wait_config(WAIT_CONFIG_PENDING, 0);
 	set_wait_config(WAIT_CONFIG_INSTANT, instant);
 }
 
@@ -373,18 +377,63 @@ int sample_waits(struct bpf_iter__task *ctx)
 		add_sampled_total(tgid, &state->attr, weight);
 		return 0;
 	}
-	__u32 budget_index = 1, sent_index = WAIT_CONFIG_SENT;
+	/* Its stack is copied by the run's second pass (sample_wait_stacks): a copy takes most of
+	 * a visit, and with it here the threads visited after would be seen that much later, in
+	 * waits begun since the instant (on the eviction storm, backends woken by their clients
+	 * and queued on the lock while the run held one of the two CPUs). */
+	state->kind = PGSCOPE_WAIT_SAMPLE_PENDING;
+	__u32 pending_index = WAIT_CONFIG_PENDING;
+	__u64 *pending = bpf_map_lookup_elem(&wait_sample_config, &pending_index);
+	if (pending)
+		*pending += 1;
+	return 0;
+}
+
+/*
+ * A run's second pass, run by user space right after the first when that left threads to it:
+ * sends each with the attribution the first pass read and the user stack it is still blocked
+ * in. A thread that ran in between has left that wait, and its stack with it: it is counted
+ * in the wait the first pass saw, without a stack, marked so.
+ */
+SEC("iter.s/task")
+int sample_wait_stacks(struct bpf_iter__task *ctx)
+{
+	struct task_struct *task = ctx->task;
+
+	if (ctx->meta->seq_num == 0)
+		set_wait_config(WAIT_CONFIG_SENT, 0);
+	if (!task)
+		return 0;
+	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+	if (!state || state->kind != PGSCOPE_WAIT_SAMPLE_PENDING)
+		return 0;
+	__u32 zero = 0, budget_index = 1, sent_index = WAIT_CONFIG_SENT;
+	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	__u64 *budget = bpf_map_lookup_elem(&wait_sample_config, &budget_index);
 	__u64 *sent = bpf_map_lookup_elem(&wait_sample_config, &sent_index);
-	if (!budget || !sent || *sent >= *budget) {
+	__u32 tgid = task->tgid;
+	if (!weight_ns || !budget || !sent) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+		return 0;
+	}
+	if (task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches) {
+		count(PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK);
+		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+		add_sampled_total(tgid, &state->attr, *weight_ns);
+		return 0;
+	}
+	if (*sent >= *budget) {
 		/* The time is not lost with the stack: it is counted, marked as left without. */
 		count(PGSCOPE_CNT_WAIT_OVER_BUDGET);
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
-		add_sampled_total(tgid, &state->attr, weight);
+		add_sampled_total(tgid, &state->attr, *weight_ns);
 		return 0;
 	}
-	if (send_wait_sample(state, task, tgid, tid, regs, weight)) {
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+	if (send_wait_sample(state, task, tgid, task->pid, regs, *weight_ns)) {
 		*sent += 1;
 		state->kind = PGSCOPE_WAIT_SAMPLE_STACKS;
 	} else {

@@ -53,7 +53,8 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_NO_STACK = 16,	     /* sampled off CPU: idle or client waits, counted only */
 	PGSCOPE_CNT_WAIT_SKIPPED = 17,	     /* sampled off CPU: target threads found running */
 	PGSCOPE_CNT_WAIT_OVER_BUDGET = 18,   /* degraded: sampled off CPU without a stack, over the tick's budget */
-	PGSCOPE_CNT_MAX = 19,
+	PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK = 19, /* degraded: sampled off CPU without a stack, it ran before the copy */
+	PGSCOPE_CNT_MAX = 20,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -335,6 +336,7 @@ enum pgscope_wait_sample_kind {
 	PGSCOPE_WAIT_SAMPLE_NONE = 0,	  /* nothing to repeat */
 	PGSCOPE_WAIT_SAMPLE_STACKS = 1,	  /* sent with stacks: repeat with a pgscope_wait_repeat */
 	PGSCOPE_WAIT_SAMPLE_NO_STACK = 2, /* counted without stacks: add to the same total */
+	PGSCOPE_WAIT_SAMPLE_PENDING = 3,  /* seen waiting by a run's first pass: its second copies the stack */
 };
 
 /* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU

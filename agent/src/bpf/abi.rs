@@ -78,6 +78,7 @@ pub enum Counter {
     WaitNoStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_NO_STACK,
     WaitSkipped = c::pgscope_counter::PGSCOPE_CNT_WAIT_SKIPPED,
     WaitOverBudget = c::pgscope_counter::PGSCOPE_CNT_WAIT_OVER_BUDGET,
+    WaitRanBeforeStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK,
 }
 
 const _: () = assert!(covers_every_value(
@@ -86,7 +87,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -106,6 +107,7 @@ impl Counter {
         Counter::WaitNoStack,
         Counter::WaitSkipped,
         Counter::WaitOverBudget,
+        Counter::WaitRanBeforeStack,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -133,6 +135,7 @@ impl Counter {
             Counter::WaitNoStack => "wait_samples_without_stack",
             Counter::WaitSkipped => "wait_sample_threads_on_cpu",
             Counter::WaitOverBudget => "wait_sample_stack_over_budget",
+            Counter::WaitRanBeforeStack => "wait_sample_ran_before_stack",
         }
     }
 }

@@ -168,17 +168,8 @@ impl OnCpuProbes {
     /// runs between ticks. Needs Linux 5.18 (bpf_copy_from_user_task).
     pub fn attach_wait_sampler(&mut self) -> Result<()> {
         let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
-        let program: &mut aya::programs::Iter = self
-            .ebpf
-            .program_mut("sample_waits")
-            .ok_or_else(|| anyhow!("BPF object has no program `sample_waits`"))?
-            .try_into()?;
-        program
-            .load("task", &btf)
-            .context("loading the wait sampler `sample_waits` (sleepable task iterators and bpf_copy_from_user_task need Linux 5.18 or newer)")?;
-        let fd = program.fd().context("the wait sampler's program descriptor")?;
-        let link =
-            iter::IterLink::attach(fd.as_fd()).context("attaching the wait sampler's task iterator")?;
+        let link = self.attach_task_iterator("sample_waits", &btf)?;
+        let stacks_link = self.attach_task_iterator("sample_wait_stacks", &btf)?;
         let map = self
             .ebpf
             .take_map("wait_sample_config")
@@ -187,8 +178,29 @@ impl OnCpuProbes {
         config
             .set(1, WAIT_STACKS_PER_TICK, 0)
             .context("setting the wait samples' stack budget")?;
-        self.wait_sampler = Some(wait_sampler::WaitSampler { link, config });
+        self.wait_sampler = Some(wait_sampler::WaitSampler {
+            link,
+            stacks_link,
+            config,
+        });
         Ok(())
+    }
+
+    /// Loads and attaches the sleepable task iterator `name` of the wait sampler.
+    fn attach_task_iterator(&mut self, name: &str, btf: &Btf) -> Result<iter::IterLink> {
+        let program: &mut aya::programs::Iter = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("BPF object has no program `{name}`"))?
+            .try_into()?;
+        program.load("task", btf).with_context(|| {
+            format!("loading the wait sampler `{name}` (sleepable task iterators and bpf_copy_from_user_task need Linux 5.18 or newer)")
+        })?;
+        let fd = program
+            .fd()
+            .with_context(|| format!("the wait sampler's program descriptor `{name}`"))?;
+        iter::IterLink::attach(fd.as_fd())
+            .with_context(|| format!("attaching the wait sampler's task iterator `{name}`"))
     }
 
     /// Starts the wait sampler, when it is attached, on its own thread at `frequency_hz` (the
@@ -598,6 +610,7 @@ impl Counters {
             Counter::UserStackLost,
             Counter::KernelStackFault,
             Counter::WaitOverBudget,
+            Counter::WaitRanBeforeStack,
         ]
         .into_iter()
         .map(|c| (c, self.get(c)))

@@ -30,14 +30,21 @@ use super::iter::IterLink;
 /// not make one sample stand for seconds.
 const MAX_WEIGHT: Duration = Duration::from_millis(500);
 
+/// `wait_sample_config` index of the threads the first pass left to the second.
+const PENDING_INDEX: u32 = 4;
+
 /// `SCHED_FIFO` priority of the sampler's thread: the lowest, above every normal thread and
 /// below every other real-time one.
 const REALTIME_PRIORITY: i32 = 1;
 
 /// The loaded sampler, not running yet.
 pub struct WaitSampler {
+    /// The first pass (`sample_waits`): which thread waits where, as at the run's instant.
     pub(super) link: IterLink,
-    /// Index 0: the weight of the next run's samples (ns).
+    /// The second pass (`sample_wait_stacks`): the stacks of the threads the first left to it.
+    pub(super) stacks_link: IterLink,
+    /// Index 0: the weight of the next run's samples (ns); index 4, after the first pass: how
+    /// many threads it left to the second.
     pub(super) config: Array<MapData, u64>,
 }
 
@@ -109,6 +116,15 @@ impl WaitSampler {
         self.link
             .run()
             .context("running the wait sampler's task iterator")?;
+        let pending = self
+            .config
+            .get(&PENDING_INDEX, 0)
+            .context("reading how many stacks the wait sampler's first pass left")?;
+        if pending > 0 {
+            self.stacks_link
+                .run()
+                .context("running the wait sampler's stack iterator")?;
+        }
         Ok(())
     }
 }
