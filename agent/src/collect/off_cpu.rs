@@ -92,9 +92,11 @@ pub const CLIENT_FRAME: &str = "[waiting for the client inside a transaction]";
 /// `PG_WAIT_CLIENT >> 24` (utils/wait_event.h, stable since PG 10).
 const PG_WAIT_CLASS_CLIENT: u32 = 0x06;
 
-/// The frame of waits left without a stack by the exact tracer's stack rate or the sampler's
-/// per-tick stack budget.
-pub const NOT_SAMPLED_FRAME: &str = "[off-CPU waits without a stack: over the stack rate or budget]";
+/// The frame of waits left without a stack by the exact tracer's stack rate, the sampler's
+/// per-tick stack budget, or a thread that left its wait before the sampler's second pass
+/// copied its stack.
+pub const NOT_SAMPLED_FRAME: &str =
+    "[off-CPU waits without a stack: over the stack rate or budget, or left before the copy]";
 
 /// The frame of waits measured without a stack because they were short.
 pub const SHORT_WAITS_FRAME: &str = "[off-CPU waits without a stack: below the threshold]";
