@@ -4,14 +4,16 @@
 # ignored test `sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm` runs (16 clients,
 # 128 statements into 100 entries, traced with --off-cpu=both). bench/offcpu_groundtruth.py then
 # compares, per class (futex, preempted, io), perf's time, perf's state at the wait sampler's
-# own instants, and the exact and sampled tracers' figures, and counts the threads that changed
-# state between an instant and the end of the sampler's run.
+# own instants, and the exact and sampled tracers' figures, counts the threads that changed
+# state between an instant and the end of the sampler's run, and draws a perfect sampler's
+# noise floor (as many random instants, judged by perf's record).
 #
 # perf recording every switch slows the storm (its waits come out shorter and rarer than
 # without), so the figures say where the error comes from, not how large it is unrecorded:
 # bench/offcpu-agreement.sh measures that. Ends with one line per run:
 #   offcpu-groundtruth: futex_exact_over_truth=… futex_instants_over_truth=…
 #   futex_sampled_over_instants=… preempted_…=… ran_during_run_per_instant=…
+#   perfect_futex_within_10pct=… perfect_comparable_within_10pct=…
 # A benchmark, not a test: it asserts nothing.
 #
 # Usage: bench/offcpu-groundtruth.sh [RUNS]   (needs root; real Postgres, real BPF, perf)

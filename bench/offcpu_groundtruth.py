@@ -21,7 +21,10 @@ instants costs (few independent samples, instants that coincide with the sampler
 and sampled/instants what the sampler misjudges at its instants. Also: how many of the threads
 off CPU at an instant ran before the sampler's thread went back to sleep, by class at the
 instant and after (the visits come later than the instant; a thread seen after it ran is seen
-in its new wait).
+in its new wait); and the noise floor: a perfect sampler, as many instants drawn at random
+over the same time, TRIALS times, how often its futex and comparable (futex + preempted + io)
+totals land within 10% of the truth. The lock waits come in convoys (many backends at once,
+for microseconds), so an instant that hits one counts many, and few are independent.
 
 The last line: `offcpu-groundtruth: futex_exact_over_truth=… futex_instants_over_truth=…
 futex_sampled_over_instants=… preempted_… ran_during_run_per_instant=…`.
@@ -29,6 +32,7 @@ futex_sampled_over_instants=… preempted_… ran_during_run_per_instant=…`.
 
 import bisect
 import collections
+import random
 import re
 import sys
 
@@ -40,6 +44,7 @@ SWITCH = re.compile(
 )
 TEST_ROW = re.compile(r"^(.{36}) (\S+)\s+client backend\s+([\d.]+)\s+([\d.]+)\s*$")
 CLASSES = ("futex", "preempted", "io")
+TRIALS = 50
 
 
 def switches(lines):
@@ -108,6 +113,8 @@ def main():
     ran = set()
     transitions = collections.Counter()
     instants = 0
+    first_instant = None
+    intervals = collections.defaultdict(list)  # tid -> [(left, back, class)]
     for t, prev_comm, prev_pid, prev_state, next_comm, next_pid, frames in events:
         if next_comm == SAMPLER_THREAD and (last_instant is None or t - last_instant > 0.002):
             if last_instant is not None:
@@ -118,6 +125,7 @@ def main():
                 snapshot = dict(off)
                 ran = set()
             last_instant = t
+            first_instant = first_instant if first_instant is not None else t
         if prev_comm == SAMPLER_THREAD and prev_state.startswith("S") and snapshot is not None:
             for tid, cls in snapshot.items():
                 if tid in ran:
@@ -128,7 +136,9 @@ def main():
             off[prev_pid] = class_of(prev_state, frames)
             since[prev_pid] = t
         if next_pid in off:
-            truth[off.pop(next_pid)] += t - since.pop(next_pid)
+            cls, left = off.pop(next_pid), since.pop(next_pid)
+            truth[cls] += t - left
+            intervals[next_pid].append((left, t, cls))
             if snapshot is not None:
                 ran.add(next_pid)
     if not instants:
@@ -158,7 +168,46 @@ def main():
             f"{cls}_sampled_over_instants={ratio(sampled.get(cls, 0.0), i_ms)}",
         ]
     ran_per_instant = sum(transitions.values()) / instants
-    print("offcpu-groundtruth: " + " ".join(figures) + f" ran_during_run_per_instant={ran_per_instant:.2f}")
+    floor = noise_floor(intervals, first_instant, last_instant, instants)
+    print(
+        f"a perfect sampler at {instants} random instants, {TRIALS} draws: futex within 10% of the "
+        f"truth in {floor['futex']:.0%}, futex + preempted + io in {floor['comparable']:.0%}"
+    )
+    print(
+        "offcpu-groundtruth: "
+        + " ".join(figures)
+        + f" ran_during_run_per_instant={ran_per_instant:.2f}"
+        + f" perfect_futex_within_10pct={floor['futex']:.2f}"
+        + f" perfect_comparable_within_10pct={floor['comparable']:.2f}"
+    )
+
+
+def noise_floor(intervals, start, end, count):
+    """How often a sampler that judged every thread rightly, at `count` instants drawn at random
+    in [start, end), lands within 10% of the true futex and comparable time over that span."""
+    truth = collections.Counter()
+    for waits in intervals.values():
+        for left, back, cls in waits:
+            overlap = min(back, end) - max(left, start)
+            if overlap > 0:
+                truth[cls] += overlap
+    starts = {tid: [w[0] for w in waits] for tid, waits in intervals.items()}
+    weight = (end - start) / count
+    rng = random.Random(1)
+    within = collections.Counter()
+    for _ in range(TRIALS):
+        seen = collections.Counter()
+        for t in (start + rng.random() * (end - start) for _ in range(count)):
+            for tid, waits in intervals.items():
+                i = bisect.bisect_right(starts[tid], t) - 1
+                if i >= 0 and waits[i][1] > t:
+                    seen[waits[i][2]] += weight
+        comparable = sum(truth[c] for c in CLASSES)
+        if truth["futex"] and abs(seen["futex"] / truth["futex"] - 1) <= 0.1:
+            within["futex"] += 1
+        if comparable and abs(sum(seen[c] for c in CLASSES) / comparable - 1) <= 0.1:
+            within["comparable"] += 1
+    return {k: within[k] / TRIALS for k in ("futex", "comparable")}
 
 
 if __name__ == "__main__":
