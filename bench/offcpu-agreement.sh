@@ -16,21 +16,17 @@ set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
-runs=${1:-5}
-test_name=sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm
+source scripts/lib/storm-test.sh
 
-scripts/install-deps.sh
-cargo build --locked -q -p pgscope-agent
-export PGSCOPE_BIN=$PWD/target/debug/pgscope
-cargo test --locked -q -p pgscope-tests --test off_cpu_sampled --no-run
+runs=${1:-5}
+storm_build
 
 ratios=()
 shares=()
 within=0
 for run in $(seq 1 "$runs"); do
     log=$(mktemp /tmp/pgscope-agreement.XXXXXX)
-    if cargo test --locked -q -p pgscope-tests --test off_cpu_sampled -- \
-        --ignored --exact "$test_name" --test-threads=1 --nocapture >"$log" 2>&1; then
+    if storm_run >"$log" 2>&1; then
         within=$((within + 1))
         verdict=within
     else

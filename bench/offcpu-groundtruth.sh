@@ -21,13 +21,10 @@ set -euo pipefail
 shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
-runs=${1:-1}
-test_name=sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm
+source scripts/lib/storm-test.sh
 
-scripts/install-deps.sh
-cargo build --locked -q -p pgscope-agent
-export PGSCOPE_BIN=$PWD/target/debug/pgscope
-cargo test --locked -q -p pgscope-tests --test off_cpu_sampled --no-run
+runs=${1:-1}
+storm_build
 
 work=$(mktemp -d /tmp/pgscope-groundtruth.XXXXXX)
 perf_pid=
@@ -45,8 +42,7 @@ for run in $(seq 1 "$runs"); do
         -o "$work/perf.data" 2>"$work/perf.err" &
     perf_pid=$!
     sleep 2
-    cargo test --locked -q -p pgscope-tests --test off_cpu_sampled -- \
-        --ignored --exact "$test_name" --test-threads=1 --nocapture >"$work/test.log" 2>&1 || true
+    storm_run >"$work/test.log" 2>&1 || true
     kill -INT "$perf_pid"
     wait "$perf_pid" || true
     perf_pid=

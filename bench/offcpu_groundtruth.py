@@ -27,7 +27,8 @@ totals land within 10% of the truth. The lock waits come in convoys (many backen
 for microseconds), so an instant that hits one counts many, and few are independent.
 
 The last line: `offcpu-groundtruth: futex_exact_over_truth=… futex_instants_over_truth=…
-futex_sampled_over_instants=… preempted_… ran_during_run_per_instant=…`.
+futex_sampled_over_instants=… preempted_… ran_during_run_per_instant=…
+perfect_futex_within_10pct=… perfect_comparable_within_10pct=…`.
 """
 
 import bisect
@@ -104,10 +105,9 @@ def main():
     busy = {tid for tid, n in counts.items() if n > MIN_SWITCHES}
     if not busy:
         sys.exit("offcpu_groundtruth: no postgres thread switched often enough: no storm recorded")
-    off = {}  # tid -> class, while off CPU
+    off = {}  # tid -> (class, switch-out time), while off CPU
     truth = collections.Counter()
     at_instants = collections.Counter()
-    since = {}  # tid -> switch-out time
     last_instant = None
     snapshot = None
     ran = set()
@@ -119,24 +119,23 @@ def main():
         if next_comm == SAMPLER_THREAD and (last_instant is None or t - last_instant > 0.002):
             if last_instant is not None:
                 weight = t - last_instant
-                for cls in off.values():
+                for cls, _ in off.values():
                     at_instants[cls] += weight
                 instants += 1
-                snapshot = dict(off)
+                snapshot = {tid: cls for tid, (cls, _) in off.items()}
                 ran = set()
             last_instant = t
             first_instant = first_instant if first_instant is not None else t
         if prev_comm == SAMPLER_THREAD and prev_state.startswith("S") and snapshot is not None:
             for tid, cls in snapshot.items():
                 if tid in ran:
-                    transitions[(cls, off.get(tid, "on CPU"))] += 1
+                    transitions[(cls, off[tid][0] if tid in off else "on CPU")] += 1
             snapshot = None
         # An exiting thread's last switch (X, Z) does not start a wait.
         if prev_comm == "postgres" and prev_pid in busy and prev_state[0] not in "XZ":
-            off[prev_pid] = class_of(prev_state, frames)
-            since[prev_pid] = t
+            off[prev_pid] = (class_of(prev_state, frames), t)
         if next_pid in off:
-            cls, left = off.pop(next_pid), since.pop(next_pid)
+            cls, left = off.pop(next_pid)
             truth[cls] += t - left
             intervals[next_pid].append((left, t, cls))
             if snapshot is not None:
@@ -193,6 +192,7 @@ def noise_floor(intervals, start, end, count):
                 truth[cls] += overlap
     starts = {tid: [w[0] for w in waits] for tid, waits in intervals.items()}
     weight = (end - start) / count
+    comparable = sum(truth[c] for c in CLASSES)
     rng = random.Random(1)
     within = collections.Counter()
     for _ in range(TRIALS):
@@ -202,7 +202,6 @@ def noise_floor(intervals, start, end, count):
                 i = bisect.bisect_right(starts[tid], t) - 1
                 if i >= 0 and waits[i][1] > t:
                     seen[waits[i][2]] += weight
-        comparable = sum(truth[c] for c in CLASSES)
         if truth["futex"] and abs(seen["futex"] / truth["futex"] - 1) <= 0.1:
             within["futex"] += 1
         if comparable and abs(sum(seen[c] for c in CLASSES) / comparable - 1) <= 0.1:
