@@ -272,10 +272,10 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
 ///   behind it), so few ticks see one and each sees many backends at once; over 20 s at 99 Hz
 ///   even a perfect sampler (perf's record of every switch read at as many random instants,
 ///   `bench/offcpu-groundtruth.sh`) lands within 10% of the true lock-wait time in only 45-56%
-///   of draws, and within 10% of the compared total in 78-86%;
+///   of draws, and within 10% of the compared total in 76-86%;
 /// - the sampler's own run: each takes one of the two CPUs for 50-250 us, and with 16 backends
 ///   changing state every few tens of microseconds, about 3 of them run between its instant
-///   and their visit and are seen in their new wait (lock-wait time 1.22-1.28 of perf's truth
+///   and their visit and are seen in their new wait (lock-wait time 1.07-1.28 of perf's truth
 ///   at the sampler's own instants); median total 1.15 of the exact tracer's over 5 runs with
 ///   the stacks copied in a second pass, 1.23 before.
 #[test]

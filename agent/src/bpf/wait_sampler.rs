@@ -1,10 +1,10 @@
 //! The wait sampler's clock: a thread of its own runs the task iterators at the profiling
 //! frequency, `sample_waits` and then, when that left it threads, `sample_wait_stacks` (their
-//! stacks, copied after every thread's wait is decided). Not the collection loop: a loop busy draining the ring buffer would
-//! delay the ticks, and run them at its quiet moments, which would bias what they see. Each run
-//! weighs the time since the last one (set in `wait_sample_config` before it); time a tick
-//! could not stand for (a thread held up for more than [`MAX_WEIGHT`]) is counted, not lost
-//! silently.
+//! stacks, copied after every thread's wait is decided). Not the collection loop: a loop busy
+//! draining the ring buffer would delay the ticks, and run them at its quiet moments, which
+//! would bias what they see. Each run weighs the time since the last one (set in
+//! `wait_sample_config` before it); time a tick could not stand for (a thread held up for more
+//! than [`MAX_WEIGHT`]) is counted, not lost silently.
 //!
 //! The thread runs at the lowest real-time priority, so that a tick runs when its timer
 //! fires. At normal priority, on busy CPUs, it waits its turn behind the threads that just
