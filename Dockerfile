@@ -12,7 +12,7 @@ FROM rust:1.95-bookworm AS build
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      clang llvm libbpf-dev bpftool build-essential pkg-config \
+      clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev build-essential pkg-config \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

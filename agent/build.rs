@@ -4,7 +4,8 @@
 //!
 //! The programs are split by family in `bpf/`, and [`BPF_PARTS`] lists them: one object, so
 //! that every program shares the maps, built from a unit this script writes that includes
-//! each part in order.
+//! each part in order. [`KFUNC_PARTS`] make a second object, of the programs that call kfuncs
+//! (aya cannot load those; libbpf loads it, sharing the first object's maps).
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -17,16 +18,35 @@ const BPF_PARTS: &[&str] = &[
     "maps.bpf.h",
     "attribution.bpf.h",
     "stacks.bpf.h",
+    "off_cpu_classes.bpf.h",
+    "wait_sampler.bpf.h",
     // Program families.
     "on_cpu.bpf.c",
     "function_probes.bpf.c",
     "processes.bpf.c",
     "off_cpu.bpf.c",
-    "wait_sampler.bpf.c",
+    "wait_iter.bpf.c",
 ];
 
-/// The object the agent embeds (`agent/src/bpf/mod.rs`).
+/// The parts of the kfunc object: the shared parts its programs use, then its programs. Every
+/// map it defines is also the main object's (it is created there and shared).
+const KFUNC_PARTS: &[&str] = &[
+    "maps.bpf.h",
+    "attribution.bpf.h",
+    "stacks.bpf.h",
+    "off_cpu_classes.bpf.h",
+    "wait_sampler.bpf.h",
+    "wait_targets.bpf.c",
+];
+
+/// The objects the agent embeds (`agent/src/bpf/mod.rs`, `agent/src/bpf/wait_targets.rs`).
 const BPF_OBJECT: &str = "pgscope.bpf.o";
+const KFUNC_OBJECT: &str = "pgscope-kfunc.bpf.o";
+
+/// The open-coded task iterator's state (include/uapi/linux/bpf.h, Linux 6.7): declared in
+/// the kfunc unit when the build machine's BTF predates it, so that the object builds anywhere
+/// (the kernel it runs on decides whether it loads).
+const BPF_ITER_TASK: &str = "struct bpf_iter_task { __u64 __opaque[3]; } __attribute__((aligned(8)));";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
@@ -42,17 +62,23 @@ fn main() {
     println!("cargo:rerun-if-changed={}", bpf_dir.display());
     check_every_part_is_listed(&bpf_dir);
     let unit = out_dir.join("pgscope.bpf.c");
-    std::fs::write(&unit, unit_source(&bpf_dir)).expect("write the BPF unit into OUT_DIR");
+    std::fs::write(&unit, unit_source(&bpf_dir, BPF_PARTS, "")).expect("write the BPF unit into OUT_DIR");
+    let vmlinux = std::fs::read_to_string(&vmlinux_h).expect("read vmlinux.h back");
+    let iter_task = if vmlinux.contains("struct bpf_iter_task {") {
+        ""
+    } else {
+        BPF_ITER_TASK
+    };
+    let kfunc_unit = out_dir.join("pgscope-kfunc.bpf.c");
+    std::fs::write(&kfunc_unit, unit_source(&bpf_dir, KFUNC_PARTS, iter_task))
+        .expect("write the kfunc BPF unit into OUT_DIR");
     generate_abi(
         &bpf_dir.join("include/pgscope.h"),
         &out_dir.join("pgscope_abi.rs"),
     );
-    compile_bpf(
-        &unit,
-        &out_dir.join(BPF_OBJECT),
-        &out_dir,
-        &bpf_dir.join("include"),
-    );
+    for (unit, object) in [(&unit, BPF_OBJECT), (&kfunc_unit, KFUNC_OBJECT)] {
+        compile_bpf(unit, &out_dir.join(object), &out_dir, &bpf_dir.join("include"));
+    }
 }
 
 fn check_every_part_is_listed(bpf_dir: &Path) {
@@ -61,9 +87,10 @@ fn check_every_part_is_listed(bpf_dir: &Path) {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let is_part = name.ends_with(".bpf.c") || name.ends_with(".bpf.h");
+        let listed = BPF_PARTS.contains(&name.as_str()) || KFUNC_PARTS.contains(&name.as_str());
         assert!(
-            !is_part || BPF_PARTS.contains(&name.as_str()),
-            "bpf/{name} is not in BPF_PARTS (agent/build.rs): add it where it belongs in the order"
+            !is_part || listed,
+            "bpf/{name} is in neither BPF_PARTS nor KFUNC_PARTS (agent/build.rs): add it where it belongs in the order"
         );
     }
 }
@@ -94,11 +121,12 @@ fn generate_abi(header: &Path, out: &Path) {
         .unwrap_or_else(|e| panic!("cannot write `{}`: {e}", out.display()));
 }
 
-/// The C unit: the headers every part needs, the license, then each part by absolute path.
-fn unit_source(bpf_dir: &Path) -> String {
+/// The C unit: the headers every part needs, `extra` declarations, the license, then each part
+/// by absolute path.
+fn unit_source(bpf_dir: &Path, parts: &[&str], extra: &str) -> String {
     let mut unit = String::from(
         "// SPDX-License-Identifier: GPL-2.0\n\
-         /* Written by agent/build.rs from BPF_PARTS: every pgscope BPF program in one object. */\n\
+         /* Written by agent/build.rs from its list of parts: one BPF object. */\n\
          #include \"vmlinux.h\"\n\
          #include <bpf/bpf_helpers.h>\n\
          #include <bpf/bpf_tracing.h>\n\
@@ -106,7 +134,11 @@ fn unit_source(bpf_dir: &Path) -> String {
          #include \"pgscope.h\"\n\n\
          char LICENSE[] SEC(\"license\") = \"GPL\";\n\n",
     );
-    for part in BPF_PARTS {
+    if !extra.is_empty() {
+        unit.push_str(extra);
+        unit.push_str("\n\n");
+    }
+    for part in parts {
         let path = bpf_dir
             .join(part)
             .canonicalize()

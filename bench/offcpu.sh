@@ -8,7 +8,7 @@
 # pays before it does anything, the floor under --off-cpu=exact). The variants are interleaved
 # and their order rotates from round to round. Printed: TPS ratios against no pgscope (mean and
 # per round), pgscope's CPU (utime + stime over the pgbench run) and peak RSS, and where BPF
-# time goes (run_cnt / run_time_ns of sample_waits, on_switch, on_cpu_sample and pgscope's other
+# time goes (run_cnt / run_time_ns of the wait sampler's programs, on_switch, on_cpu_sample and pgscope's other
 # programs, from kernel.bpf_stats_enabled, switched on for the run and restored after).
 # Then the agent (defaults, --frequency 19) with 10, 100 and 1000 connected backends, most of
 # them idle (one python3 process holds the connections and runs a light round-robin load of
@@ -145,7 +145,7 @@ stime_ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{print $13}'; }
 
 # run_cnt and run_time_ns of the BPF programs the process holds (found through the prog_id of its
 # file descriptors, so that programs of other pgscope processes on the host are left out), per
-# program name: "sample_waits_cnt sample_waits_ns on_switch_cnt on_switch_ns on_cpu_sample_cnt
+# program: "wait_sampler_cnt wait_sampler_ns on_switch_cnt on_switch_ns on_cpu_sample_cnt
 # on_cpu_sample_ns other_cnt other_ns" (other: all its other programs together).
 bpf_stats() {
   local ids
@@ -154,8 +154,11 @@ bpf_stats() {
 import json, sys
 ids = {int(i) for i in sys.argv[1:]}
 progs = [p for p in json.load(sys.stdin) if p["id"] in ids]
-named = ("sample_waits", "on_switch", "on_cpu_sample")
-print(*(sum(p.get(k, 0) for p in progs if p.get("name") == name) for name in named for k in ("run_cnt", "run_time_ns")),
+# The wait sampler programs (kernel names, 15 characters): the kfunc passes, or the iterators.
+wait_sampler = ("target_waits", "target_wait_sta", "target_waits_fl", "sample_waits", "sample_wait_sta")
+groups = (wait_sampler, ("on_switch",), ("on_cpu_sample",))
+named = [name for group in groups for name in group]
+print(*(sum(p.get(k, 0) for p in progs if p.get("name") in group) for group in groups for k in ("run_cnt", "run_time_ns")),
       *(sum(p.get(k, 0) for p in progs if p.get("name") not in named) for k in ("run_cnt", "run_time_ns")))' "${ids[@]}"
 }
 
@@ -338,7 +341,7 @@ python3 - "$work/runs" "$work/backends" "$work/pushes" "$work/dropped" "$work/no
 import math, statistics as st, sys
 runs_file, backends_file, pushes_file, dropped_file, notes_file = sys.argv[1:6]
 clients, secs, window, rate, push_to, elapsed = sys.argv[6:12]
-PROGS = ("sample_waits", "on_switch", "on_cpu_sample", "other programs")
+PROGS = ("wait sampler", "on_switch", "on_cpu_sample", "other programs")
 runs = []
 for line in open(runs_file):
     f = line.split()
@@ -381,7 +384,8 @@ for script in ("select", "tpcb"):
                      f"\n    BPF: {bpf_line(rs)}")
         print(line)
         combined.setdefault(variant, []).append(ratio(script, variant))
-print("  (sample_waits runs inside pgscope's read() of the iterator: its time is already in pgscope's CPU;\n"
+print("  (the wait sampler runs in pgscope's sampler thread, BPF_PROG_RUN or the iterator's read(): its time is\n"
+      "   already in pgscope's CPU;\n"
       "   the others run in the context of the task switched, interrupted or traced: not in it)")
 
 backends = [l.split() for l in open(backends_file)]

@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   clang llvm libbpf-dev bpftool       # BPF programs: compiler, libbpf headers, vmlinux.h; clang
                                       # brings libclang, which bindgen loads to generate the ABI
+  libelf-dev zlib1g-dev               # static archives libbpf-sys links (libbpf-rs, the kfunc object)
   build-essential pkg-config          # C fixtures of the symbolizer tests, Rust build scripts
   binutils elfutils file              # strip/objcopy/readelf for fixtures and the debug-file split
   linux-perf                          # the perf agreement test

@@ -54,7 +54,8 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_SKIPPED = 17,	     /* sampled off CPU: target threads found running */
 	PGSCOPE_CNT_WAIT_OVER_BUDGET = 18,   /* degraded: sampled off CPU without a stack, over the tick's budget */
 	PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK = 19, /* degraded: sampled off CPU without a stack, it ran before the copy */
-	PGSCOPE_CNT_MAX = 20,
+	PGSCOPE_CNT_WAIT_THREADS_OVER = 20,   /* lost: a target thread the wait sampler's list had no room for */
+	PGSCOPE_CNT_MAX = 21,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -321,7 +322,11 @@ struct pgscope_wait_sample_task {
 	__u64 switches;
 	/* What the last sample was: enum pgscope_wait_sample_kind. */
 	__u32 kind;
-	__u32 _pad;
+	/* Ticks of a wait counted without stacks not yet added to its total, and their weight:
+	 * the kfunc passes add an idle thread's ticks to the hash map of totals every few ticks,
+	 * not at each (bpf/wait_sampler.bpf.h). */
+	__u32 deferred_ticks;
+	__u64 deferred_ns;
 	/* The attribution of the last sample (the key of a wait counted without stacks). */
 	struct pgscope_attribution attr;
 	/* Addresses that do not change once set (see pgscope_off_cpu_task). 0 until known. */
@@ -329,7 +334,7 @@ struct pgscope_wait_sample_task {
 	__u64 wait_event_ptr;
 };
 
-_Static_assert(sizeof(struct pgscope_wait_sample_task) == 64, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 72, "task storage: its size is the kernel's allocation per thread");
 
 /* pgscope_wait_sample_task.kind */
 enum pgscope_wait_sample_kind {

@@ -79,6 +79,7 @@ pub enum Counter {
     WaitSkipped = c::pgscope_counter::PGSCOPE_CNT_WAIT_SKIPPED,
     WaitOverBudget = c::pgscope_counter::PGSCOPE_CNT_WAIT_OVER_BUDGET,
     WaitRanBeforeStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK,
+    WaitThreadsOver = c::pgscope_counter::PGSCOPE_CNT_WAIT_THREADS_OVER,
 }
 
 const _: () = assert!(covers_every_value(
@@ -87,7 +88,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 21] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -108,6 +109,7 @@ impl Counter {
         Counter::WaitSkipped,
         Counter::WaitOverBudget,
         Counter::WaitRanBeforeStack,
+        Counter::WaitThreadsOver,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -136,6 +138,7 @@ impl Counter {
             Counter::WaitSkipped => "wait_sample_threads_on_cpu",
             Counter::WaitOverBudget => "wait_sample_stack_over_budget",
             Counter::WaitRanBeforeStack => "wait_sample_ran_before_stack",
+            Counter::WaitThreadsOver => "lost_wait_sample_threads_over",
         }
     }
 }

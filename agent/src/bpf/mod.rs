@@ -7,6 +7,7 @@ mod iter;
 mod open_waits;
 mod task_storage;
 mod wait_sampler;
+mod wait_targets;
 
 pub use open_waits::OpenWait;
 pub use wait_sampler::WaitSampling;
@@ -22,6 +23,7 @@ use aya::programs::{BtfTracePoint, PerfEvent, TracePoint, UProbe};
 use aya::util::online_cpus;
 use aya::Btf;
 use aya::Ebpf;
+use tracing::info;
 
 use abi::{
     CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, ProbeArgs, RelationLockKey,
@@ -29,6 +31,11 @@ use abi::{
 };
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
+
+/// Set to `iterators`, the wait sampler's passes are task iterators visiting every thread of
+/// the host even where the kernel could run the kfunc passes: for comparing the two, and the
+/// tests of the way older kernels sample.
+const WAIT_PASSES_ENV: &str = "PGSCOPE_WAIT_PASSES";
 
 /// Off-CPU stacks the wait sampler copies per tick at most (a copy is up to 16 KiB of a
 /// backend's stack, about what an on-CPU sample costs). Only threads that ran since the last
@@ -163,13 +170,32 @@ impl OnCpuProbes {
         Ok(())
     }
 
-    /// Loads the wait sampler: a sleepable task iterator that [`Self::start_wait_sampling`] runs
-    /// once per tick, sampling every thread of the profiled processes that is off CPU. Nothing
-    /// runs between ticks. Needs Linux 5.18 (bpf_copy_from_user_task).
+    /// Loads the wait sampler, which [`Self::start_wait_sampling`] runs once per tick, sampling
+    /// every thread of the profiled processes that is off CPU; nothing runs between ticks. Its
+    /// passes visit the targets' threads alone where the kernel has the kfuncs for it (Linux
+    /// 6.7), and every thread of the host through task iterators otherwise (Linux 5.18,
+    /// bpf_copy_from_user_task).
     pub fn attach_wait_sampler(&mut self) -> Result<()> {
-        let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
-        let link = self.attach_task_iterator("sample_waits", &btf)?;
-        let stacks_link = self.attach_task_iterator("sample_wait_stacks", &btf)?;
+        let forced = std::env::var_os(WAIT_PASSES_ENV).is_some_and(|value| value == "iterators");
+        let targets = if forced {
+            Err(anyhow!("{WAIT_PASSES_ENV}=iterators"))
+        } else {
+            wait_targets::TargetPasses::load(&self.ebpf)
+        };
+        let passes = match targets {
+            Ok(passes) => {
+                info!("the off-CPU sampler visits the profiled processes' threads at each tick");
+                wait_sampler::Passes::Targets(passes)
+            }
+            Err(error) => {
+                info!("the off-CPU sampler visits every thread of the host at each tick: {error:#}");
+                let btf = Btf::from_sys_fs().context("reading the kernel's BTF (/sys/kernel/btf/vmlinux)")?;
+                wait_sampler::Passes::Iterators {
+                    first: self.attach_task_iterator("sample_waits", &btf)?,
+                    second: self.attach_task_iterator("sample_wait_stacks", &btf)?,
+                }
+            }
+        };
         let map = self
             .ebpf
             .take_map("wait_sample_config")
@@ -178,11 +204,7 @@ impl OnCpuProbes {
         config
             .set(1, WAIT_STACKS_PER_TICK, 0)
             .context("setting the wait samples' stack budget")?;
-        self.wait_sampler = Some(wait_sampler::WaitSampler {
-            link,
-            stacks_link,
-            config,
-        });
+        self.wait_sampler = Some(wait_sampler::WaitSampler { passes, config });
         Ok(())
     }
 
@@ -594,6 +616,7 @@ impl Counters {
             Counter::RingbufFull,
             Counter::NoScratch,
             Counter::TargetsFull,
+            Counter::WaitThreadsOver,
             Counter::ProbeNoEntry,
             Counter::ProbeMapFull,
         ]

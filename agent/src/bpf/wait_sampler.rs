@@ -26,6 +26,7 @@ use aya::maps::{Array, MapData};
 use tracing::warn;
 
 use super::iter::IterLink;
+use super::wait_targets::TargetPasses;
 
 /// A sample weighs the time since the last run, up to this: a thread held up for longer does
 /// not make one sample stand for seconds.
@@ -38,12 +39,19 @@ const PENDING_INDEX: u32 = 4;
 /// below every other real-time one.
 const REALTIME_PRIORITY: i32 = 1;
 
+/// How a run's two passes reach the threads they sample. The first decides which thread waits
+/// where, as at the run's instant; the second copies the stacks of the threads the first left
+/// to it.
+pub(super) enum Passes {
+    /// Syscall programs visiting the targets' threads alone (`bpf/wait_targets.bpf.c`).
+    Targets(TargetPasses),
+    /// Task iterators visiting every thread of the host (`sample_waits`, `sample_wait_stacks`).
+    Iterators { first: IterLink, second: IterLink },
+}
+
 /// The loaded sampler, not running yet.
 pub struct WaitSampler {
-    /// The first pass (`sample_waits`): which thread waits where, as at the run's instant.
-    pub(super) link: IterLink,
-    /// The second pass (`sample_wait_stacks`): the stacks of the threads the first left to it.
-    pub(super) stacks_link: IterLink,
+    pub(super) passes: Passes,
     /// Index 0: the weight of the next run's samples (ns); index 4, after the first pass: how
     /// many threads it left to the second.
     pub(super) config: Array<MapData, u64>,
@@ -105,7 +113,18 @@ impl WaitSampler {
             over_max_ns.fetch_add((elapsed - weight).as_nanos() as u64, Ordering::Relaxed);
             if let Err(error) = self.tick(weight) {
                 warn!("off-CPU sampling stopped: {error:#}; on-CPU profiling goes on");
-                return;
+                break;
+            }
+        }
+        self.flush();
+    }
+
+    /// Adds the idle ticks the kfunc passes deferred in threads' storage to their totals; the
+    /// task iterators defer none.
+    fn flush(&self) {
+        if let Passes::Targets(passes) = &self.passes {
+            if let Err(error) = passes.flush() {
+                warn!("the last idle off-CPU ticks (at most 32 per thread) are not counted: {error:#}");
             }
         }
     }
@@ -114,17 +133,25 @@ impl WaitSampler {
         self.config
             .set(0, weight.as_nanos() as u64, 0)
             .context("setting the wait samples' weight")?;
-        self.link
-            .run()
-            .context("running the wait sampler's task iterator")?;
+        match &self.passes {
+            Passes::Targets(passes) => passes.run_first(),
+            Passes::Iterators { first, .. } => first
+                .run()
+                .map(drop)
+                .context("running the wait sampler's task iterator"),
+        }?;
         let pending = self
             .config
             .get(&PENDING_INDEX, 0)
             .context("reading how many stacks the wait sampler's first pass left")?;
         if pending > 0 {
-            self.stacks_link
-                .run()
-                .context("running the wait sampler's stack iterator")?;
+            match &self.passes {
+                Passes::Targets(passes) => passes.run_second(),
+                Passes::Iterators { second, .. } => second
+                    .run()
+                    .map(drop)
+                    .context("running the wait sampler's stack iterator"),
+            }?;
         }
         Ok(())
     }

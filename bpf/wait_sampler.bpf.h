@@ -1,36 +1,37 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * Sampled off-CPU time: a task iterator that user space runs once per profiling tick.
+ * Sampled off-CPU time: what a run of the wait sampler, once per profiling tick, does for one
+ * thread of a target, and its maps. Two ways reach the threads: the kfunc passes visit the
+ * targets' threads alone (wait_targets.bpf.c, Linux 6.7), task iterators every thread of the
+ * host (wait_iter.bpf.c, Linux 5.18).
  *
- * A part of the one BPF object: agent/build.rs includes the parts in the order of its
- * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
- * every program shares the maps. Not compiled on its own.
+ * A part of both BPF objects: agent/build.rs includes the parts of each in the order of its
+ * list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h. The main object
+ * creates every map defined here; the kfunc object shares them. Not compiled on its own.
  */
 
 /*
- * Each run visits every thread of the host and samples the target threads that are not on a
- * CPU: blocked (class from the syscall it blocked in, as the exact tracer tells them) or
- * runnable and waiting for a CPU (preempted). A thread on a CPU is the perf-event sampler's. A
- * sample weighs the tick (set by user space before the run), so that on- and off-CPU samples
- * add up to wall-clock time. Nothing runs on context switches: the cost is threads × ticks.
- * What is sampled is each thread as it was at the run's instant, when the sampler's thread was
- * due: a thread it displaced, or that was running then and blocked since, is the perf-event
- * sampler's.
+ * A run samples the target threads that are not on a CPU: blocked (class from the syscall it
+ * blocked in, as the exact tracer tells them) or runnable and waiting for a CPU (preempted). A
+ * thread on a CPU is the perf-event sampler's. A sample weighs the tick (set by user space
+ * before the run), so that on- and off-CPU samples add up to wall-clock time. Nothing runs on
+ * context switches: the cost is threads × ticks. What is sampled is each thread as it was at
+ * the run's instant, when the sampler's thread was due: a thread it displaced, or that was
+ * running then and blocked since, is the perf-event sampler's.
  *
  * What a sample carries is read from the thread's own memory with bpf_copy_from_user_task (the
- * iterator runs in pgscope's context, hence a sleepable program): what pg_stat_activity shows,
- * and the user stack above the registers saved when it entered the kernel. A thread that has
- * not run since its last sample (its switch counts unchanged) is in the same wait with the
- * same stack: it costs a 24-byte repeat record and no read of its memory. A run has two
- * passes: the first (sample_waits) decides each thread's sample, the second
- * (sample_wait_stacks, run only when the first left it work) copies the stacks. Idle waits (a
- * backend waiting for its client between statements, a background process in its main loop)
- * and waits for the client inside a transaction are counted per process and attribution, never
- * with a stack: that keeps 1000 idle connections at one hash update each per tick.
+ * passes run in pgscope's context, as sleepable programs): what pg_stat_activity shows, and the
+ * user stack above the registers saved when it entered the kernel. A thread that has not run
+ * since its last sample (its switch counts unchanged) is in the same wait with the same stack:
+ * it costs a 24-byte repeat record and no read of its memory. A run has two passes: the first
+ * decides each thread's sample, the second (run only when the first left it work) copies the
+ * stacks. Idle waits (a backend waiting for its client between statements, a background
+ * process in its main loop) and waits for the client inside a transaction are counted per
+ * process and attribution, never with a stack.
  *
- * The iterator's task is a pointer the verifier knows the type of: its fields (and those of
- * the structs it points to) are read with plain loads, faults caught, not a helper call each
- * (BPF_CORE_READ): ~660 ns per visit of an idle backend against ~740 ns.
+ * The thread's task is a pointer the verifier knows the type of: its fields (and those of the
+ * structs it points to) are read with plain loads, faults caught, not a helper call each
+ * (BPF_CORE_READ): ~660 ns per visit of an idle backend against ~740 ns (task iterators).
  */
 
 /* Set by user space before each run. Index 0: the weight of this run's samples (ns). Index 1:
@@ -72,6 +73,24 @@ struct {
 	__type(key, __u32);
 	__type(value, struct pgscope_sample);
 } wait_sample_scratch SEC(".maps");
+
+/* The threads of targets a run of the kfunc passes visits after its walk (wait_targets.bpf.c),
+ * and those its first pass left to the second. Defined here so that the main object
+ * creates it and the kfunc object shares it, like every other map. */
+#define WAIT_THREADS_MAX 16384
+struct wait_thread_list {
+	__u32 count;
+	__u32 pending;
+	__u32 tids[WAIT_THREADS_MAX];
+	__u32 pending_tids[WAIT_THREADS_MAX];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct wait_thread_list);
+} wait_sample_threads SEC(".maps");
 
 /* One word of the thread's memory; false when it cannot be read. */
 static __always_inline bool read_task_word(void *dst, __u32 size, __u64 address, struct task_struct *task)
@@ -167,8 +186,9 @@ static __always_inline __u64 copy_task_stack(struct pgscope_sample *s, struct ta
 	return 0;
 }
 
-/* Adds one tick to the wait counted without stacks under the thread's attribution. */
-static __always_inline void add_sampled_total(__u32 tgid, struct pgscope_attribution *attr, __u64 weight)
+/* Adds `ticks` ticks weighing `ns` in all to the wait counted without stacks under the thread's
+ * attribution. */
+static __always_inline void add_sampled_total(__u32 tgid, struct pgscope_attribution *attr, __u64 ns, __u32 ticks)
 {
 	struct pgscope_off_cpu_key key = {
 		.tgid = tgid,
@@ -176,15 +196,41 @@ static __always_inline void add_sampled_total(__u32 tgid, struct pgscope_attribu
 	};
 	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&wait_sample_totals, &key);
 
-	count(PGSCOPE_CNT_WAIT_NO_STACK);
 	if (total) {
-		total->ns += weight;
-		total->waits += 1;
+		total->ns += ns;
+		total->waits += ticks;
 		return;
 	}
-	struct pgscope_off_cpu_total first = { .ns = weight, .waits = 1 };
+	struct pgscope_off_cpu_total first = { .ns = ns, .waits = ticks };
 	if (bpf_map_update_elem(&wait_sample_totals, &key, &first, BPF_NOEXIST) != 0)
 		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+}
+
+/* Counts one tick of the thread's wait without a stack, now. */
+static __always_inline void count_sampled(__u32 tgid, struct pgscope_attribution *attr, __u64 weight)
+{
+	count(PGSCOPE_CNT_WAIT_NO_STACK);
+	add_sampled_total(tgid, attr, weight, 1);
+}
+
+/*
+ * The kfunc passes defer an idle thread's ticks in its task storage and add them to its total
+ * every WAIT_DEFER_TICKS ticks: the hash map's update was most of an idle backend's cost at each
+ * tick (~400 of ~700 ns, cold cache lines of the map's bucket, key and per-CPU value; measured
+ * with 1000 held connections at 19 Hz). The ticks are added when the thread leaves the wait (its
+ * next visit), when it exits (on_process_exit), and when the sampler stops (a last pass): the
+ * totals user space reads lag by at most this many ticks, and lose none.
+ */
+#define WAIT_DEFER_TICKS 32
+
+/* Adds the thread's deferred ticks to its total. */
+static __always_inline void flush_deferred(struct pgscope_wait_sample_task *state, __u32 tgid)
+{
+	if (!state->deferred_ticks)
+		return;
+	add_sampled_total(tgid, &state->attr, state->deferred_ns, state->deferred_ticks);
+	state->deferred_ns = 0;
+	state->deferred_ticks = 0;
 }
 
 /* Sends the thread's sample with its user stack; true when it went out. */
@@ -296,23 +342,64 @@ static __always_inline bool left_cpu_since_instant(struct task_struct *task)
 	return task->sched_info.last_arrival < *instant;
 }
 
-SEC("iter.s/task")
-int sample_waits(struct bpf_iter__task *ctx)
-{
-	struct task_struct *task = ctx->task;
+/* What a run's first pass left to the second for a thread. */
+enum wait_visit {
+	WAIT_VISIT_DONE = 0,	/* decided: skipped, repeated, or counted without a stack */
+	WAIT_VISIT_PENDING = 1, /* waits with a stack to copy: the second pass sends it */
+};
 
-	if (ctx->meta->seq_num == 0)
-		start_run();
-	if (!task)
-		return 0;
-	__u32 tgid = task->tgid;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
-		return 0;
+/*
+ * A thread that has not run since its last sample (its switch counts unchanged) is in the same
+ * wait with the same stack: its last sample is repeated, counted again without a stack or sent
+ * as a 24-byte repeat record, with no read of its memory. True when done so; false when the
+ * thread needs its visit. Sleeps in nothing (the kfunc passes call it under RCU).
+ */
+static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgid,
+					     struct pgscope_wait_sample_task *state, __u64 weight, bool defer)
+{
+	if (task->nvcsw + task->nivcsw + 1 != state->switches)
+		return false;
+	if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
+		if (!defer) {
+			count_sampled(tgid, &state->attr, weight);
+			return true;
+		}
+		count(PGSCOPE_CNT_WAIT_NO_STACK);
+		state->deferred_ns += weight;
+		if (++state->deferred_ticks >= WAIT_DEFER_TICKS)
+			flush_deferred(state, tgid);
+		return true;
+	}
+	if (state->kind != PGSCOPE_WAIT_SAMPLE_STACKS)
+		return false;
+	struct pgscope_wait_repeat repeat = {
+		.tgid = tgid,
+		.tid = task->pid,
+		.weight_ns = weight,
+		.magic = PGSCOPE_WAIT_REPEAT_MAGIC,
+	};
+	if (bpf_ringbuf_output(&samples, &repeat, sizeof(repeat), 0) == 0) {
+		count(PGSCOPE_CNT_WAIT_REPEATS);
+		return true;
+	}
+	count(PGSCOPE_CNT_RINGBUF_FULL);
+	/* Lost with the record: the next tick sends the whole sample again. */
+	state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+	return true;
+}
+
+/*
+ * A run's first pass, for one thread of a target (`tgid` is its process): decides its sample
+ * as at the run's instant. A thread on a CPU is the perf-event sampler's; an idle or client
+ * wait is counted without a stack; a thread that has not run since its last sample repeats it;
+ * any other wait is left to the second pass for its stack.
+ */
+static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *task, __u32 tgid)
+{
 	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
 	if (task->on_cpu || task->exit_state) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
-		return 0;
+		return WAIT_VISIT_DONE;
 	}
 	struct pgscope_wait_sample_task *state =
 		bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
@@ -320,41 +407,21 @@ int sample_waits(struct bpf_iter__task *ctx)
 	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	if (!state || !weight_ns) {
 		count(PGSCOPE_CNT_NO_SCRATCH);
-		return 0;
+		return WAIT_VISIT_DONE;
 	}
 	__u64 weight = *weight_ns;
-	__u32 tid = task->pid;
+	if (repeat_unchanged(task, tgid, state, weight, false))
+		return WAIT_VISIT_DONE;
+	/* It left the wait its deferred ticks are of: they go to that wait's total. */
+	flush_deferred(state, tgid);
 	__u64 switches = task->nvcsw + task->nivcsw + 1;
-
-	if (switches == state->switches) {
-		if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
-			add_sampled_total(tgid, &state->attr, weight);
-			return 0;
-		}
-		if (state->kind == PGSCOPE_WAIT_SAMPLE_STACKS) {
-			struct pgscope_wait_repeat repeat = {
-				.tgid = tgid,
-				.tid = tid,
-				.weight_ns = weight,
-				.magic = PGSCOPE_WAIT_REPEAT_MAGIC,
-			};
-			if (bpf_ringbuf_output(&samples, &repeat, sizeof(repeat), 0) == 0) {
-				count(PGSCOPE_CNT_WAIT_REPEATS);
-				return 0;
-			}
-			count(PGSCOPE_CNT_RINGBUF_FULL);
-			/* Lost with the record: the next tick sends the whole sample again. */
-			state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
-			return 0;
-		}
-	}
 	/* Switched since its last sample: it may have been on a CPU at the run's instant, and is
 	 * then the perf-event sampler's too. (Not switched since, it left its CPU before an earlier
 	 * tick, so before this one: the repeats above need no such check, which keeps an idle
 	 * backend at a few reads of its task.) */
 	if (left_cpu_since_instant(task)) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
-		return 0;
+		return WAIT_VISIT_DONE;
 	}
 
 	struct pgscope_pg_layout *layout = NULL;
@@ -374,39 +441,37 @@ int sample_waits(struct bpf_iter__task *ctx)
 		if (class == PGSCOPE_OFF_CPU_IDLE)
 			state->attr.query_id = 0;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
-		add_sampled_total(tgid, &state->attr, weight);
-		return 0;
+		count_sampled(tgid, &state->attr, weight);
+		return WAIT_VISIT_DONE;
 	}
-	/* Its stack is copied by the run's second pass (sample_wait_stacks): a copy takes most of
-	 * a visit, and with it here the threads visited after would be seen that much later, in
-	 * waits begun since the instant (on the eviction storm, backends woken by their clients
-	 * and queued on the lock while the run held one of the two CPUs). */
+	/* Its stack is copied by the run's second pass: a copy takes most of a visit, and with it
+	 * here the threads visited after would be seen that much later, in waits begun since the
+	 * instant (on the eviction storm, backends woken by their clients and queued on the lock
+	 * while the run held one of the two CPUs). */
 	state->kind = PGSCOPE_WAIT_SAMPLE_PENDING;
 	__u32 pending_index = WAIT_CONFIG_PENDING;
 	__u64 *pending = bpf_map_lookup_elem(&wait_sample_config, &pending_index);
 	if (pending)
 		*pending += 1;
-	return 0;
+	return WAIT_VISIT_PENDING;
+}
+
+/* At a run's second pass's start: no stacks sent yet. */
+static __always_inline void start_stack_pass(void)
+{
+	set_wait_config(WAIT_CONFIG_SENT, 0);
 }
 
 /*
- * A run's second pass, run by user space right after the first when that left threads to it:
- * sends each with the attribution the first pass read and the user stack it is still blocked
- * in. A thread that ran in between has left that wait, and its stack with it: it is counted
- * in the wait the first pass saw, without a stack, marked so.
+ * A run's second pass, for one thread: sends it with the attribution the first pass read and
+ * the user stack it is still blocked in. A thread that ran in between has left that wait, and
+ * its stack with it: it is counted in the wait the first pass saw, without a stack, marked so.
  */
-SEC("iter.s/task")
-int sample_wait_stacks(struct bpf_iter__task *ctx)
+static __always_inline void copy_waiting_stack(struct task_struct *task)
 {
-	struct task_struct *task = ctx->task;
-
-	if (ctx->meta->seq_num == 0)
-		set_wait_config(WAIT_CONFIG_SENT, 0);
-	if (!task)
-		return 0;
 	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
 	if (!state || state->kind != PGSCOPE_WAIT_SAMPLE_PENDING)
-		return 0;
+		return;
 	__u32 zero = 0, budget_index = 1, sent_index = WAIT_CONFIG_SENT;
 	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	__u64 *budget = bpf_map_lookup_elem(&wait_sample_config, &budget_index);
@@ -415,22 +480,22 @@ int sample_wait_stacks(struct bpf_iter__task *ctx)
 	if (!weight_ns || !budget || !sent) {
 		count(PGSCOPE_CNT_NO_SCRATCH);
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
-		return 0;
+		return;
 	}
 	if (task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches) {
 		count(PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK);
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
-		add_sampled_total(tgid, &state->attr, *weight_ns);
-		return 0;
+		count_sampled(tgid, &state->attr, *weight_ns);
+		return;
 	}
 	if (*sent >= *budget) {
 		/* The time is not lost with the stack: it is counted, marked as left without. */
 		count(PGSCOPE_CNT_WAIT_OVER_BUDGET);
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
-		add_sampled_total(tgid, &state->attr, *weight_ns);
-		return 0;
+		count_sampled(tgid, &state->attr, *weight_ns);
+		return;
 	}
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
 	if (send_wait_sample(state, task, tgid, task->pid, regs, *weight_ns)) {
@@ -439,5 +504,4 @@ int sample_wait_stacks(struct bpf_iter__task *ctx)
 	} else {
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 	}
-	return 0;
 }

@@ -1,0 +1,134 @@
+//! The wait sampler's passes over the targets' threads alone (`bpf/wait_targets.bpf.c`): two
+//! sleepable syscall programs that call kfuncs, run each tick with `BPF_PROG_RUN`. aya 0.14
+//! cannot load kfunc calls, so they are a second object, loaded with libbpf, that creates no
+//! map of its own: each of its maps is the main object's (aya's), handed over by descriptor
+//! before the load. Kernels without the kfuncs (before Linux 6.7) refuse the object, and the
+//! sampler runs its task iterators instead.
+
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd};
+
+use anyhow::{anyhow, Context, Result};
+use aya::maps::{Map, MapData};
+use aya::Ebpf;
+use libbpf_rs::{Object, ObjectBuilder, PrintLevel, ProgramInput};
+use tracing::debug;
+
+static KFUNC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope-kfunc.bpf.o"));
+
+/// The first pass: decides each thread's sample.
+const FIRST_PASS: &str = "target_waits";
+/// The second pass: copies the stacks of the threads the first left to it.
+const SECOND_PASS: &str = "target_wait_stacks";
+/// Run once when the sampler stops: adds the idle ticks deferred in threads' storage to their
+/// totals.
+const FLUSH: &str = "target_waits_flush";
+
+/// The kfunc object, loaded, its maps the main object's.
+pub struct TargetPasses {
+    object: Object,
+}
+
+impl TargetPasses {
+    /// Loads the kfunc object against `main`'s maps. An error says why the kernel refused it
+    /// (libbpf's own messages go to the debug log).
+    pub fn load(main: &Ebpf) -> Result<Self> {
+        libbpf_rs::set_print(Some((PrintLevel::Debug, log_libbpf)));
+        let mut open = ObjectBuilder::default()
+            .open_memory(KFUNC_OBJECT)
+            .context("opening the kfunc BPF object")?;
+        for mut map in open.maps_mut() {
+            let name = map.name().to_string_lossy().into_owned();
+            let shared = main
+                .map(&name)
+                .ok_or_else(|| anyhow!("the kfunc BPF object's map `{name}` is not the main object's"))?;
+            map.reuse_fd(map_fd(shared))
+                .with_context(|| format!("sharing the map `{name}` with the kfunc BPF object"))?;
+        }
+        let object = open.load().context(
+            "the kernel refused the kfunc BPF object (bpf_task_from_pid and task iterators need Linux 6.7)",
+        )?;
+        for name in [FIRST_PASS, SECOND_PASS, FLUSH] {
+            if !object.progs().any(|program| program.name() == OsStr::new(name)) {
+                return Err(anyhow!("the kfunc BPF object has no program `{name}`"));
+            }
+        }
+        Ok(Self { object })
+    }
+
+    /// Runs the first pass over every thread of the targets.
+    pub fn run_first(&self) -> Result<()> {
+        self.run(FIRST_PASS)
+    }
+
+    /// Runs the second pass over the threads the first left to it.
+    pub fn run_second(&self) -> Result<()> {
+        self.run(SECOND_PASS)
+    }
+
+    /// Adds every thread's deferred idle ticks to its total: run when the sampler stops, so
+    /// that the totals read after hold them all.
+    pub fn flush(&self) -> Result<()> {
+        self.run(FLUSH)
+    }
+
+    fn run(&self, name: &str) -> Result<()> {
+        let program = self
+            .object
+            .progs_mut()
+            .find(|program| program.name() == OsStr::new(name))
+            .ok_or_else(|| anyhow!("the kfunc BPF object has no program `{name}`"))?;
+        program
+            .test_run(ProgramInput::default())
+            .with_context(|| format!("running `{name}`"))?;
+        Ok(())
+    }
+}
+
+fn log_libbpf(level: PrintLevel, message: String) {
+    let message = message.trim_end();
+    match level {
+        PrintLevel::Warn => debug!(target: "pgscope::libbpf", "warning: {message}"),
+        _ => debug!(target: "pgscope::libbpf", "{message}"),
+    }
+}
+
+/// The descriptor of one of aya's maps, whatever its kind.
+fn map_fd(map: &Map) -> BorrowedFd<'_> {
+    map_data(map).fd().as_fd()
+}
+
+fn map_data(map: &Map) -> &MapData {
+    match map {
+        Map::Array(data)
+        | Map::ArrayOfMaps(data)
+        | Map::BloomFilter(data)
+        | Map::CgroupArray(data)
+        | Map::CgroupStorage(data)
+        | Map::CgrpStorage(data)
+        | Map::CpuMap(data)
+        | Map::DevMap(data)
+        | Map::DevMapHash(data)
+        | Map::HashMap(data)
+        | Map::HashOfMaps(data)
+        | Map::InodeStorage(data)
+        | Map::LpmTrie(data)
+        | Map::LruHashMap(data)
+        | Map::PerCpuArray(data)
+        | Map::PerCpuCgroupStorage(data)
+        | Map::PerCpuHashMap(data)
+        | Map::PerCpuLruHashMap(data)
+        | Map::PerfEventArray(data)
+        | Map::ProgramArray(data)
+        | Map::Queue(data)
+        | Map::ReusePortSockArray(data)
+        | Map::RingBuf(data)
+        | Map::SockHash(data)
+        | Map::SockMap(data)
+        | Map::SkStorage(data)
+        | Map::Stack(data)
+        | Map::StackTraceMap(data)
+        | Map::Unsupported(data)
+        | Map::XskMap(data) => data,
+    }
+}

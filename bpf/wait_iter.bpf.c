@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The wait sampler's passes as task iterators: each run visits every thread of the host, and
+ * samples the threads of targets (wait_sampler.bpf.h). The way on kernels without the kfuncs
+ * that visit the targets alone (wait_targets.bpf.c, Linux 6.7): sleepable task iterators need
+ * Linux 5.18.
+ *
+ * A part of the main BPF object: agent/build.rs includes the parts in the order of its
+ * BPF_PARTS list into a single unit, after vmlinux.h, libbpf's headers and pgscope.h, so that
+ * every program shares the maps. Not compiled on its own.
+ */
+
+SEC("iter.s/task")
+int sample_waits(struct bpf_iter__task *ctx)
+{
+	struct task_struct *task = ctx->task;
+
+	if (ctx->meta->seq_num == 0)
+		start_run();
+	if (!task)
+		return 0;
+	__u32 tgid = task->tgid;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		return 0;
+	visit_waiting_thread(task, tgid);
+	return 0;
+}
+
+SEC("iter.s/task")
+int sample_wait_stacks(struct bpf_iter__task *ctx)
+{
+	struct task_struct *task = ctx->task;
+
+	if (ctx->meta->seq_num == 0)
+		start_stack_pass();
+	if (task)
+		copy_waiting_stack(task);
+	return 0;
+}

@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * The wait sampler's passes visiting the targets' threads alone: user space runs them each
+ * tick with BPF_PROG_RUN (sleepable syscall programs, in its sampler thread's context, as the
+ * task iterators run). The first walks the host's threads, settles there those that need no
+ * read of their memory (on a CPU, or not run since their last sample: an idle backend), and
+ * visits the others after the walk (wait_sampler.bpf.h). Its cost is a walk step per thread of
+ * the host and a visit per target thread that ran since the last tick. The task iterators
+ * (wait_iter.bpf.c) visit every thread of the host with a sleepable program, and reached the
+ * eviction storm's backends 80-160 us after the run's instant, long enough for a few of them to
+ * have changed wait.
+ *
+ * Needs kfuncs (bpf_task_from_pid, the open-coded task iterator: Linux 6.7), which aya cannot
+ * load: this is the second BPF object, loaded with libbpf, sharing every map of the main one
+ * (agent/src/bpf/wait_targets.rs). Without them the iterators run instead.
+ *
+ * agent/build.rs includes the parts in the order of its KFUNC_PARTS list into a single unit,
+ * after vmlinux.h, libbpf's headers and pgscope.h. Not compiled on its own.
+ */
+
+extern struct task_struct *bpf_task_from_pid(s32 pid) __ksym;
+extern void bpf_task_release(struct task_struct *p) __ksym;
+extern int bpf_iter_task_new(struct bpf_iter_task *it, struct task_struct *task, unsigned int flags) __ksym;
+extern struct task_struct *bpf_iter_task_next(struct bpf_iter_task *it) __ksym;
+extern void bpf_iter_task_destroy(struct bpf_iter_task *it) __ksym;
+extern void bpf_rcu_read_lock(void) __ksym;
+extern void bpf_rcu_read_unlock(void) __ksym;
+
+/* enum bpf_iter_task_type (include/linux/bpf.h; not in vmlinux.h before Linux 6.7). */
+#define TASK_ITER_ALL_THREADS 1
+
+struct list_ctx {
+	struct wait_thread_list *list;
+};
+
+/*
+ * Walks the host's threads with the open-coded task iterator, and for each thread of a process
+ * in `targets` flagged for profiling does what needs no read of its memory: a thread on a CPU
+ * is skipped (the perf-event sampler's), one that has not run since its last sample repeats it
+ * (an idle backend costs this and no more). The others are listed for their visit, which may
+ * sleep in reads of their memory and so cannot run inside the walk (RCU). Not a walk of
+ * `targets` (bpf_for_each_map_elem): that visits each of its 65536 buckets, over a millisecond,
+ * every tick. A thread over the list's room is counted, its waits unsampled.
+ */
+static __always_inline void walk_target_threads(struct wait_thread_list *list, __u64 weight)
+{
+	struct bpf_iter_task threads;
+	struct task_struct *thread;
+
+	/* The count is kept in the map value, not a register: the verifier then sees the loop's
+	 * states converge. */
+	list->count = 0;
+	bpf_rcu_read_lock();
+	bpf_iter_task_new(&threads, NULL, TASK_ITER_ALL_THREADS);
+	while ((thread = bpf_iter_task_next(&threads))) {
+		__u32 tgid = thread->tgid;
+		__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+		if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+			continue;
+		if (thread->on_cpu || thread->exit_state) {
+			count(PGSCOPE_CNT_WAIT_SKIPPED);
+			continue;
+		}
+		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
+		if (state && repeat_unchanged(thread, tgid, state, weight, true))
+			continue;
+		__u32 n = list->count;
+		if (n >= WAIT_THREADS_MAX) {
+			count(PGSCOPE_CNT_WAIT_THREADS_OVER);
+			continue;
+		}
+		list->tids[n & (WAIT_THREADS_MAX - 1)] = thread->pid;
+		list->count = n + 1;
+	}
+	bpf_iter_task_destroy(&threads);
+	bpf_rcu_read_unlock();
+}
+
+/* bpf_loop over the listed threads: the first pass's visit. */
+static long visit_listed(__u64 index, struct list_ctx *ctx)
+{
+	struct wait_thread_list *list = ctx->list;
+	__u32 tid = list->tids[index & (WAIT_THREADS_MAX - 1)];
+	/* Gone since it was listed: nothing to sample. */
+	struct task_struct *task = bpf_task_from_pid(tid);
+	if (!task)
+		return 0;
+	if (visit_waiting_thread(task, task->tgid) == WAIT_VISIT_PENDING) {
+		__u32 n = list->pending;
+		if (n < WAIT_THREADS_MAX) {
+			list->pending_tids[n & (WAIT_THREADS_MAX - 1)] = tid;
+			list->pending = n + 1;
+		}
+	}
+	bpf_task_release(task);
+	return 0;
+}
+
+/* bpf_loop over the threads the first pass left: the second pass's copy. */
+static long copy_listed(__u64 index, struct list_ctx *ctx)
+{
+	struct task_struct *task = bpf_task_from_pid(ctx->list->pending_tids[index & (WAIT_THREADS_MAX - 1)]);
+	if (!task)
+		return 0;
+	copy_waiting_stack(task);
+	bpf_task_release(task);
+	return 0;
+}
+
+static __always_inline struct wait_thread_list *thread_list(void)
+{
+	__u32 zero = 0;
+	struct wait_thread_list *list = bpf_map_lookup_elem(&wait_sample_threads, &zero);
+	if (!list)
+		count(PGSCOPE_CNT_NO_SCRATCH);
+	return list;
+}
+
+SEC("syscall")
+int target_waits(void *unused)
+{
+	start_run();
+	struct wait_thread_list *list = thread_list();
+	if (!list)
+		return 0;
+	__u32 zero = 0;
+	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
+	if (!weight_ns)
+		return 0;
+	list->pending = 0;
+	walk_target_threads(list, *weight_ns);
+	struct list_ctx ctx = { .list = list };
+	bpf_loop(list->count, visit_listed, &ctx, 0);
+	return 0;
+}
+
+SEC("syscall")
+int target_wait_stacks(void *unused)
+{
+	start_stack_pass();
+	struct wait_thread_list *list = thread_list();
+	if (!list)
+		return 0;
+	struct list_ctx ctx = { .list = list };
+	__u32 pending = list->pending;
+	bpf_loop(pending, copy_listed, &ctx, 0);
+	return 0;
+}
+
+/* Run once when the sampler stops: adds every thread's deferred ticks to its total, so that
+ * the totals user space reads last hold them all. */
+SEC("syscall")
+int target_waits_flush(void *unused)
+{
+	struct bpf_iter_task threads;
+	struct task_struct *thread;
+
+	bpf_rcu_read_lock();
+	bpf_iter_task_new(&threads, NULL, TASK_ITER_ALL_THREADS);
+	while ((thread = bpf_iter_task_next(&threads))) {
+		__u32 tgid = thread->tgid;
+		if (!bpf_map_lookup_elem(&targets, &tgid))
+			continue;
+		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
+		if (state)
+			flush_deferred(state, tgid);
+	}
+	bpf_iter_task_destroy(&threads);
+	bpf_rcu_read_unlock();
+	return 0;
+}
