@@ -42,7 +42,8 @@ for run in $(seq 1 "$runs"); do
         -o "$work/perf.data" 2>"$work/perf.err" &
     perf_pid=$!
     sleep 2
-    storm_run >"$work/test.log" 2>&1 || true
+    # 20 s, not the test's 100: perf records every switch of the storm.
+    PGSCOPE_STORM_SECONDS=20 storm_run >"$work/test.log" 2>&1 || true
     kill -INT "$perf_pid"
     wait "$perf_pid" || true
     perf_pid=
