@@ -79,10 +79,15 @@ struct {
  * creates it and the kfunc object shares it, like every other map. */
 #define WAIT_THREADS_MAX 16384
 struct wait_thread_list {
-	__u32 count;
-	__u32 pending;
+	__u64 run;	    /* the run's number */
+	__u32 count;	    /* threads the run's walk listed */
+	__u32 pending;	    /* threads its first pass left to the second */
+	__u32 active;	    /* threads active in the last run: visited first */
+	__u32 next_active;  /* threads active in this run, so far */
 	__u32 tids[WAIT_THREADS_MAX];
 	__u32 pending_tids[WAIT_THREADS_MAX];
+	__u32 active_tids[WAIT_THREADS_MAX];
+	__u32 next_active_tids[WAIT_THREADS_MAX];
 };
 
 struct {
@@ -344,8 +349,9 @@ static __always_inline bool left_cpu_since_instant(struct task_struct *task)
 
 /* What a run's first pass left to the second for a thread. */
 enum wait_visit {
-	WAIT_VISIT_DONE = 0,	/* decided: skipped, repeated, or counted without a stack */
-	WAIT_VISIT_PENDING = 1, /* waits with a stack to copy: the second pass sends it */
+	WAIT_VISIT_DONE = 0,	 /* decided: skipped (on a CPU) or counted without a stack */
+	WAIT_VISIT_PENDING = 1,	 /* waits with a stack to copy: the second pass sends it */
+	WAIT_VISIT_REPEATED = 2, /* not run since its last sample, which was repeated */
 };
 
 /*
@@ -411,7 +417,7 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 	}
 	__u64 weight = *weight_ns;
 	if (repeat_unchanged(task, tgid, state, weight, false))
-		return WAIT_VISIT_DONE;
+		return WAIT_VISIT_REPEATED;
 	/* It left the wait its deferred ticks are of: they go to that wait's total. */
 	flush_deferred(state, tgid);
 	__u64 switches = task->nvcsw + task->nivcsw + 1;

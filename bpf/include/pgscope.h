@@ -332,9 +332,11 @@ struct pgscope_wait_sample_task {
 	/* Addresses that do not change once set (see pgscope_off_cpu_task). 0 until known. */
 	__u64 status_entry;
 	__u64 wait_event_ptr;
+	/* The kfunc passes' run that last visited it before their walk (bpf/wait_targets.bpf.c). */
+	__u64 visited_run;
 };
 
-_Static_assert(sizeof(struct pgscope_wait_sample_task) == 72, "task storage: its size is the kernel's allocation per thread");
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 80, "task storage: its size is the kernel's allocation per thread");
 
 /* pgscope_wait_sample_task.kind */
 enum pgscope_wait_sample_kind {
