@@ -120,8 +120,14 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = bpf_task_from_pid(tid);
 	if (!task)
 		return 0;
+	/* Still a profiled process's: since the last run its process may have left the targets
+	 * (exec), or the thread exited and another took its pid. */
+	__u32 tgid = task->tgid;
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
 	struct pgscope_wait_sample_task *state =
-		bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+		flags && (*flags & PGSCOPE_TARGET_PROFILE)
+			? bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE)
+			: NULL;
 	if (state) {
 		state->visited_run = list->run;
 		visit_thread(list, task, tid);
