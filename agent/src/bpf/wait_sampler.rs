@@ -1,6 +1,8 @@
-//! The wait sampler's clock: a thread of its own runs the task iterators at the profiling
-//! frequency, `sample_waits` and then, when that left it threads, `sample_wait_stacks` (their
-//! stacks, copied after every thread's wait is decided). Not the collection loop: a loop busy
+//! The wait sampler's clock: a thread of its own runs the sampler's two passes at the profiling
+//! frequency, the first and then, when that left it threads, the second (their stacks, copied
+//! after every thread's wait is decided): the kfunc programs over the profiled processes'
+//! threads (`wait_targets`), or the task iterators over every thread of the host
+//! ([`Passes`]). Not the collection loop: a loop busy
 //! draining the ring buffer would delay the ticks, and run them at its quiet moments, which
 //! would bias what they see. Each run weighs the time since the last one (set in
 //! `wait_sample_config` before it); time a tick could not stand for (a thread held up for more
