@@ -428,7 +428,8 @@ fn traced_client_waits(rows: &[OffCpuWait]) -> BTreeMap<String, f64> {
 /// counts and the off-CPU profile does not: those events are 0.1-0.2% of the waits here.
 ///
 /// The poller runs in the test's thread, over its own connection, while pgscope (a process of
-/// its own) traces the same 10 s.
+/// its own) traces the same 10 s. Like pgscope's sampler it runs at real-time priority, so that
+/// its reads are of the instants its timer picks (see `sample_activity`).
 #[test]
 fn sampled_waits_agree_with_pg_stat_activity_polled_meanwhile() -> Result<()> {
     require_root_and_bpf();
