@@ -14,6 +14,7 @@ mod fuzz_tests;
 #[cfg(test)]
 mod fuzzing;
 mod input_file;
+mod liveness;
 mod model;
 mod output_file;
 mod postgres;

@@ -4,7 +4,6 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
 
 use tracing::debug;
 
@@ -627,7 +626,7 @@ impl Session {
             .live_pids
             .iter()
             .copied()
-            .filter(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+            .filter(|pid| !crate::liveness::exists(*pid))
             .collect();
         for &pid in &exited {
             self.symbolizer.forget_process(pid);

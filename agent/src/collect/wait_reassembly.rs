@@ -4,7 +4,6 @@
 //! only what was not shipped. The session places what comes out with its instance.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use crate::bpf::abi::{LongWaitEnd, OffCpuClass, WaitEnd, OFF_CPU_LONG_NS};
 use crate::bpf::OpenWait;
@@ -80,8 +79,7 @@ impl WaitReassembly {
         // A wait that ended is forgotten with its end record; one whose end record never came
         // (its process gone) is forgotten here.
         self.shipped_open.retain(|(tid, start), _| {
-            open.iter().any(|w| w.tid == *tid && w.start_ns == *start)
-                || Path::new(&format!("/proc/{tid}")).exists()
+            open.iter().any(|w| w.tid == *tid && w.start_ns == *start) || crate::liveness::exists(*tid)
         });
         let mut parts = Vec::new();
         for wait in open.iter().filter(|w| w.so_far_ns >= OFF_CPU_LONG_NS) {

@@ -6,7 +6,6 @@
 //! are shipped as far as they went (`Session::ship_open_waits`).
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use tracing::warn;
 
@@ -74,7 +73,7 @@ impl Tracker {
                     still_open: false,
                 });
             }
-            if Path::new(&format!("/proc/{}", key.tgid)).exists() {
+            if crate::liveness::exists(key.tgid) {
                 taken.insert(key, total.ns);
             } else {
                 exited.push(key);

@@ -322,7 +322,7 @@ impl AgentProbes {
             // The function's own time: the traps of the probed calls it made are not its cost.
             // Both counts are cumulative, so the interval's delta is corrected too.
             stats.total_ns = corrected_total_ns(&stats, ns_per_hit);
-            if !std::path::Path::new(&format!("/proc/{}", key.tgid)).exists() {
+            if !crate::liveness::exists(key.tgid) {
                 exited.insert(key.tgid);
             }
             let root = self.placed.root_of(key.tgid, session.placed_in(key.tgid));
