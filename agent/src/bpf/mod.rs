@@ -3,6 +3,7 @@
 //! counters. Dropping [`OnCpuProbes`] detaches every program (aya closes the links).
 
 pub mod abi;
+mod batch_keys;
 mod iter;
 mod open_waits;
 mod task_storage;
@@ -311,7 +312,13 @@ impl OnCpuProbes {
     /// Every process in the in-kernel filter: the traced backend, or an instance's postmaster
     /// and every child followed so far.
     pub fn target_pids(&self) -> Result<Vec<u32>> {
-        let targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(self.map("targets")?)?;
+        let map = self.map("targets")?;
+        if let Some(pids) = batch_keys::hash_keys::<u32>(wait_targets::map_fd(map), size_of::<u8>())
+            .context("listing the target map")?
+        {
+            return Ok(pids);
+        }
+        let targets: BpfHashMap<_, u32, u8> = BpfHashMap::try_from(map)?;
         targets
             .keys()
             .collect::<Result<Vec<u32>, _>>()

@@ -94,7 +94,7 @@ fn log_libbpf(level: PrintLevel, message: String) {
 }
 
 /// The descriptor of one of aya's maps, whatever its kind.
-fn map_fd(map: &Map) -> BorrowedFd<'_> {
+pub(super) fn map_fd(map: &Map) -> BorrowedFd<'_> {
     map_data(map).fd().as_fd()
 }
 
