@@ -18,7 +18,7 @@ pub const DUTY_TICK: Duration = Duration::from_millis(50);
 
 /// How often the samples waiting for their statement's queryid are looked up in their backends'
 /// memory between batches of samples: a client waiting a few tens of milliseconds between
-/// statements leaves the last one's queryid readable that long. A no-op when none waits.
+/// statements leaves the last one's queryid readable that long. Not armed while none waits.
 const HELD_TICK: Duration = Duration::from_millis(10);
 
 /// Whether the loop goes on after a front end's event.
@@ -91,8 +91,9 @@ pub async fn run<P: Policy>(
                 policy.each_second(session, probes);
             }
             _ = duty.tick() => policy.duty_tick(session, probes)?,
-            // A backend gone idle after its last sample sends none to trigger the read.
-            _ = held.tick() => session.resolve_held_from_memory(),
+            // A backend gone idle after its last sample sends none to trigger the read. Off
+            // while no sample waits: 100 wakeups a second of an agent with nothing to do.
+            _ = held.tick(), if session.holds_samples() => session.resolve_held_from_memory(),
             event = policy.next_event() => {
                 if let Flow::Stop = policy.handle(event, session, probes, ring.get_mut()).await? {
                     break;

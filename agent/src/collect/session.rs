@@ -500,7 +500,7 @@ impl Session {
     /// for its client after a statement too short to be sampled again); a few small reads of
     /// each waiting backend's memory. The loop calls it after each batch of samples.
     pub fn resolve_held_from_memory(&mut self) {
-        if self.statements.is_empty() {
+        if !self.holds_samples() {
             return;
         }
         let (instances, reader) = (&self.instances, &mut self.statement_reader);
@@ -512,6 +512,11 @@ impl Session {
                 .flatten()
         });
         self.add_released(released);
+    }
+
+    /// Whether samples wait for their statement's queryid.
+    pub fn holds_samples(&self) -> bool {
+        !self.statements.is_empty()
     }
 
     /// Adds the samples still waiting for their statement's queryid as they are (queryid 0),
