@@ -232,13 +232,12 @@ int on_function_entry(struct pt_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
 	__u64 cookie = bpf_get_attach_cookie(ctx);
 	__u32 function = (__u32)cookie;
 	__u32 slot = cookie >> 32;
 	__u64 *hits;
 
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE)) {
+	if (!profiled(tgid)) {
 		hits = bpf_map_lookup_elem(&foreign_function_hits, &function);
 		if (hits)
 			*hits += 1;

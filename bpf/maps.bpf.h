@@ -15,6 +15,13 @@ struct {
 	__type(value, __u8); /* enum pgscope_target_flags */
 } targets SEC(".maps");
 
+/* Whether process `tgid` is profiled: in `targets`, flagged for it (not only followed). */
+static __always_inline bool profiled(__u32 tgid)
+{
+	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
+	return flags && (*flags & PGSCOPE_TARGET_PROFILE);
+}
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 8 << 20);

@@ -13,9 +13,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+	if (!profiled(tgid))
 		return 0;
 	count(PGSCOPE_CNT_SAMPLES);
 

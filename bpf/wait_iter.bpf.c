@@ -20,8 +20,7 @@ int sample_waits(struct bpf_iter__task *ctx)
 	if (!task)
 		return 0;
 	__u32 tgid = task->tgid;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-	if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+	if (!profiled(tgid))
 		return 0;
 	visit_waiting_thread(task, tgid);
 	return 0;

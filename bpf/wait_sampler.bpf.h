@@ -86,8 +86,9 @@ struct wait_thread_list {
 	__u32 next_active;  /* threads active in this run, so far */
 	__u32 tids[WAIT_THREADS_MAX];
 	__u32 pending_tids[WAIT_THREADS_MAX];
-	__u32 active_tids[WAIT_THREADS_MAX];
-	__u32 next_active_tids[WAIT_THREADS_MAX];
+	/* Threads active in a run, by its parity: a run visits first those of the half the last
+	 * run wrote (run & 1) and notes its own in the other. */
+	__u32 active_tids[2][WAIT_THREADS_MAX];
 };
 
 struct {

@@ -39,7 +39,7 @@ static __always_inline void note_active(struct wait_thread_list *list, __u32 tid
 	__u32 n = list->next_active;
 	if (n >= WAIT_THREADS_MAX)
 		return;
-	list->next_active_tids[n & (WAIT_THREADS_MAX - 1)] = tid;
+	list->active_tids[(list->run + 1) & 1][n & (WAIT_THREADS_MAX - 1)] = tid;
 	list->next_active = n + 1;
 }
 
@@ -64,8 +64,7 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 	bpf_iter_task_new(&threads, NULL, TASK_ITER_ALL_THREADS);
 	while ((thread = bpf_iter_task_next(&threads))) {
 		__u32 tgid = thread->tgid;
-		__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
-		if (!flags || !(*flags & PGSCOPE_TARGET_PROFILE))
+		if (!profiled(tgid))
 			continue;
 		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
 		/* Visited before the walk, as active in the last run. */
@@ -112,22 +111,18 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
  * the run's instant. A busy backend changes state every few tens of microseconds, and the walk
  * takes ~165 ns per thread of the host (on this VM, ~50 us before it reaches Postgres' threads,
  * the newest): visited after it, a few would be seen in a wait begun since the instant. Marked,
- * so that the walk does not visit them again. */
+ * so that the walk does not visit them again. Since the last run a thread's process may have
+ * left the targets (exec), or the thread exited and another took its pid: checked again. */
 static long visit_active(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
-	__u32 tid = list->active_tids[index & (WAIT_THREADS_MAX - 1)];
+	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
 	struct task_struct *task = bpf_task_from_pid(tid);
 	if (!task)
 		return 0;
-	/* Still a profiled process's: since the last run its process may have left the targets
-	 * (exec), or the thread exited and another took its pid. */
-	__u32 tgid = task->tgid;
-	__u8 *flags = bpf_map_lookup_elem(&targets, &tgid);
 	struct pgscope_wait_sample_task *state =
-		flags && (*flags & PGSCOPE_TARGET_PROFILE)
-			? bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE)
-			: NULL;
+		profiled(task->tgid) ? bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE)
+				     : NULL;
 	if (state) {
 		state->visited_run = list->run;
 		visit_thread(list, task, tid);
@@ -136,25 +131,17 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 	return 0;
 }
 
-/* bpf_loop over the threads the walk listed: the rest of the first pass's visits. */
+/* bpf_loop over the threads the walk listed (checked there): the rest of the first pass's
+ * visits. One gone since is not sampled. */
 static long visit_listed(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
 	__u32 tid = list->tids[index & (WAIT_THREADS_MAX - 1)];
-	/* Gone since it was listed: nothing to sample. */
 	struct task_struct *task = bpf_task_from_pid(tid);
 	if (!task)
 		return 0;
 	visit_thread(list, task, tid);
 	bpf_task_release(task);
-	return 0;
-}
-
-/* bpf_loop: this run's active threads become the next run's. */
-static long keep_active(__u64 index, struct list_ctx *ctx)
-{
-	struct wait_thread_list *list = ctx->list;
-	list->active_tids[index & (WAIT_THREADS_MAX - 1)] = list->next_active_tids[index & (WAIT_THREADS_MAX - 1)];
 	return 0;
 }
 
@@ -196,8 +183,8 @@ int target_waits(void *unused)
 	bpf_loop(list->active, visit_active, &ctx, 0);
 	walk_target_threads(list, *weight_ns);
 	bpf_loop(list->count, visit_listed, &ctx, 0);
+	/* The next run reads the half this one wrote. */
 	list->active = list->next_active;
-	bpf_loop(list->active, keep_active, &ctx, 0);
 	return 0;
 }
 
