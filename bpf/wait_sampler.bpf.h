@@ -356,15 +356,16 @@ enum wait_visit {
 };
 
 /*
- * Repeats the thread's last sample: counted again without a stack, or sent as a 24-byte repeat
- * record of the stack sent last, with no read of its memory. With `defer`, a sample without a
- * stack is counted in the thread's storage, added to the totals every WAIT_DEFER_TICKS. False
- * when there is no sample to repeat (none yet, or its stack still to copy). Sleeps in nothing
- * (the kfunc passes call it under RCU).
+ * A thread that has not run since its last sample (its switch counts unchanged) is in the same
+ * wait with the same stack: its last sample is repeated, counted again without a stack or sent
+ * as a 24-byte repeat record, with no read of its memory. True when done so; false when the
+ * thread needs its visit. Sleeps in nothing (the kfunc passes call it under RCU).
  */
-static __always_inline bool repeat_last_sample(struct task_struct *task, __u32 tgid,
-					       struct pgscope_wait_sample_task *state, __u64 weight, bool defer)
+static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgid,
+					     struct pgscope_wait_sample_task *state, __u64 weight, bool defer)
 {
+	if (task->nvcsw + task->nivcsw + 1 != state->switches)
+		return false;
 	if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
 		if (!defer) {
 			count_sampled(tgid, &state->attr, weight);
@@ -394,57 +395,6 @@ static __always_inline bool repeat_last_sample(struct task_struct *task, __u32 t
 	return true;
 }
 
-/* A thread that has not run since its last sample (its switch counts unchanged) is in the same
- * wait with the same stack: its last sample is repeated. True when done so; false when the
- * thread needs its visit. */
-static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgid,
-					     struct pgscope_wait_sample_task *state, __u64 weight, bool defer)
-{
-	if (task->nvcsw + task->nivcsw + 1 != state->switches)
-		return false;
-	return repeat_last_sample(task, tgid, state, weight, defer);
-}
-
-/*
- * Whether the thread got its CPU after the run's instant (sched_info.last_arrival, in the run
- * queues' clock like the instant): at the instant it was off its CPU, waiting.
- */
-static __always_inline bool arrived_since_instant(struct task_struct *task)
-{
-	__u32 index = WAIT_CONFIG_INSTANT;
-	__u64 *instant = bpf_map_lookup_elem(&wait_sample_config, &index);
-	if (!instant || !*instant || !bpf_core_field_exists(task->sched_info.last_arrival))
-		return false;
-	return task->sched_info.last_arrival > *instant;
-}
-
-/*
- * A thread that ran after the run's instant, before its visit, was off its CPU at the instant;
- * when it has run once at most since its last sample (on a CPU now and not switched out since,
- * or switched out once, ending the run it began after the instant), nothing it did came between
- * that sample and the instant: it was still where that sample saw it (or woken from there, which
- * the exact tracer counts in the wait it ends, as the sampler does). That sample is repeated, as
- * the thread's state at the instant. Without this, a thread waiting for a CPU at the instant that
- * got it before its visit was taken for running (lost: its preempted time 0.63-0.82 of perf's on
- * the eviction storm), and one that then blocked was sampled in its next wait (futex time 1.02-1.19
- * of perf's). The thread's switch count is left as it was: its next visit reads it afresh. Several
- * runs since its last sample leave its state at the instant unknown: sampled as it is now.
- */
-static __always_inline bool repeat_as_at_instant(struct task_struct *task, __u32 tgid,
-						 struct pgscope_wait_sample_task *state, __u64 weight)
-{
-	__u64 switches = task->nvcsw + task->nivcsw + 1;
-	bool once = task->on_cpu ? switches == state->switches : switches == state->switches + 1;
-	if (!once || !arrived_since_instant(task))
-		return false;
-	/* The ticks it spent idle before are of that same wait. */
-	flush_deferred(state, tgid);
-	if (!repeat_last_sample(task, tgid, state, weight, false))
-		return false;
-	count(PGSCOPE_CNT_WAIT_AS_AT_INSTANT);
-	return true;
-}
-
 /*
  * A run's first pass, for one thread of a target (`tgid` is its process): decides its sample
  * as at the run's instant. A thread on a CPU is the perf-event sampler's; an idle or client
@@ -453,10 +403,8 @@ static __always_inline bool repeat_as_at_instant(struct task_struct *task, __u32
  */
 static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *task, __u32 tgid)
 {
-	/* On a CPU since before the instant: the perf-event sampler's. Exiting: gone before the
-	 * next tick. */
-	bool on_cpu = task->on_cpu;
-	if (task->exit_state || (on_cpu && !arrived_since_instant(task))) {
+	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
+	if (task->on_cpu || task->exit_state) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
 		return WAIT_VISIT_DONE;
 	}
@@ -469,13 +417,6 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		return WAIT_VISIT_DONE;
 	}
 	__u64 weight = *weight_ns;
-	if (repeat_as_at_instant(task, tgid, state, weight))
-		return WAIT_VISIT_DONE;
-	/* On a CPU, got after the instant, with no sample telling where it was then: unsampled. */
-	if (on_cpu) {
-		count(PGSCOPE_CNT_WAIT_SKIPPED);
-		return WAIT_VISIT_DONE;
-	}
 	if (repeat_unchanged(task, tgid, state, weight, false))
 		return WAIT_VISIT_REPEATED;
 	/* It left the wait its deferred ticks are of: they go to that wait's total. */

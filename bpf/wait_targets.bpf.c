@@ -70,16 +70,13 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 		/* Visited before the walk, as active in the last run. */
 		if (state && state->visited_run == list->run)
 			continue;
-		/* On a CPU since before the instant, or exiting. One on a CPU it got after the
-		 * instant is listed: its visit may tell where it was at the instant. */
-		bool on_cpu = thread->on_cpu;
-		if (thread->exit_state || (on_cpu && !arrived_since_instant(thread))) {
+		if (thread->on_cpu || thread->exit_state) {
 			count(PGSCOPE_CNT_WAIT_SKIPPED);
-			if (on_cpu)
+			if (thread->on_cpu)
 				note_active(list, thread->pid);
 			continue;
 		}
-		if (!on_cpu && state && repeat_unchanged(thread, tgid, state, weight, true))
+		if (state && repeat_unchanged(thread, tgid, state, weight, true))
 			continue;
 		__u32 n = list->count;
 		if (n >= WAIT_THREADS_MAX) {

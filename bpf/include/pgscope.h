@@ -55,8 +55,7 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_OVER_BUDGET = 18,   /* degraded: sampled off CPU without a stack, over the tick's budget */
 	PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK = 19, /* degraded: sampled off CPU without a stack, it ran before the copy */
 	PGSCOPE_CNT_WAIT_THREADS_OVER = 20,   /* lost: a target thread the wait sampler's list had no room for */
-	PGSCOPE_CNT_WAIT_AS_AT_INSTANT = 21,  /* sampled off CPU: ran after the instant, its last sample repeated */
-	PGSCOPE_CNT_MAX = 22,
+	PGSCOPE_CNT_MAX = 21,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */

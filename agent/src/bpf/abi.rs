@@ -80,7 +80,6 @@ pub enum Counter {
     WaitOverBudget = c::pgscope_counter::PGSCOPE_CNT_WAIT_OVER_BUDGET,
     WaitRanBeforeStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK,
     WaitThreadsOver = c::pgscope_counter::PGSCOPE_CNT_WAIT_THREADS_OVER,
-    WaitAsAtInstant = c::pgscope_counter::PGSCOPE_CNT_WAIT_AS_AT_INSTANT,
 }
 
 const _: () = assert!(covers_every_value(
@@ -89,7 +88,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 22] = [
+    pub const ALL: [Counter; 21] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -111,7 +110,6 @@ impl Counter {
         Counter::WaitOverBudget,
         Counter::WaitRanBeforeStack,
         Counter::WaitThreadsOver,
-        Counter::WaitAsAtInstant,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -141,7 +139,6 @@ impl Counter {
             Counter::WaitOverBudget => "wait_sample_stack_over_budget",
             Counter::WaitRanBeforeStack => "wait_sample_ran_before_stack",
             Counter::WaitThreadsOver => "lost_wait_sample_threads_over",
-            Counter::WaitAsAtInstant => "wait_samples_as_at_instant",
         }
     }
 }
