@@ -617,6 +617,16 @@ impl Counters {
         self.0[counter as usize]
     }
 
+    /// Counters with the given values, the others 0: for tests of what reads them.
+    #[cfg(test)]
+    pub fn with(values: &[(Counter, u64)]) -> Self {
+        let mut counters = Counters::default();
+        for &(counter, n) in values {
+            counters.0[counter as usize] = n;
+        }
+        counters
+    }
+
     /// Samples lost in the kernel, by reason, for the reasons that occurred.
     pub fn losses(&self) -> Vec<(Counter, u64)> {
         [

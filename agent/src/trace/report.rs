@@ -401,33 +401,66 @@ fn print_query_texts(queries: &[StatementCpu], texts: &HashMap<i64, String>, lim
 }
 
 fn print_losses(counters: &Counters, session: &Session) {
-    let (malformed, orphan_repeats) = (session.malformed, session.orphan_repeats);
-    let mut parts: Vec<String> = counters
-        .losses()
-        .into_iter()
-        .chain(counters.degradations())
-        .map(|(counter, n)| format!("{} {n}", counter.name()))
-        .collect();
+    for line in loss_lines(
+        counters,
+        session.malformed,
+        session.orphan_repeats,
+        session.unsampled_off_cpu_ns,
+    ) {
+        out!("{line}");
+    }
+}
+
+/// What was lost, and apart from it what was kept with part of its stack missing (its time is
+/// counted: under a partial stack, or the placeholder frame of waits without a stack), each
+/// against what it is a part of. One line each, when there is anything to say.
+fn loss_lines(
+    counters: &Counters,
+    malformed: u64,
+    orphan_repeats: u64,
+    unsampled_off_cpu_ns: u64,
+) -> Vec<String> {
+    let named = |pairs: Vec<(Counter, u64)>| -> Vec<String> {
+        pairs
+            .into_iter()
+            .map(|(counter, n)| format!("{} {n}", counter.name()))
+            .collect()
+    };
+    let mut lost = named(counters.losses());
     if malformed > 0 {
-        parts.push(format!("malformed {malformed}"));
+        lost.push(format!("malformed {malformed}"));
     }
     // Repeats of a wait sample that never arrived: each one a tick of off-CPU time lost.
     if orphan_repeats > 0 {
-        parts.push(format!("off_cpu_repeats_without_sample {orphan_repeats}"));
+        lost.push(format!("off_cpu_repeats_without_sample {orphan_repeats}"));
     }
-    if session.unsampled_off_cpu_ns > 0 {
-        parts.push(format!(
+    if unsampled_off_cpu_ns > 0 {
+        lost.push(format!(
             "off_cpu_ms_unsampled {:.1} (the sampler's thread was held up)",
-            session.unsampled_off_cpu_ns as f64 / 1e6
+            unsampled_off_cpu_ns as f64 / 1e6
         ));
     }
-    if !parts.is_empty() {
-        out!(
-            "sample losses: {} (of {} samples taken in the kernel)",
-            parts.join(", "),
-            counters.get(Counter::Samples)
-        );
+    let on_cpu = counters.get(Counter::Samples);
+    // Off-CPU samples that sought a stack: sent with one, or left without.
+    let off_cpu = counters.get(Counter::WaitSamples)
+        + counters.get(Counter::WaitRanBeforeStack)
+        + counters.get(Counter::WaitOverBudget);
+    let mut lines = Vec::new();
+    if !lost.is_empty() {
+        lines.push(format!(
+            "sample losses: {} (of {on_cpu} on-CPU samples taken in the kernel)",
+            lost.join(", ")
+        ));
     }
+    let degraded = named(counters.degradations());
+    if !degraded.is_empty() {
+        lines.push(format!(
+            "kept with part of their stack missing, their time counted: {} (of {on_cpu} on-CPU \
+             samples and {off_cpu} off-CPU samples that sought a stack)",
+            degraded.join(", ")
+        ));
+    }
+    lines
 }
 
 /// Names the sampled files that have neither a symbol table nor a debug file, once: their static
@@ -460,4 +493,48 @@ fn print_missing_symbols(session: &Session) {
 fn write_pprof(path: &Path, mode: OutputMode, profile: &Profile) -> Result<()> {
     let bytes = exporters::encode_pprof_gzip(profile).context("encoding the pprof profile")?;
     output_file::write(path, mode, &bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_left_without_a_stack_are_not_called_losses() {
+        let counters = Counters::with(&[
+            (Counter::Samples, 1290),
+            (Counter::WaitSamples, 1107),
+            (Counter::WaitRanBeforeStack, 457),
+        ]);
+        assert_eq!(
+            loss_lines(&counters, 0, 0, 0),
+            ["kept with part of their stack missing, their time counted: \
+              wait_sample_ran_before_stack 457 (of 1290 on-CPU samples and 1564 off-CPU samples \
+              that sought a stack)"]
+        );
+    }
+
+    #[test]
+    fn losses_and_degradations_get_a_line_each() {
+        let counters = Counters::with(&[
+            (Counter::Samples, 100),
+            (Counter::RingbufFull, 3),
+            (Counter::UserStackFault, 2),
+        ]);
+        let lines = loss_lines(&counters, 1, 0, 2_500_000);
+        assert_eq!(
+            lines,
+            [
+                "sample losses: lost_ringbuf_full 3, malformed 1, off_cpu_ms_unsampled 2.5 (the \
+                 sampler's thread was held up) (of 100 on-CPU samples taken in the kernel)",
+                "kept with part of their stack missing, their time counted: user_stack_partial 2 \
+                 (of 100 on-CPU samples and 0 off-CPU samples that sought a stack)",
+            ]
+        );
+    }
+
+    #[test]
+    fn nothing_lost_nothing_said() {
+        assert!(loss_lines(&Counters::with(&[(Counter::Samples, 10)]), 0, 0, 0).is_empty());
+    }
 }
