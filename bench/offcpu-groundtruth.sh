@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the sampled off-CPU time of the pg_stat_statements eviction storm goes wrong, against a
 # ground truth: perf records every context switch of the host (with kernel stacks) while the
-# ignored test `sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm` runs (16 clients,
+# test `sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm` runs (16 clients,
 # 128 statements into 100 entries, traced with --off-cpu=both). bench/offcpu_groundtruth.py then
 # compares, per class (futex, preempted, io), perf's time, perf's state at the wait sampler's
 # own instants, and the exact and sampled tracers' figures, counts the threads that changed
@@ -42,7 +42,7 @@ for run in $(seq 1 "$runs"); do
         -o "$work/perf.data" 2>"$work/perf.err" &
     perf_pid=$!
     sleep 2
-    # 20 s, not the test's 100: perf records every switch of the storm.
+    # 20 s, not the test's 200: perf records every switch of the storm.
     PGSCOPE_STORM_SECONDS=20 storm_run >"$work/test.log" 2>&1 || true
     kill -INT "$perf_pid"
     wait "$perf_pid" || true

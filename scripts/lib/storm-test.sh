@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# The pg_stat_statements eviction storm's agreement test (tests/tests/off_cpu_sampled.rs, ignored
-# in `make test`), as the off-CPU benchmarks run it (sourced, not run). `storm_build` installs
+# The pg_stat_statements eviction storm's agreement test (tests/tests/off_cpu_sampled.rs, part
+# of `make test`), as the off-CPU benchmarks run it again and again (sourced, not run). `storm_build` installs
 # what it needs and builds pgscope and the test once; `storm_run` runs it once, its output on
 # stdout and stderr, its status the test's.
 
@@ -15,5 +15,5 @@ storm_build() {
 
 storm_run() {
   cargo test --locked -q -p pgscope-tests --test off_cpu_sampled -- \
-    --ignored --exact "$STORM_TEST" --test-threads=1 --nocapture
+    --exact "$STORM_TEST" --test-threads=1 --nocapture
 }
