@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # The pg_stat_statements eviction storm's agreement test (tests/tests/off_cpu_sampled.rs, part
-# of `make test`), as the off-CPU benchmarks run it again and again (sourced, not run). `storm_build` installs
-# what it needs and builds pgscope and the test once; `storm_run` runs it once, its output on
-# stdout and stderr, its status the test's.
+# of `make test`), as the off-CPU benchmarks run it again and again (sourced, not run).
+# `storm_build` installs what it needs and builds pgscope and the test once; `storm_run` runs it
+# once, its output on stdout and stderr, its status the test's.
 
 STORM_TEST=sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm
 

@@ -272,7 +272,7 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
 ///   even a perfect sampler (perf's record of every switch read at as many random instants,
 ///   `bench/offcpu-groundtruth.sh`) lands within 10% of the true lock-wait time in only 45-60%
 ///   of draws, and within 10% of the compared total in 62-86%;
-/// - runs of 100 s met both bounds in 18 of 18 runs (session 32), but spread widely:
+/// - runs of 100 s met both bounds in 18 of 18 runs (2026-11-27), but spread widely:
 ///   sampled/exact 0.905-1.096, mean 1.018, standard deviation 0.052, so about one run in 15
 ///   would fall outside 10%. Runs of 200 s: 1.012-1.061 over 6 runs, mean 1.034, standard
 ///   deviation 0.019;

@@ -41,15 +41,15 @@ fn hash_keys_in_batches<K: Copy + Default>(
 ) -> io::Result<Option<Vec<K>>> {
     let mut keys = Vec::new();
     let mut batch = first_batch.max(1);
-    // The position token of hash maps: a bucket index (u32), opaque to user space.
-    let mut position: u32 = 0;
-    let mut first = true;
+    // The position token of hash maps: a bucket index (u32), opaque to user space; none before
+    // the first call.
+    let mut position: Option<u32> = None;
     loop {
         let mut chunk = vec![K::default(); batch];
         let mut values = vec![0u8; batch * value_size.max(1)];
         let mut next: u32 = 0;
         let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { &position as *const u32 as u64 },
+            in_batch: position.as_ref().map_or(0, |p| p as *const u32 as u64),
             out_batch: &mut next as *mut u32 as u64,
             keys: chunk.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
@@ -77,12 +77,13 @@ fn hash_keys_in_batches<K: Copy + Default>(
                 if error.is_some() {
                     return Ok(Some(keys));
                 }
-                position = next;
-                first = false;
+                position = Some(next);
             }
             // A bucket larger than the batch: the same position again, with room for it.
             Some(libc::ENOSPC) if batch < 1 << 20 => batch *= 2,
-            Some(libc::EINVAL) | Some(libc::ENOTSUP) | Some(libc::EOPNOTSUPP) if first => return Ok(None),
+            Some(libc::EINVAL) | Some(libc::ENOTSUP) | Some(libc::EOPNOTSUPP) if position.is_none() => {
+                return Ok(None)
+            }
             _ => return Err(error.unwrap_or_else(|| io::Error::other("bpf(BPF_MAP_LOOKUP_BATCH) failed"))),
         }
     }
@@ -93,6 +94,7 @@ mod tests {
     use std::collections::BTreeSet;
     use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
+    use super::super::task_storage::ElemAttr;
     use super::*;
 
     const BPF_MAP_CREATE: libc::c_long = 0;
@@ -112,15 +114,6 @@ mod tests {
         inner_map_fd: u32,
         numa_node: u32,
         map_name: [u8; 16],
-    }
-
-    #[repr(C)]
-    struct ElemAttr {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-        value: u64,
-        flags: u64,
     }
 
     fn bpf<A>(cmd: libc::c_long, attr: &mut A) -> io::Result<libc::c_long> {

@@ -5,6 +5,7 @@
 pub mod abi;
 mod batch_keys;
 mod iter;
+mod map_fd;
 mod open_waits;
 mod task_storage;
 mod wait_sampler;
@@ -313,7 +314,7 @@ impl OnCpuProbes {
     /// and every child followed so far.
     pub fn target_pids(&self) -> Result<Vec<u32>> {
         let map = self.map("targets")?;
-        if let Some(pids) = batch_keys::hash_keys::<u32>(wait_targets::map_fd(map), size_of::<u8>())
+        if let Some(pids) = batch_keys::hash_keys::<u32>(map_fd::map_fd(map), size_of::<u8>())
             .context("listing the target map")?
         {
             return Ok(pids);

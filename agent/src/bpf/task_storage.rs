@@ -10,12 +10,12 @@ const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 
 /// The `union bpf_attr` member of map element commands.
 #[repr(C)]
-struct ElemAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
+pub(super) struct ElemAttr {
+    pub(super) map_fd: u32,
+    pub(super) _pad: u32,
+    pub(super) key: u64,
+    pub(super) value: u64,
+    pub(super) flags: u64,
 }
 
 /// The value `map` holds for the thread-group leader `pid`; None when the process is gone or

@@ -6,10 +6,8 @@
 //! sampler runs its task iterators instead.
 
 use std::ffi::OsStr;
-use std::os::fd::{AsFd, BorrowedFd};
 
 use anyhow::{anyhow, Context, Result};
-use aya::maps::{Map, MapData};
 use aya::Ebpf;
 use libbpf_rs::{Object, ObjectBuilder, PrintLevel, ProgramInput};
 use tracing::debug;
@@ -42,7 +40,7 @@ impl TargetPasses {
             let shared = main
                 .map(&name)
                 .ok_or_else(|| anyhow!("the kfunc BPF object's map `{name}` is not the main object's"))?;
-            map.reuse_fd(map_fd(shared))
+            map.reuse_fd(super::map_fd::map_fd(shared))
                 .with_context(|| format!("sharing the map `{name}` with the kfunc BPF object"))?;
         }
         let object = open.load().context(
@@ -90,45 +88,5 @@ fn log_libbpf(level: PrintLevel, message: String) {
     match level {
         PrintLevel::Warn => debug!(target: "pgscope::libbpf", "warning: {message}"),
         _ => debug!(target: "pgscope::libbpf", "{message}"),
-    }
-}
-
-/// The descriptor of one of aya's maps, whatever its kind.
-pub(super) fn map_fd(map: &Map) -> BorrowedFd<'_> {
-    map_data(map).fd().as_fd()
-}
-
-fn map_data(map: &Map) -> &MapData {
-    match map {
-        Map::Array(data)
-        | Map::ArrayOfMaps(data)
-        | Map::BloomFilter(data)
-        | Map::CgroupArray(data)
-        | Map::CgroupStorage(data)
-        | Map::CgrpStorage(data)
-        | Map::CpuMap(data)
-        | Map::DevMap(data)
-        | Map::DevMapHash(data)
-        | Map::HashMap(data)
-        | Map::HashOfMaps(data)
-        | Map::InodeStorage(data)
-        | Map::LpmTrie(data)
-        | Map::LruHashMap(data)
-        | Map::PerCpuArray(data)
-        | Map::PerCpuCgroupStorage(data)
-        | Map::PerCpuHashMap(data)
-        | Map::PerCpuLruHashMap(data)
-        | Map::PerfEventArray(data)
-        | Map::ProgramArray(data)
-        | Map::Queue(data)
-        | Map::ReusePortSockArray(data)
-        | Map::RingBuf(data)
-        | Map::SockHash(data)
-        | Map::SockMap(data)
-        | Map::SkStorage(data)
-        | Map::Stack(data)
-        | Map::StackTraceMap(data)
-        | Map::Unsupported(data)
-        | Map::XskMap(data) => data,
     }
 }
