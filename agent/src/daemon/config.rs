@@ -122,6 +122,12 @@ pub struct LabelsConfig {
     /// `pgscope.io/service-name`, else `<namespace>/<operator cluster or owner>`) instead of
     /// `service_name`.
     pub pod_service_name: bool,
+    /// Per instance and upload interval, the queryids that keep their own `queryid` label,
+    /// heaviest first; the others are pushed as `queryid="other"` (0: every queryid).
+    pub top_queryids: usize,
+    /// Series one instance's push may hold; over it the lightest are folded into coarser label
+    /// sets (0: no cap).
+    pub max_series: usize,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -192,6 +198,28 @@ impl Default for CollectionConfig {
     }
 }
 
+impl LabelsConfig {
+    /// The cardinality limits.
+    pub fn limits(&self) -> super::cardinality::Limits {
+        super::cardinality::Limits {
+            top_queryids: self.top_queryids,
+            max_series: self.max_series,
+        }
+    }
+
+    fn cardinality_summary(&self) -> String {
+        let limit = |n: usize| match n {
+            0 => "no limit".to_string(),
+            n => n.to_string(),
+        };
+        format!(
+            "top queryids {}, series per push {}",
+            limit(self.top_queryids),
+            limit(self.max_series)
+        )
+    }
+}
+
 impl Default for LabelsConfig {
     fn default() -> Self {
         Self {
@@ -199,6 +227,8 @@ impl Default for LabelsConfig {
             pid: false,
             static_labels: BTreeMap::new(),
             pod_service_name: true,
+            top_queryids: 100,
+            max_series: 1000,
         }
     }
 }
@@ -403,7 +433,7 @@ impl AgentConfig {
         format!(
             "  pyroscope: {} ({auth}{}{}), queue up to {} MiB\n  \
              collection: {} Hz, upload every {:?}, off-CPU {}\n  \
-             labels: service_name `{}`, pid {}, {} static\n  \
+             labels: service_name `{}`, pid {}, {} static, {}\n  \
              discovery: {} include / {} exclude filters\n  \
              probes: {}\n  \
              server: {}, {:?} logs",
@@ -425,6 +455,7 @@ impl AgentConfig {
             self.labels.service_name,
             if self.labels.pid { "on" } else { "off" },
             self.labels.static_labels.len(),
+            self.labels.cardinality_summary(),
             self.discovery.include.len(),
             self.discovery.exclude.len(),
             if self.probes.functions.is_empty() {

@@ -12,6 +12,7 @@ use exporters::{Profile, ProfileMeta};
 use symbolizer::KernelSymbols;
 use tracing::{debug, warn};
 
+use super::cardinality::{FoldReason, QueryIdRanking};
 use super::config::AgentConfig;
 use super::pods::PodIndex;
 use crate::collect::instance::InstanceContext;
@@ -41,6 +42,10 @@ pub struct Exporter {
     stacks_dropped: u64,
     /// Per instance (root PID): database OID → name, and when they were last looked up.
     database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
+    /// Per instance (root PID): the queryids labelled in its last push.
+    rankings: HashMap<u32, QueryIdRanking>,
+    /// Series folded to bound the cardinality, per reason.
+    series_folded: BTreeMap<FoldReason, u64>,
 }
 
 impl Exporter {
@@ -57,6 +62,8 @@ impl Exporter {
             labels_dropped: 0,
             stacks_dropped: 0,
             database_names: HashMap::new(),
+            rankings: HashMap::new(),
+            series_folded: BTreeMap::new(),
         })
     }
 
@@ -79,6 +86,11 @@ impl Exporter {
 
     pub fn stacks_dropped(&self) -> u64 {
         self.stacks_dropped
+    }
+
+    /// Series folded to bound the cardinality, per reason, since the start.
+    pub fn series_folded(&self) -> &BTreeMap<FoldReason, u64> {
+        &self.series_folded
     }
 
     pub fn stats(&self) -> SenderStats {
@@ -141,6 +153,7 @@ impl Exporter {
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));
             }
+            self.fold(root, &mut profiles, config);
             self.enqueue(name, container, profiles, config, enqueued);
         }
         self.kernel = cached;
@@ -167,7 +180,7 @@ impl Exporter {
             .unwrap_or_default();
         // The interval it belonged to is not known here: it ends now.
         let start = end.saturating_sub(config.collection.upload_interval.as_nanos() as u64);
-        let profiles = profiles_of(
+        let mut profiles = profiles_of(
             &gone.stacks,
             &mut session.symbolizer,
             kernel,
@@ -177,7 +190,22 @@ impl Exporter {
             end,
         );
         self.kernel = cached;
+        self.fold(gone.context.root, &mut profiles, config);
+        self.rankings.remove(&gone.context.root);
         self.enqueue(&name, &container, profiles, config, enqueued);
+    }
+
+    /// Bounds the series of an instance's push (daemon/cardinality.rs), after the findings
+    /// have read every queryid.
+    fn fold(&mut self, root: u32, profiles: &mut [(&'static str, Profile)], config: &AgentConfig) {
+        let folded = self
+            .rankings
+            .entry(root)
+            .or_default()
+            .fold(profiles, config.labels.limits());
+        for (reason, series) in folded.by_reason {
+            *self.series_folded.entry(reason).or_default() += series;
+        }
     }
 
     fn enqueue(

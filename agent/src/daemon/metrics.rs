@@ -7,6 +7,7 @@ use super::probes::ProbeMetrics;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use super::cardinality::FoldReason;
 use crate::model::QueryId;
 use exporters::pyroscope::SenderStats;
 
@@ -31,6 +32,8 @@ pub struct Snapshot {
     pub labels_dropped: u64,
     /// Stacks left out because one stack alone is over Pyroscope's profile size limit.
     pub stacks_dropped: u64,
+    /// Series folded into coarser label sets to bound the cardinality, per reason.
+    pub series_folded: BTreeMap<FoldReason, u64>,
     /// The upload queue and its sender.
     pub export: SenderStats,
     /// Config reloads that worked / failed.
@@ -117,6 +120,16 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         "Stacks left out because a profile of that one stack is over Pyroscope's size limit.",
     );
     out.value("pgscope_stacks_dropped_total", &[], snapshot.stacks_dropped);
+    out.family(
+        "pgscope_series_folded_total",
+        "counter",
+        "Series pushed under a coarser label set to bound the cardinality, per reason \
+         (queryid_top_k: a queryid outside the top K; series_cap: over the series per push).",
+    );
+    for reason in FoldReason::ALL {
+        let value = snapshot.series_folded.get(&reason).copied().unwrap_or(0);
+        out.value("pgscope_series_folded_total", &[("reason", reason.name())], value);
+    }
 
     let export = &snapshot.export;
     out.family(
@@ -139,6 +152,18 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         &[("result", "permanent_error")],
         export.pushes_failed_permanent,
     );
+    out.family(
+        "pgscope_export_bytes_total",
+        "counter",
+        "Bytes of the pushes Pyroscope accepted (request bodies: compressed profiles and labels).",
+    );
+    out.value("pgscope_export_bytes_total", &[], export.bytes_ok);
+    out.family(
+        "pgscope_export_series_total",
+        "counter",
+        "Series in the pushes Pyroscope accepted.",
+    );
+    out.value("pgscope_export_series_total", &[], export.series_ok);
     out.family(
         "pgscope_export_retries_total",
         "counter",

@@ -2,6 +2,7 @@
 //! profiles to Grafana Pyroscope — the collection core of `trace`, run without end, with
 //! discovery, an upload interval, an upload queue and its own metrics.
 
+mod cardinality;
 pub mod config;
 mod discovery;
 mod export;
@@ -537,6 +538,7 @@ impl LoopState {
             profiles_enqueued: self.enqueued.clone(),
             labels_dropped: exporter.labels_dropped(),
             stacks_dropped: exporter.stacks_dropped(),
+            series_folded: exporter.series_folded().clone(),
             export: exporter.stats(),
             reloads_ok: self.reloads_ok,
             reloads_failed: self.reloads_failed,

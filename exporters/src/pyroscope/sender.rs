@@ -41,6 +41,10 @@ impl Default for SenderConfig {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SenderStats {
     pub pushes_ok: u64,
+    /// Bytes of the push bodies Pyroscope accepted (compressed profiles and their labels).
+    pub bytes_ok: u64,
+    /// Series in the pushes Pyroscope accepted.
+    pub series_ok: u64,
     pub pushes_failed_retryable: u64,
     pub pushes_failed_permanent: u64,
     pub retries: u64,
@@ -62,6 +66,8 @@ struct Batch {
 #[derive(Default)]
 struct Counters {
     pushes_ok: AtomicU64,
+    bytes_ok: AtomicU64,
+    series_ok: AtomicU64,
     pushes_failed_retryable: AtomicU64,
     pushes_failed_permanent: AtomicU64,
     retries: AtomicU64,
@@ -197,6 +203,8 @@ impl Sender {
             .unwrap_or_default();
         SenderStats {
             pushes_ok: c.pushes_ok.load(Ordering::Relaxed),
+            bytes_ok: c.bytes_ok.load(Ordering::Relaxed),
+            series_ok: c.series_ok.load(Ordering::Relaxed),
             pushes_failed_retryable: c.pushes_failed_retryable.load(Ordering::Relaxed),
             pushes_failed_permanent: c.pushes_failed_permanent.load(Ordering::Relaxed),
             retries: c.retries.load(Ordering::Relaxed),
@@ -242,11 +250,11 @@ async fn send_loop(shared: Arc<Shared>) {
     let mut warnings = Warnings::default();
     loop {
         let head = shared.queue.lock().ok().and_then(|mut q| {
-            let head = q.batches.front().map(|b| (b.id, b.body.clone()));
-            q.in_flight = head.as_ref().map(|(id, _)| *id);
+            let head = q.batches.front().map(|b| (b.id, b.body.clone(), b.series));
+            q.in_flight = head.as_ref().map(|(id, _, _)| *id);
             head
         });
-        let Some((id, body)) = head else {
+        let Some((id, body, series)) = head else {
             tokio::select! {
                 _ = shared.wake.notified() => {}
                 _ = shared.retry_now.notified() => {}
@@ -262,6 +270,8 @@ async fn send_loop(shared: Arc<Shared>) {
         match client.push(body.as_ref().clone()).await {
             Ok(()) => {
                 counters.pushes_ok.fetch_add(1, Ordering::Relaxed);
+                counters.bytes_ok.fetch_add(body.len() as u64, Ordering::Relaxed);
+                counters.series_ok.fetch_add(series, Ordering::Relaxed);
                 counters.last_success_unix.store(unix_now(), Ordering::Relaxed);
                 remove_if_head(&shared, id);
                 if backoff.take().is_some() {
