@@ -1,7 +1,7 @@
 //! Bounded series with a real Pyroscope: with `labels.top_queryids = 5` and 20 distinct
-//! statements, the 5 heaviest keep their `queryid` label, the rest arrive as
-//! `queryid="other"`, and the weight folded into `other` is the light statements' share of the
-//! work (pg_stat_statements' execution time), not lost.
+//! statements, the 5 heaviest keep their `queryid` label (and a `query` label with their
+//! normalized text), the rest arrive as `queryid="other"`, and the weight folded into `other`
+//! is the light statements' share of the work (pg_stat_statements' execution time), not lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -22,20 +22,25 @@ fn table(i: usize) -> String {
     format!("cardinality_t{i}")
 }
 
+/// As sent: with a constant, which pg_stat_statements' text replaces by `$1`.
 fn statement(i: usize) -> String {
-    format!("SELECT sum(x) FROM {}", table(i))
+    format!("SELECT sum(x) FROM {} WHERE x > 0", table(i))
+}
+
+fn normalized(i: usize) -> String {
+    format!("SELECT sum(x) FROM {} WHERE x > $1", table(i))
 }
 
 /// Statement i's queryid and execution time (ms) from pg_stat_statements.
 fn pgss_row(cluster: &PgCluster, i: usize) -> Result<(String, f64)> {
     let row = cluster.psql(&format!(
         "SELECT queryid || ' ' || total_exec_time FROM pg_stat_statements WHERE query = '{}'",
-        statement(i)
+        normalized(i)
     ))?;
     let (id, ms) = row
         .trim()
         .split_once(' ')
-        .with_context(|| format!("`{}` not in pg_stat_statements: `{row}`", statement(i)))?;
+        .with_context(|| format!("`{}` not in pg_stat_statements: `{row}`", normalized(i)))?;
     Ok((id.to_string(), ms.parse()?))
 }
 
@@ -131,6 +136,21 @@ fn the_top_queryids_keep_their_labels_and_the_rest_arrive_as_other() -> Result<(
         values == expected,
         "the labelled queryids are not the {HEAVY} heaviest and `other`: {values:?}, expected {expected:?}"
     );
+
+    // The labelled statements carry their normalized text; `other` carries none.
+    let texts = pyroscope.label_values("query", &selector, start, end)?;
+    let expected: BTreeSet<String> = (1..=HEAVY).map(normalized).collect();
+    ensure!(
+        texts == expected,
+        "the query label values are not the heavy statements' texts: {texts:?}"
+    );
+    let other_texts = pyroscope.label_values(
+        "query",
+        &format!("{{service_name=\"{service}\",queryid=\"other\"}}"),
+        start,
+        end,
+    )?;
+    ensure!(other_texts.is_empty(), "`other` has query texts: {other_texts:?}");
 
     // The weight under `other` is the light statements' (and pgscope's own catalog reads'):
     // their share of the work, as pg_stat_statements timed it, within 10 points.

@@ -128,6 +128,8 @@ pub struct LabelsConfig {
     /// Series one instance's push may hold; over it the lightest are folded into coarser label
     /// sets (0: no cap).
     pub max_series: usize,
+    /// Label each labelled queryid with its normalized text from pg_stat_statements (`query`).
+    pub query_text: bool,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -213,9 +215,10 @@ impl LabelsConfig {
             n => n.to_string(),
         };
         format!(
-            "top queryids {}, series per push {}",
+            "top queryids {}, series per push {}, query texts {}",
             limit(self.top_queryids),
-            limit(self.max_series)
+            limit(self.max_series),
+            if self.query_text { "on" } else { "off" }
         )
     }
 }
@@ -229,6 +232,7 @@ impl Default for LabelsConfig {
             pod_service_name: true,
             top_queryids: 100,
             max_series: 1000,
+            query_text: true,
         }
     }
 }

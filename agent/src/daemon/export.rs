@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 use super::cardinality::{FoldReason, QueryIdRanking};
 use super::config::AgentConfig;
 use super::pods::PodIndex;
+use super::query_texts::QueryTexts;
 use crate::collect::instance::InstanceContext;
 use crate::collect::session::Instance;
 use crate::collect::{off_cpu, InstanceStacks, Session};
@@ -46,6 +47,8 @@ pub struct Exporter {
     rankings: HashMap<u32, QueryIdRanking>,
     /// Series folded to bound the cardinality, per reason.
     series_folded: BTreeMap<FoldReason, u64>,
+    /// The `query` label's texts, per instance.
+    query_texts: QueryTexts,
 }
 
 impl Exporter {
@@ -64,6 +67,7 @@ impl Exporter {
             database_names: HashMap::new(),
             rankings: HashMap::new(),
             series_folded: BTreeMap::new(),
+            query_texts: QueryTexts::default(),
         })
     }
 
@@ -154,6 +158,10 @@ impl Exporter {
                 profiles.extend(super::probes::profiles(rows, start, end));
             }
             self.fold(root, &mut profiles, config);
+            if config.labels.query_text {
+                self.query_texts.refresh(root, &profiles).await;
+                self.query_texts.apply(root, &mut profiles);
+            }
             self.enqueue(name, container, profiles, config, enqueued);
         }
         self.kernel = cached;
@@ -192,6 +200,11 @@ impl Exporter {
         self.kernel = cached;
         self.fold(gone.context.root, &mut profiles, config);
         self.rankings.remove(&gone.context.root);
+        // Gone: the texts already read, none asked for.
+        if config.labels.query_text {
+            self.query_texts.apply(gone.context.root, &mut profiles);
+        }
+        self.query_texts.forget(gone.context.root);
         self.enqueue(&name, &container, profiles, config, enqueued);
     }
 

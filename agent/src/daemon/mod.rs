@@ -13,6 +13,7 @@ mod off_cpu_totals;
 pub(crate) mod pods;
 mod probe_estimates;
 mod probes;
+mod query_texts;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
