@@ -93,7 +93,8 @@ pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
             out,
             "\noff-CPU by query (idle client time left out), where it waits:"
         );
-        for query in statements.take(limit) {
+        let statements: Vec<_> = statements.collect();
+        for query in statements.iter().take(limit) {
             let _ = writeln!(out, "{:>21}", query.query_id);
             for row in query.not_idle().take(3) {
                 let _ = writeln!(
@@ -106,6 +107,19 @@ pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
                     row.stack
                 );
             }
+        }
+        if statements.len() > limit {
+            let rest: u64 = statements
+                .iter()
+                .skip(limit)
+                .map(|q| q.not_idle().map(|w| w.ns).sum::<u64>())
+                .sum();
+            let _ = writeln!(
+                out,
+                "… {} more queries: {:.2} ms in all",
+                statements.len() - limit,
+                millis(rest)
+            );
         }
     }
     out
@@ -173,5 +187,31 @@ mod tests {
         // The idle wait is in the table by wait event, not under the query.
         let by_query = text.split("off-CPU by query").nth(1).unwrap_or_default();
         assert!(!by_query.contains("Client:ClientRead"), "{text}");
+    }
+
+    #[test]
+    fn queries_past_the_limit_are_summed() {
+        let wait = |query_id: &str, ns: u64| {
+            sample(
+                &["main", "WaitEventSetWait"],
+                &[
+                    ("queryid", query_id),
+                    ("wait_event", "IO:DataFileRead"),
+                    ("off_cpu", "io"),
+                ],
+                ns,
+            )
+        };
+        let profile = off_cpu(vec![
+            wait("1", 5_000_000),
+            wait("2", 2_000_000),
+            wait("3", 1_500_000),
+        ]);
+        let text = render(
+            &WaitTables::from_profile(&profile),
+            Measured::Sampled { frequency_hz: 99 },
+            1,
+        );
+        assert!(text.contains("… 2 more queries: 3.50 ms in all"), "{text}");
     }
 }

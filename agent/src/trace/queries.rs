@@ -44,7 +44,16 @@ pub fn render(summaries: &[StatementCpu], total_samples: u64, limit: usize) -> S
         );
     }
     if summaries.len() > limit {
-        let _ = writeln!(out, "… {} more queries", summaries.len() - limit);
+        let rest: u64 = summaries.iter().skip(limit).map(|s| s.samples).sum();
+        let share = match total_samples {
+            0 => 0.0,
+            total => 100.0 * rest as f64 / total as f64,
+        };
+        let _ = writeln!(
+            out,
+            "… {} more queries: {rest} samples, {share:.1}% in all",
+            summaries.len() - limit
+        );
     }
     out
 }
@@ -93,6 +102,13 @@ mod tests {
                 .is_some_and(|l| l.trim_start().starts_with("-5")),
             "{table}"
         );
-        assert!(!render(&statements(&p), 12, 1).contains("-5"));
+        let top = render(&statements(&p), 12, 1);
+        assert!(!top.contains("-5"), "{top}");
+        assert!(
+            top.lines()
+                .last()
+                .is_some_and(|l| l == "… 1 more queries: 2 samples, 16.7% in all"),
+            "the rest is summed: {top}"
+        );
     }
 }

@@ -19,7 +19,13 @@ pub fn render(walls: &[StatementWall], limit: usize) -> String {
         );
     }
     if walls.len() > limit {
-        let _ = writeln!(out, "… {} more queries", walls.len() - limit);
+        let rest: u64 = walls.iter().skip(limit).map(|w| w.total_ns).sum();
+        let _ = writeln!(
+            out,
+            "… {} more queries: {:.1} ms in all",
+            walls.len() - limit,
+            rest as f64 / 1e6
+        );
     }
     out.trim_end().to_string()
 }
@@ -52,6 +58,6 @@ mod tests {
             lines[1].ends_with("7     1000.0  LWLock:pg_stat_statements 62% · CPU 38%"),
             "{text}"
         );
-        assert_eq!(lines[2], "… 1 more queries");
+        assert_eq!(lines[2], "… 1 more queries: 0.0 ms in all");
     }
 }
