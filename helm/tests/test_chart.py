@@ -136,7 +136,8 @@ def test_default_config_is_what_the_agent_defaults_to():
         "off_cpu_min_stack": "100us", "off_cpu_idle": False}
     assert config["labels"] == {
         "service_name": "postgres/{instance}", "pid": False, "pod_service_name": True,
-        "top_queryids": 100, "max_series": 1000, "query_text": True}
+        "top_queryids": 100, "max_series": 1000, "query_text": True,
+        "statement_detail": False}
     assert config["discovery"] == {"include": [], "exclude": []}
     assert config["server"] == {"metrics_addr": "127.0.0.1:9437", "log_format": "json"}
 
@@ -171,7 +172,8 @@ def test_every_option_is_wired():
         "off_cpu_min_stack": "1ms", "off_cpu_idle": True}
     assert config["labels"] == {
         "service_name": "pg/{instance}", "pid": True, "pod_service_name": False,
-        "top_queryids": 20, "max_series": 300, "query_text": False, "static": {"env": "prod", "region": "eu-west-1"}}
+        "top_queryids": 20, "max_series": 300, "query_text": False, "statement_detail": True,
+        "static": {"env": "prod", "region": "eu-west-1"}}
     assert config["discovery"] == {
         "include": [{"data_dir": "/var/lib/postgresql/data", "port": 5432}],
         "exclude": [{"binary": "/usr/lib/postgresql/13/bin/postgres"}]}

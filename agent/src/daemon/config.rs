@@ -130,6 +130,8 @@ pub struct LabelsConfig {
     pub max_series: usize,
     /// Label each labelled queryid with its normalized text from pg_stat_statements (`query`).
     pub query_text: bool,
+    /// Also label samples with the statement's `state` and `phase` (more series).
+    pub statement_detail: bool,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -206,6 +208,7 @@ impl LabelsConfig {
         super::cardinality::Limits {
             top_queryids: self.top_queryids,
             max_series: self.max_series,
+            statement_detail: self.statement_detail,
         }
     }
 
@@ -215,10 +218,11 @@ impl LabelsConfig {
             n => n.to_string(),
         };
         format!(
-            "top queryids {}, series per push {}, query texts {}",
+            "top queryids {}, series per push {}, query texts {}, state and phase {}",
             limit(self.top_queryids),
             limit(self.max_series),
-            if self.query_text { "on" } else { "off" }
+            if self.query_text { "on" } else { "off" },
+            if self.statement_detail { "on" } else { "off" }
         )
     }
 }
@@ -233,6 +237,7 @@ impl Default for LabelsConfig {
             top_queryids: 100,
             max_series: 1000,
             query_text: true,
+            statement_detail: false,
         }
     }
 }

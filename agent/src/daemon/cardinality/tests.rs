@@ -50,7 +50,42 @@ fn limits(top_queryids: usize, max_series: usize) -> Limits {
     Limits {
         top_queryids,
         max_series,
+        statement_detail: true,
     }
+}
+
+#[test]
+fn state_and_phase_are_left_out_unless_asked_for() {
+    let phased = |phase: &str| {
+        labelled(
+            &["PostgresMain", "exec_simple_query"],
+            &[
+                (labels::PHASE, phase),
+                (labels::QUERY_ID, "7"),
+                (labels::STATE, "active"),
+            ],
+            1,
+        )
+    };
+    let profiles = vec![("process_cpu", profile(vec![phased("plan"), phased("run")]))];
+    let mut plain = profiles.clone();
+    let folded = QueryIdRanking::default().fold(
+        &mut plain,
+        Limits {
+            statement_detail: false,
+            ..limits(0, 0)
+        },
+    );
+    assert_eq!(series_count(&plain), 1);
+    assert!(plain[0]
+        .1
+        .samples
+        .iter()
+        .all(|s| s.labels == [(labels::QUERY_ID.to_string(), "7".to_string())]));
+    assert_eq!(folded, Folded::default(), "leaving labels out is not folding");
+    let mut detailed = profiles;
+    QueryIdRanking::default().fold(&mut detailed, limits(0, 0));
+    assert_eq!(series_count(&detailed), 2);
 }
 
 fn set(ids: &[&str]) -> BTreeSet<String> {
