@@ -11,6 +11,7 @@ pub mod session;
 pub mod settings_seen;
 mod statement_link;
 mod statement_read;
+pub mod status_watch;
 mod wait_reassembly;
 
 use aya::maps::{MapData, RingBuf};
