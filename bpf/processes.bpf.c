@@ -19,10 +19,13 @@ int on_fork(struct trace_event_raw_sched_process_fork *ctx)
 		return 0;
 	__u32 child = BPF_CORE_READ(ctx, child_pid);
 	__u8 value = *flags;
-	if (bpf_map_update_elem(&targets, &child, &value, BPF_NOEXIST) == 0)
+	if (bpf_map_update_elem(&targets, &child, &value, BPF_NOEXIST) == 0) {
 		count(PGSCOPE_CNT_FORKS_FOLLOWED);
-	else if (!bpf_map_lookup_elem(&targets, &child))
+	} else if (!bpf_map_lookup_elem(&targets, &child)) {
+		/* Not a target: no layout either (only a target's exit removes one). */
 		count(PGSCOPE_CNT_TARGETS_FULL);
+		return 0;
+	}
 
 	/* A forked child runs the same executable at the same addresses (no exec). */
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &parent);

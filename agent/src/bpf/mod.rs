@@ -323,6 +323,9 @@ impl OnCpuProbes {
         targets
             .remove(&tgid)
             .with_context(|| format!("removing PID {tgid} from the target map"))?;
+        // Its layout too: the exit of a process that is no longer a target removes nothing.
+        let mut layouts: BpfHashMap<_, u32, PgLayout> = BpfHashMap::try_from(self.map_mut("pg_layouts")?)?;
+        let _ = layouts.remove(&tgid);
         self.bump_targets_generation()
     }
 
