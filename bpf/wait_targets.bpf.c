@@ -122,6 +122,15 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
 		if (n < WAIT_THREADS_MAX) {
 			list->pending_tids[n & (WAIT_THREADS_MAX - 1)] = tid;
 			list->pending = n + 1;
+			return;
+		}
+		/* No room for its stack: counted without one, and said so. */
+		count(PGSCOPE_CNT_WAIT_THREADS_OVER);
+		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+		if (state) {
+			state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+			state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
+			count_sampled(task->tgid, &state->attr, wait_config(0));
 		}
 	}
 }

@@ -667,6 +667,7 @@ impl Counters {
             Counter::WaitThreadsOver,
             Counter::ProbeNoEntry,
             Counter::ProbeMapFull,
+            Counter::OffCpuMapFull,
         ]
         .into_iter()
         .map(|c| (c, self.get(c)))

@@ -83,9 +83,9 @@ pub struct Session {
     live_pids: HashSet<u32>,
     /// How off-CPU time is measured (the programs that did attach).
     pub off_cpu: OffCpuMode,
-    /// Per thread, the last wait sample with stacks (None: it was filtered out or lost), for
-    /// the repeats that follow it.
-    last_waits: HashMap<u32, Option<LastWait>>,
+    /// Per thread, its process and the last wait sample with stacks (None: it was filtered
+    /// out), for the repeats that follow it; forgotten with the process.
+    last_waits: HashMap<u32, (u32, Option<LastWait>)>,
     /// Repeats of wait samples that did not arrive (counted as lost).
     pub orphan_repeats: u64,
     /// Off-CPU time the wait sampler could not stand for (its thread held up between two
@@ -151,6 +151,12 @@ impl Session {
                 on_cpu_samples: 0,
             },
         );
+    }
+
+    /// Exact off-CPU waits whose end arrived without the record of their stacks (lost in the
+    /// ring buffer, or of a process no instance owns): their time is not in the profile.
+    pub fn unmatched_wait_ends(&self) -> u64 {
+        self.waits.unmatched_ends
     }
 
     /// Removes an instance (its postmaster exited) with the stacks not taken yet.
@@ -325,13 +331,16 @@ impl Session {
         let sampled_wait = header.off_cpu_class != 0 && header.off_cpu_flags & OFF_CPU_SAMPLED != 0;
         if sampled_wait {
             // Until it is known to be added, the thread's repeats have nothing to repeat.
-            self.last_waits.insert(header.tid, None);
+            self.last_waits.insert(header.tid, (header.tgid, None));
         }
         let Some(root) = self.owner_of(header.tgid) else {
+            // Not filtered but lost: its repeats are counted as such.
+            self.last_waits.remove(&header.tid);
             self.unowned += 1;
             return;
         };
         let Some(instance) = self.instances.get_mut(&root) else {
+            self.last_waits.remove(&header.tid);
             self.unowned += 1;
             return;
         };
@@ -398,7 +407,7 @@ impl Session {
                     user,
                     header.off_cpu_ns,
                 );
-                self.last_waits.insert(header.tid, Some(last));
+                self.last_waits.insert(header.tid, (header.tgid, Some(last)));
             }
             Some(class) => Self::traced_waits(self.off_cpu, &mut instance.stacks).add_off_cpu(
                 header.tgid,
@@ -433,7 +442,7 @@ impl Session {
 
     /// A thread still in the wait of its last sample: the same stacks weigh one more tick.
     fn repeat_wait(&mut self, repeat: WaitRepeat) {
-        let Some(Some(last)) = self.last_waits.get(&repeat.tid) else {
+        let Some((_, Some(last))) = self.last_waits.get(&repeat.tid) else {
             // Filtered out (None) is not lost; never seen is.
             if !self.last_waits.contains_key(&repeat.tid) {
                 self.orphan_repeats += 1;
@@ -650,8 +659,7 @@ impl Session {
         if !exited.is_empty() {
             self.waits.forget_processes(&exited);
             let gone: HashSet<u32> = exited.iter().copied().collect();
-            self.last_waits
-                .retain(|_, last| last.as_ref().is_none_or(|l| !gone.contains(&l.tgid)));
+            self.last_waits.retain(|_, (tgid, _)| !gone.contains(tgid));
             let held = self.statements.release_processes(&exited);
             self.add_released(held);
         }

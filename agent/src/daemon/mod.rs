@@ -532,6 +532,7 @@ impl LoopState {
                 ("malformed", session.malformed),
                 ("no_instance", session.unowned),
                 ("off_cpu_repeat_without_sample", session.orphan_repeats),
+                ("off_cpu_end_without_stacks", session.unmatched_wait_ends()),
             ],
             instances,
             stacks_held: session.instances().map(|i| i.stacks.distinct() as u64).sum(),
