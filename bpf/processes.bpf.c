@@ -66,10 +66,8 @@ int on_process_exit(void *ctx)
 	/* Its storage goes with it: the idle ticks the wait sampler deferred there go to its total. */
 	struct pgscope_wait_sample_task *waits =
 		bpf_task_storage_get(&wait_sample_tasks, bpf_get_current_task_btf(), 0, 0);
-	if (waits) {
-		settle_parked_now(waits, tgid);
+	if (waits)
 		flush_deferred(waits, tgid);
-	}
 	bpf_map_delete_elem(&probe_traps, &tid);
 	bpf_map_delete_elem(&pgss_storing, &tid);
 	if ((__u32)pid_tgid == tgid) {

@@ -43,22 +43,9 @@
 #define WAIT_CONFIG_SENT 2
 #define WAIT_CONFIG_INSTANT 3
 #define WAIT_CONFIG_PENDING 4
-/* Index 5, set by the kfunc passes: the sum of every run's weight so far, this run's included
- * (what a parked thread's ticks weigh, from its parking to a later run). Set by user space
- * before each run of the kfunc passes: index 6, the run's mode (WAIT_MODE_*); index 7, the
- * threads in wait_sample_woken. */
-#define WAIT_CONFIG_CUMULATIVE 5
-#define WAIT_CONFIG_MODE 6
-#define WAIT_CONFIG_WOKEN 7
-/* The run walks every thread of the host (else it visits the threads active in the last run
- * and those user space lists as woken). */
-#define WAIT_MODE_WALK 1
-/* User space watches every profiled instance's status array this run and the last: a backend
- * idle between statements may be parked (not visited until its status entry changes). */
-#define WAIT_MODE_PARK 2
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 8);
+	__uint(max_entries, 5);
 	__type(key, __u32);
 	__type(value, __u64);
 } wait_sample_config SEC(".maps");
@@ -110,29 +97,6 @@ struct {
 	__type(key, __u32);
 	__type(value, struct wait_thread_list);
 } wait_sample_threads SEC(".maps");
-
-/* The processes listed as woken (pgscope.h): the parked backends that may have woken. */
-#define WAIT_WOKEN_MAX PGSCOPE_WAIT_WOKEN_MAX
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct pgscope_wait_woken);
-} wait_sample_woken SEC(".maps");
-
-static __always_inline __u64 wait_config(__u32 index)
-{
-	__u64 *value = bpf_map_lookup_elem(&wait_sample_config, &index);
-	return value ? *value : 0;
-}
-
-/* The kfunc passes' current run (or the last, between runs). */
-static __always_inline __u64 current_run(void)
-{
-	__u32 zero = 0;
-	struct wait_thread_list *list = bpf_map_lookup_elem(&wait_sample_threads, &zero);
-	return list ? list->run : 0;
-}
 
 /* One word of the thread's memory; false when it cannot be read. */
 static __always_inline bool read_task_word(void *dst, __u32 size, __u64 address, struct task_struct *task)
@@ -275,63 +239,6 @@ static __always_inline void flush_deferred(struct pgscope_wait_sample_task *stat
 	state->deferred_ticks = 0;
 }
 
-/*
- * Parked threads. A client backend idle between statements (waiting for its client's next
- * message, status `idle`) stays in that wait until its client sends something, and then
- * writes its status entry (the statement's start) before it can wait on anything else. User
- * space reads every instance's status array each tick (one read of shared memory) and lists
- * the processes whose entry changed; such a backend is parked at its visit and is not visited
- * again until it is listed: a thousand idle connections cost the run nothing. Its ticks are
- * counted as its last sample (idle, without a stack) from the run it was parked in: added to
- * its total when it is listed (through the run before), when a walk passes it (through that
- * run: every few runs, so that the totals lag by little), when it exits, and when the sampler
- * stops.
- */
-
-/* Adds to a parked thread's total its ticks after parked_run through `run`, whose runs'
- * weights sum to `cumulative`, and counts it from `run` on. */
-static __always_inline void settle_parked(struct pgscope_wait_sample_task *state, __u32 tgid, __u64 run,
-					  __u64 cumulative)
-{
-	if (state->kind != PGSCOPE_WAIT_SAMPLE_PARKED || run <= state->parked_run)
-		return;
-	state->deferred_ticks += (__u32)(run - state->parked_run);
-	if (cumulative > state->parked_weight)
-		state->deferred_ns += cumulative - state->parked_weight;
-	state->parked_run = run;
-	state->parked_weight = cumulative;
-	flush_deferred(state, tgid);
-}
-
-/* A parked thread visited in a run: its ticks through the run before are counted, and it is
- * sampled in this one as any other. */
-static __always_inline void wake_parked(struct pgscope_wait_sample_task *state, __u32 tgid)
-{
-	if (state->kind != PGSCOPE_WAIT_SAMPLE_PARKED)
-		return;
-	__u64 run = current_run();
-	settle_parked(state, tgid, run ? run - 1 : 0, wait_config(WAIT_CONFIG_CUMULATIVE) - wait_config(0));
-	state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
-}
-
-/* Parks a thread whose tick of this run was just counted, when it may be; true if parked. */
-static __always_inline bool park(struct pgscope_wait_sample_task *state)
-{
-	if (!state->parkable || state->kind != PGSCOPE_WAIT_SAMPLE_NO_STACK ||
-	    !(wait_config(WAIT_CONFIG_MODE) & WAIT_MODE_PARK))
-		return false;
-	state->kind = PGSCOPE_WAIT_SAMPLE_PARKED;
-	state->parked_run = current_run();
-	state->parked_weight = wait_config(WAIT_CONFIG_CUMULATIVE);
-	return true;
-}
-
-/* A parked thread that exits, or the sampler stopping: its ticks through the last run. */
-static __always_inline void settle_parked_now(struct pgscope_wait_sample_task *state, __u32 tgid)
-{
-	settle_parked(state, tgid, current_run(), wait_config(WAIT_CONFIG_CUMULATIVE));
-}
-
 /* Sends the thread's sample with its user stack; true when it went out. */
 static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *state, struct task_struct *task,
 					     __u32 tgid, __u32 tid, struct pt_regs *regs, __u64 weight)
@@ -366,7 +273,7 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 
 /* The off-CPU class of a thread that is not on a CPU, and whether it is waiting for work. */
 static __always_inline __u32 sampled_class(struct pgscope_wait_sample_task *state, struct pgscope_pg_layout *layout,
-					   unsigned int task_state, long syscall, bool *waits_for_client_out)
+					   unsigned int task_state, long syscall)
 {
 	struct pgscope_attribution *a = &state->attr;
 	/* Runnable in a wait Postgres reports, inside a syscall: woken, not on a CPU yet. The
@@ -378,7 +285,6 @@ static __always_inline __u32 sampled_class(struct pgscope_wait_sample_task *stat
 	bool waits_for_client = layout && (a->flags & PGSCOPE_ATTR_STATUS) && layout->state_idle &&
 				a->backend_state == layout->state_idle &&
 				a->wait_event_info == layout->wait_client_read;
-	*waits_for_client_out = waits_for_client;
 	bool main_loop = (a->wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
 	/* Without a status entry or a wait event, waiting in poll/select: the postmaster's loop. */
 	bool no_status_loop = !(a->flags & PGSCOPE_ATTR_STATUS) && !a->wait_event_info &&
@@ -447,7 +353,6 @@ enum wait_visit {
 	WAIT_VISIT_DONE = 0,	 /* decided: skipped (on a CPU) or counted without a stack */
 	WAIT_VISIT_PENDING = 1,	 /* waits with a stack to copy: the second pass sends it */
 	WAIT_VISIT_REPEATED = 2, /* not run since its last sample, which was repeated */
-	WAIT_VISIT_PARKED = 3,	 /* counted, and parked: not visited again until listed as woken */
 };
 
 /*
@@ -464,13 +369,12 @@ static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgi
 	if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
 		if (!defer) {
 			count_sampled(tgid, &state->attr, weight);
-		} else {
-			count(PGSCOPE_CNT_WAIT_NO_STACK);
-			state->deferred_ns += weight;
-			if (++state->deferred_ticks >= WAIT_DEFER_TICKS)
-				flush_deferred(state, tgid);
+			return true;
 		}
-		park(state);
+		count(PGSCOPE_CNT_WAIT_NO_STACK);
+		state->deferred_ns += weight;
+		if (++state->deferred_ticks >= WAIT_DEFER_TICKS)
+			flush_deferred(state, tgid);
 		return true;
 	}
 	if (state->kind != PGSCOPE_WAIT_SAMPLE_STACKS)
@@ -513,9 +417,8 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		return WAIT_VISIT_DONE;
 	}
 	__u64 weight = *weight_ns;
-	wake_parked(state, tgid);
 	if (repeat_unchanged(task, tgid, state, weight, false))
-		return state->kind == PGSCOPE_WAIT_SAMPLE_PARKED ? WAIT_VISIT_PARKED : WAIT_VISIT_REPEATED;
+		return WAIT_VISIT_REPEATED;
 	/* It left the wait its deferred ticks are of: they go to that wait's total. */
 	flush_deferred(state, tgid);
 	__u64 switches = task->nvcsw + task->nivcsw + 1;
@@ -533,11 +436,9 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
 	long syscall = regs->orig_ax;
 	unsigned int task_state = task->__state;
-	bool waits_for_client = false;
-	__u32 class = sampled_class(state, layout, task_state, syscall, &waits_for_client);
+	__u32 class = sampled_class(state, layout, task_state, syscall);
 	state->attr.off_cpu_class = class;
 	state->switches = switches;
-	state->parkable = waits_for_client;
 
 	/* Waiting for work, or for the client inside a transaction (whose stack is always the
 	 * same read from the socket): counted, without a stack. Not the queryid of a finished
@@ -548,7 +449,7 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 			state->attr.query_id = 0;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
 		count_sampled(tgid, &state->attr, weight);
-		return park(state) ? WAIT_VISIT_PARKED : WAIT_VISIT_DONE;
+		return WAIT_VISIT_DONE;
 	}
 	/* Its stack is copied by the run's second pass: a copy takes most of a visit, and with it
 	 * here the threads visited after would be seen that much later, in waits begun since the

@@ -2,17 +2,13 @@
 /*
  * The wait sampler's passes visiting the targets' threads alone: user space runs them each
  * tick with BPF_PROG_RUN (sleepable syscall programs, in its sampler thread's context, as the
- * task iterators run). The first pass visits the threads not parked in the last run (active,
- * waiting, or idle in a way only their own run would end), then either walks the host's
- * threads (every 32 runs, and whenever user space cannot tell which parked backend woke) or
- * visits the processes user space lists as woken: those whose status entry changed since the
- * last tick (collect/status_watch.rs). A backend idle between statements is parked at its
- * visit and costs nothing until then (wait_sampler.bpf.h): measured with 1000 idle connections
- * at 19 Hz, a run took ~370 us walking and ~65-90 us parked. In a walk, a thread that needs no
- * read of its memory (on a CPU, or not run since its last sample) is settled there, the others
- * visited after it. The task iterators (wait_iter.bpf.c) visit every thread of the host with a
- * sleepable program, and reached the eviction storm's backends 80-160 us after the run's
- * instant, long enough for a few of them to have changed wait.
+ * task iterators run). The first walks the host's threads, settles there those that need no
+ * read of their memory (on a CPU, or not run since their last sample: an idle backend), and
+ * visits the others after the walk (wait_sampler.bpf.h). Its cost is a walk step per thread of
+ * the host and a visit per target thread that ran since the last tick. The task iterators
+ * (wait_iter.bpf.c) visit every thread of the host with a sleepable program, and reached the
+ * eviction storm's backends 80-160 us after the run's instant, long enough for a few of them to
+ * have changed wait.
  *
  * Needs kfuncs (bpf_task_from_pid, the open-coded task iterator: Linux 6.7), which aya cannot
  * load: this is the second BPF object, loaded with libbpf, sharing every map of the main one
@@ -76,26 +72,12 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 			continue;
 		if (thread->on_cpu || thread->exit_state) {
 			count(PGSCOPE_CNT_WAIT_SKIPPED);
-			if (state)
-				wake_parked(state, tgid);
 			if (thread->on_cpu)
 				note_active(list, thread->pid);
 			continue;
 		}
-		/* Parked and not run since: its ticks through this run are counted now, so that its
-		 * total lags by a walk at most. */
-		if (state && state->kind == PGSCOPE_WAIT_SAMPLE_PARKED &&
-		    thread->nvcsw + thread->nivcsw + 1 == state->switches) {
-			count(PGSCOPE_CNT_WAIT_NO_STACK);
-			settle_parked(state, tgid, list->run, wait_config(WAIT_CONFIG_CUMULATIVE));
+		if (state && repeat_unchanged(thread, tgid, state, weight, true))
 			continue;
-		}
-		if (state && state->kind != PGSCOPE_WAIT_SAMPLE_PARKED && repeat_unchanged(thread, tgid, state, weight, true)) {
-			/* Visited first in the next run, which may not walk; unless parked now. */
-			if (state->kind != PGSCOPE_WAIT_SAMPLE_PARKED)
-				note_active(list, thread->pid);
-			continue;
-		}
 		__u32 n = list->count;
 		if (n >= WAIT_THREADS_MAX) {
 			count(PGSCOPE_CNT_WAIT_THREADS_OVER);
@@ -114,8 +96,7 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 static __always_inline void visit_thread(struct wait_thread_list *list, struct task_struct *task, __u32 tid)
 {
 	enum wait_visit visit = visit_waiting_thread(task, task->tgid);
-	/* Every thread not parked is visited again in the next run, which may not walk. */
-	if (visit != WAIT_VISIT_PARKED)
+	if (visit != WAIT_VISIT_REPEATED)
 		note_active(list, tid);
 	if (visit == WAIT_VISIT_PENDING) {
 		__u32 n = list->pending;
@@ -127,10 +108,12 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
 		/* No room for its stack: counted without one, and said so. */
 		count(PGSCOPE_CNT_WAIT_THREADS_OVER);
 		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
-		if (state) {
+		__u32 zero = 0;
+		__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
+		if (state && weight_ns) {
 			state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 			state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
-			count_sampled(task->tgid, &state->attr, wait_config(0));
+			count_sampled(task->tgid, &state->attr, *weight_ns);
 		}
 	}
 }
@@ -153,34 +136,6 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 				     : NULL;
 	if (state) {
 		state->visited_run = list->run;
-		wake_parked(state, task->tgid);
-		visit_thread(list, task, tid);
-	}
-	bpf_task_release(task);
-	return 0;
-}
-
-/* bpf_loop over the processes user space listed as woken (their status entry changed since
- * the last run), in a run that does not walk: parked backends whose client sent something,
- * and backends new since. Those visited already in this run (active in the last) are not
- * visited again. */
-static long visit_woken(__u64 index, struct list_ctx *ctx)
-{
-	struct wait_thread_list *list = ctx->list;
-	__u32 zero = 0;
-	struct pgscope_wait_woken *woken = bpf_map_lookup_elem(&wait_sample_woken, &zero);
-	if (!woken)
-		return 1;
-	__u32 tid = woken->tids[index & (WAIT_WOKEN_MAX - 1)];
-	struct task_struct *task = bpf_task_from_pid(tid);
-	if (!task)
-		return 0;
-	struct pgscope_wait_sample_task *state =
-		profiled(task->tgid) ? bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE)
-				     : NULL;
-	if (state && state->visited_run != list->run) {
-		state->visited_run = list->run;
-		wake_parked(state, task->tgid);
 		visit_thread(list, task, tid);
 	}
 	bpf_task_release(task);
@@ -235,20 +190,10 @@ int target_waits(void *unused)
 	list->run += 1;
 	list->pending = 0;
 	list->next_active = 0;
-	list->count = 0;
-	__u32 cumulative_index = WAIT_CONFIG_CUMULATIVE;
-	__u64 *cumulative = bpf_map_lookup_elem(&wait_sample_config, &cumulative_index);
-	if (cumulative)
-		*cumulative += *weight_ns;
 	struct list_ctx ctx = { .list = list };
 	bpf_loop(list->active, visit_active, &ctx, 0);
-	if (wait_config(WAIT_CONFIG_MODE) & WAIT_MODE_WALK) {
-		walk_target_threads(list, *weight_ns);
-		bpf_loop(list->count, visit_listed, &ctx, 0);
-	} else {
-		__u64 woken = wait_config(WAIT_CONFIG_WOKEN);
-		bpf_loop(woken < WAIT_WOKEN_MAX ? woken : WAIT_WOKEN_MAX, visit_woken, &ctx, 0);
-	}
+	walk_target_threads(list, *weight_ns);
+	bpf_loop(list->count, visit_listed, &ctx, 0);
 	/* The next run reads the half this one wrote. */
 	list->active = list->next_active;
 	return 0;
@@ -282,10 +227,8 @@ int target_waits_flush(void *unused)
 		if (!bpf_map_lookup_elem(&targets, &tgid))
 			continue;
 		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
-		if (state) {
-			settle_parked_now(state, tgid);
+		if (state)
 			flush_deferred(state, tgid);
-		}
 	}
 	bpf_iter_task_destroy(&threads);
 	bpf_rcu_read_unlock();

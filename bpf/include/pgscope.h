@@ -334,28 +334,9 @@ struct pgscope_wait_sample_task {
 	__u64 wait_event_ptr;
 	/* The kfunc passes' run that last visited it before their walk (bpf/wait_targets.bpf.c). */
 	__u64 visited_run;
-	/* Parked (kind PGSCOPE_WAIT_SAMPLE_PARKED): the run its ticks are counted through, and the
-	 * sum of the runs' weights then (wait_sample_config); the ticks since are added when it
-	 * is visited again, or exits. */
-	__u64 parked_run;
-	__u64 parked_weight;
-	/* Its last sample was a wait for the client between statements, which only a new status
-	 * write ends: it may be parked. */
-	__u32 parkable;
-	__u32 _pad;
 };
 
-_Static_assert(sizeof(struct pgscope_wait_sample_task) == 104, "task storage: its size is the kernel's allocation per thread");
-
-/* Sampled off CPU: the processes whose status entry changed since the last tick (their pid,
- * the main thread's id), written by user space before a run of the kfunc passes that does not
- * walk every thread (map wait_sample_woken, bpf/wait_sampler.bpf.h). More than this many, the
- * run walks instead. */
-#define PGSCOPE_WAIT_WOKEN_MAX 4096
-
-struct pgscope_wait_woken {
-	__u32 tids[PGSCOPE_WAIT_WOKEN_MAX];
-};
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 80, "task storage: its size is the kernel's allocation per thread");
 
 /* pgscope_wait_sample_task.kind */
 enum pgscope_wait_sample_kind {
@@ -363,9 +344,6 @@ enum pgscope_wait_sample_kind {
 	PGSCOPE_WAIT_SAMPLE_STACKS = 1,	  /* sent with stacks: repeat with a pgscope_wait_repeat */
 	PGSCOPE_WAIT_SAMPLE_NO_STACK = 2, /* counted without stacks: add to the same total */
 	PGSCOPE_WAIT_SAMPLE_PENDING = 3,  /* seen waiting by a run's first pass: its second copies the stack */
-	/* Idle between statements, not visited until its status changes (bpf/wait_targets.bpf.c):
-	 * counted as its last sample, NO_STACK, from parked_run on. */
-	PGSCOPE_WAIT_SAMPLE_PARKED = 4,
 };
 
 /* One on-CPU sample, or one off-CPU wait (off_cpu_class != 0) with its blocked time; an off-CPU

@@ -271,12 +271,6 @@ pub const OFF_CPU_SAMPLED: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_SAMPL
 /// `struct pgscope_wait_repeat`: a thread still in the wait of its last sample with stacks.
 pub type WaitRepeat = c::pgscope_wait_repeat;
 
-/// `struct pgscope_wait_woken`: the processes a run of the wait sampler that does not walk
-/// visits as woken.
-pub type WaitWoken = c::pgscope_wait_woken;
-/// `PGSCOPE_WAIT_WOKEN_MAX`.
-pub const WAIT_WOKEN_MAX: usize = c::PGSCOPE_WAIT_WOKEN_MAX as usize;
-
 const WAIT_REPEAT_MAGIC: u64 = c::PGSCOPE_WAIT_REPEAT_MAGIC;
 
 impl WaitRepeat {
@@ -332,7 +326,6 @@ unsafe impl aya::Pod for OffCpuTask {}
 unsafe impl aya::Pod for WaitEnd {}
 unsafe impl aya::Pod for LongWaitEnd {}
 unsafe impl aya::Pod for WaitRepeat {}
-unsafe impl aya::Pod for WaitWoken {}
 const _: () = assert!(size_of::<SampleHeader>() == SAMPLE_STACK_OFFSET);
 
 impl SampleHeader {

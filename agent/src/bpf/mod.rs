@@ -27,9 +27,6 @@ use aya::Btf;
 use aya::Ebpf;
 use tracing::info;
 
-use crate::collect::probes::statement_clock::CounterLayout;
-use crate::collect::status_watch::{StatusWatch, WatchList};
-
 use abi::{
     CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, ProbeArgs, RelationLockKey,
     SpinSiteKey, SpinSiteStats, PROBE_SLOTS,
@@ -75,8 +72,6 @@ pub struct OnCpuProbes {
     next_gate: u32,
     /// The wait sampler, once attached and until started.
     wait_sampler: Option<wait_sampler::WaitSampler>,
-    /// The instances whose status arrays the wait sampler reads, to leave idle backends alone.
-    status_watch: WatchList,
 }
 
 impl OnCpuProbes {
@@ -96,21 +91,7 @@ impl OnCpuProbes {
             free_gates: Vec::new(),
             next_gate: 1,
             wait_sampler: None,
-            status_watch: WatchList::default(),
         })
-    }
-
-    /// Has the wait sampler read the status array of the instance of `root` at each tick (to
-    /// be called before its processes become targets: none is parked unwatched); `layout`
-    /// None: an instance whose array cannot be located, which keeps every backend from being
-    /// parked while it is profiled.
-    pub fn watch_status(&self, root: u32, layout: Option<CounterLayout>) {
-        self.status_watch.watch(root, layout);
-    }
-
-    /// Stops reading the status array of the instance of `root`.
-    pub fn unwatch_status(&self, root: u32) {
-        self.status_watch.unwatch(root);
     }
 
     /// Starts sampling every online CPU at `frequency_hz` on the CPU clock. Only processes in
@@ -206,15 +187,7 @@ impl OnCpuProbes {
         let passes = match targets {
             Ok(passes) => {
                 info!("the off-CPU sampler visits the profiled processes' threads at each tick");
-                let map = self
-                    .ebpf
-                    .take_map("wait_sample_woken")
-                    .ok_or_else(|| missing_map("wait_sample_woken"))?;
-                wait_sampler::Passes::Targets(Box::new(wait_sampler::TargetRun {
-                    passes,
-                    woken: aya::maps::Array::try_from(map)?,
-                    watch: StatusWatch::new(self.status_watch.clone(), abi::WAIT_WOKEN_MAX),
-                }))
+                wait_sampler::Passes::Targets(passes)
             }
             Err(error) => {
                 info!("the off-CPU sampler visits every thread of the host at each tick: {error:#}");

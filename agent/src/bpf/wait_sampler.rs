@@ -27,10 +27,8 @@ use anyhow::{Context, Result};
 use aya::maps::{Array, MapData};
 use tracing::warn;
 
-use super::abi::{WaitWoken, WAIT_WOKEN_MAX};
 use super::iter::IterLink;
 use super::wait_targets::TargetPasses;
-use crate::collect::status_watch::StatusWatch;
 
 /// A sample weighs the time since the last run, up to this: a thread held up for longer does
 /// not make one sample stand for seconds.
@@ -38,13 +36,6 @@ const MAX_WEIGHT: Duration = Duration::from_millis(500);
 
 /// `wait_sample_config` index of the threads the first pass left to the second.
 const PENDING_INDEX: u32 = 4;
-/// `wait_sample_config` indexes set before a run of the kfunc passes: its mode, and how many
-/// processes `wait_sample_woken` lists (`bpf/wait_sampler.bpf.h`).
-const MODE_INDEX: u32 = 6;
-const WOKEN_INDEX: u32 = 7;
-/// Mode bits: walk every thread; backends idle between statements may be parked.
-const MODE_WALK: u64 = 1;
-const MODE_PARK: u64 = 2;
 
 /// `SCHED_FIFO` priority of the sampler's thread: the lowest, above every normal thread and
 /// below every other real-time one.
@@ -54,18 +45,10 @@ const REALTIME_PRIORITY: i32 = 1;
 /// where, as at the run's instant; the second copies the stacks of the threads the first left
 /// to it.
 pub(super) enum Passes {
-    /// Syscall programs visiting the targets' threads alone (`bpf/wait_targets.bpf.c`), with
-    /// the status arrays that tell which parked backends woke (`collect::status_watch`).
-    Targets(Box<TargetRun>),
+    /// Syscall programs visiting the targets' threads alone (`bpf/wait_targets.bpf.c`).
+    Targets(TargetPasses),
     /// Task iterators visiting every thread of the host (`sample_waits`, `sample_wait_stacks`).
     Iterators { first: IterLink, second: IterLink },
-}
-
-/// The kfunc passes and what plans their runs.
-pub(super) struct TargetRun {
-    pub(super) passes: TargetPasses,
-    pub(super) woken: Array<MapData, WaitWoken>,
-    pub(super) watch: StatusWatch,
 }
 
 /// The loaded sampler, not running yet.
@@ -141,8 +124,7 @@ impl WaitSampler {
     /// Adds the idle ticks the kfunc passes deferred in threads' storage to their totals; the
     /// task iterators defer none.
     fn flush(&self) {
-        if let Passes::Targets(run) = &self.passes {
-            let passes = &run.passes;
+        if let Passes::Targets(passes) = &self.passes {
             if let Err(error) = passes.flush() {
                 warn!("the last idle off-CPU ticks (at most 32 per thread) are not counted: {error:#}");
             }
@@ -153,11 +135,8 @@ impl WaitSampler {
         self.config
             .set(0, weight.as_nanos() as u64, 0)
             .context("setting the wait samples' weight")?;
-        match &mut self.passes {
-            Passes::Targets(run) => {
-                plan_run(&mut run.watch, &mut run.woken, &mut self.config)?;
-                run.passes.run_first()
-            }
+        match &self.passes {
+            Passes::Targets(passes) => passes.run_first(),
             Passes::Iterators { first, .. } => first
                 .run()
                 .map(drop)
@@ -169,7 +148,7 @@ impl WaitSampler {
             .context("reading how many stacks the wait sampler's first pass left")?;
         if pending > 0 {
             match &self.passes {
-                Passes::Targets(run) => run.passes.run_second(),
+                Passes::Targets(passes) => passes.run_second(),
                 Passes::Iterators { second, .. } => second
                     .run()
                     .map(drop)
@@ -178,40 +157,6 @@ impl WaitSampler {
         }
         Ok(())
     }
-}
-
-/// Reads the watched status arrays and sets the kfunc passes' mode for this run: walk every
-/// thread, or visit those active in the last run and the processes woken since.
-fn plan_run(
-    watch: &mut StatusWatch,
-    woken: &mut Array<MapData, WaitWoken>,
-    config: &mut Array<MapData, u64>,
-) -> Result<()> {
-    let plan = watch.plan();
-    let mut mode = 0;
-    if plan.walk {
-        mode |= MODE_WALK;
-    }
-    if plan.park {
-        mode |= MODE_PARK;
-    }
-    if !plan.walk {
-        let mut list = WaitWoken {
-            tids: [0; WAIT_WOKEN_MAX],
-        };
-        for (slot, &pid) in list.tids.iter_mut().zip(&plan.woken) {
-            *slot = pid;
-        }
-        woken
-            .set(0, list, 0)
-            .context("listing the processes woken since the last tick")?;
-    }
-    config
-        .set(WOKEN_INDEX, plan.woken.len().min(WAIT_WOKEN_MAX) as u64, 0)
-        .context("setting how many processes woke")?;
-    config
-        .set(MODE_INDEX, mode, 0)
-        .context("setting the wait sampler's mode")
 }
 
 /// Puts the calling thread in `SCHED_FIFO` at [`REALTIME_PRIORITY`]; threads it would start

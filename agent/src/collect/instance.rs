@@ -10,7 +10,6 @@ use tracing::debug;
 
 use crate::bpf::abi::{PgLayout, TARGET_FOLLOW_FORKS, TARGET_PROFILE};
 use crate::bpf::OnCpuProbes;
-use crate::collect::probes::statement_clock::CounterLayout;
 use crate::container::ContainerIdentity;
 use crate::postgres::{self, instance_names::InstanceNames, VersionTable};
 use crate::target::{self, ProcessInfo};
@@ -179,14 +178,6 @@ pub fn attach(
         },
         None => (InstanceNames::default(), None),
     };
-    // Watched before any process of it is a target: the off-CPU sampler parks none of its idle
-    // backends unless it reads the instance's status array (collect::status_watch).
-    if let Some((layout, table)) = &layout {
-        let counter = CounterLayout::for_process(pid, layout, table)
-            .map_err(|error| debug!(pid, "idle backends are visited at every tick: {error:#}"))
-            .ok();
-        probes.watch_status(pid, counter);
-    }
     let mut children = 0;
     match scope {
         Scope::Backend => probes.add_target(pid, TARGET_PROFILE | extra_flags)?,

@@ -11,7 +11,6 @@ pub mod session;
 pub mod settings_seen;
 mod statement_link;
 mod statement_read;
-pub mod status_watch;
 mod wait_reassembly;
 
 use aya::maps::{MapData, RingBuf};

@@ -386,7 +386,6 @@ impl Discoverer<'_> {
                 let _ = probes.remove_target(child.pid);
             }
             let _ = probes.remove_target(*root);
-            probes.unwatch_status(*root);
         }
         let flags = if off_cpu.traces() { TARGET_OFF_CPU } else { 0 };
         for found in found {

@@ -96,11 +96,6 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             table.st_changecount_offset,
         ),
         (
-            "st_procpid",
-            "offsetof(PgBackendStatus, st_procpid)",
-            table.st_procpid_offset,
-        ),
-        (
             "st_state",
             "offsetof(PgBackendStatus, st_state)",
             table.st_state_offset,

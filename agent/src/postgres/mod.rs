@@ -52,8 +52,6 @@ pub struct VersionTable {
     /// `offsetof(PgBackendStatus, st_changecount)`: bumped by every write of the backend's
     /// status (each statement's start and end), so its growth counts statements.
     pub st_changecount_offset: u32,
-    /// `offsetof(PgBackendStatus, st_procpid)`: the process in the entry, 0 when it is free.
-    pub st_procpid_offset: u32,
     /// `sizeof(PgBackendStatus)`: the stride of the shared status array.
     pub status_entry_size: u32,
     /// `offsetof(PgBackendStatus, st_state)`.

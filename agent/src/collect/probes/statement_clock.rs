@@ -32,8 +32,6 @@ pub struct CounterLayout {
     pub entry_size: u32,
     /// `offsetof(PgBackendStatus, st_changecount)`.
     pub st_changecount_offset: u32,
-    /// `offsetof(PgBackendStatus, st_procpid)`.
-    pub st_procpid_offset: u32,
 }
 
 impl CounterLayout {
@@ -45,7 +43,6 @@ impl CounterLayout {
             slots: table.status_slots.resolve(pid)?,
             entry_size: table.status_entry_size,
             st_changecount_offset: table.st_changecount_offset,
-            st_procpid_offset: table.st_procpid_offset,
         })
     }
 }
@@ -101,25 +98,19 @@ impl StatementClock {
         progress
     }
 
+    /// The array, from process `pid`'s own slot and its index; None for processes without a
+    /// slot (the postmaster, a backend still starting) or gone.
     fn locate(&self, pid: u32) -> Option<StatusArray> {
-        let (base, slots) = self.layout.locate(pid)?;
+        let l = self.layout;
+        let entry = read_u64(pid, l.my_be_entry).ok().filter(|&e| e != 0)?;
+        let int_at = |address: u64| read_u64(pid, address).ok().map(|v| v as u32 as i32);
+        let (index, slots) = l.slots.locate(int_at)?;
+        let base = entry.checked_sub(u64::try_from(index).ok()? * u64::from(l.entry_size))?;
         Some(StatusArray {
             base,
             slots,
             last: Vec::new(),
         })
-    }
-}
-
-impl CounterLayout {
-    /// The array's address and length, from process `pid`'s own slot and its index; None for
-    /// processes without a slot (the postmaster, a backend still starting) or gone.
-    pub fn locate(&self, pid: u32) -> Option<(u64, usize)> {
-        let entry = read_u64(pid, self.my_be_entry).ok().filter(|&e| e != 0)?;
-        let int_at = |address: u64| read_u64(pid, address).ok().map(|v| v as u32 as i32);
-        let (index, slots) = self.slots.locate(int_at)?;
-        let base = entry.checked_sub(u64::try_from(index).ok()? * u64::from(self.entry_size))?;
-        Some((base, slots))
     }
 }
 
@@ -167,7 +158,6 @@ mod tests {
             },
             entry_size: 16,
             st_changecount_offset: 4,
-            st_procpid_offset: 8,
         };
         let pid = std::process::id();
         let mut clock = StatementClock::new(layout);
@@ -200,7 +190,6 @@ mod tests {
             },
             entry_size: 16,
             st_changecount_offset: 0,
-            st_procpid_offset: 4,
         });
         assert_eq!(clock.advance(&[std::process::id()]), 0);
         assert!(clock.array.is_none());

@@ -42,7 +42,6 @@ pub static TABLE: VersionTable = VersionTable {
     instance_name_globals: INSTANCE_NAME_GLOBALS_SINCE_14,
     probe_signature,
     st_changecount_offset: 0,
-    st_procpid_offset: 4,
     status_entry_size: 432,
     st_state_offset: 232,
     st_query_id_offset: 424,
