@@ -26,6 +26,7 @@ set -euo pipefail
 shopt -s inherit_errexit   # a failure inside $(…) stops the run too
 cd "$(dirname "$0")/.."
 source scripts/lib/pgcluster.sh
+source scripts/lib/free-port.sh
 
 rounds=${1:-3}
 secs=${2:-15}
@@ -61,29 +62,6 @@ sysctl -q -w kernel.bpf_stats_enabled=1
 clang -g -O2 -target bpf -I"/usr/include/$(gcc -print-multiarch)" -Wall -Werror \
   -c bench/switch_floor/floor.bpf.c -o "$work/floor.bpf.o"
 cc -O2 -Wall -Werror bench/switch_floor/floor.c -o "$work/floor" -lbpf
-
-# A free loopback port; with an argument N, the first of N free consecutive ports.
-free_port() {
-  python3 - "${1:-1}" <<'PY'
-import socket, sys
-n = int(sys.argv[1])
-for _ in range(100):
-    held = [socket.socket()]
-    held[0].bind(("127.0.0.1", 0))
-    port = held[0].getsockname()[1]
-    try:
-        for i in range(1, n):
-            s = socket.socket(); held.append(s); s.bind(("127.0.0.1", port + i))
-    except OSError:
-        continue
-    finally:
-        for s in held: s.close()
-    print(port)
-    break
-else:
-    sys.exit("no free ports")
-PY
-}
 
 # Where the agent pushes: a real Pyroscope on loopback when scripts/pyroscope-server.sh has one
 # built (building it takes minutes and the network: not done here), else a port with nothing
@@ -287,48 +265,11 @@ pgc_psql -c "ALTER SYSTEM SET max_connections = $((max_backends + 100))"
 pgc_as_pg "$PGC_BINDIR/pg_ctl" -D "$PGC_DATA" -w -l "$PGC_WORK/postgres.log" restart >/dev/null
 : >"$work/backends"
 for n in "${backend_counts[@]}"; do
-  # One process, n sockets speaking the protocol (no Postgres driver needed): startup with trust
-  # authentication, then SELECT 1 round-robin at $idle_rate per second over all of them, so
-  # every backend wakes now and then and nearly all are idle at any instant.
-  python3 - "$PGC_WORK/.s.PGSQL.$PGC_PORT" "$n" "$idle_rate" >"$work/holder.out" 2>&1 <<'PY' &
-import socket, struct, sys, time
-path, n, rate = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-
-def until_ready(s):
-    buf = b""
-    while True:
-        while len(buf) < 5 or len(buf) < 1 + struct.unpack("!i", buf[1:5])[0]:
-            chunk = s.recv(65536)
-            if not chunk:
-                raise EOFError("connection closed")
-            buf += chunk
-        kind, size = buf[:1], struct.unpack("!i", buf[1:5])[0]
-        body, buf = buf[5:1 + size], buf[1 + size:]
-        if kind == b"E":
-            raise RuntimeError(body.decode(errors="replace"))
-        if kind == b"Z":
-            return
-
-conns = []
-for _ in range(n):
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(path)
-    body = struct.pack("!i", 196608) + b"user\0postgres\0database\0postgres\0application_name\0offcpu-bench-idle\0\0"
-    s.sendall(struct.pack("!i", 4 + len(body)) + body)
-    until_ready(s)
-    conns.append(s)
-print("held", n, flush=True)
-query = b"SELECT 1\0"
-message = b"Q" + struct.pack("!i", 4 + len(query)) + query
-deadline, i = time.monotonic(), 0
-while True:
-    s = conns[i % n]
-    i += 1
-    s.sendall(message)
-    until_ready(s)
-    deadline += 1 / rate
-    time.sleep(max(0, deadline - time.monotonic()))
-PY
+  # One process holding n connections (bench/hold_connections.py), SELECT 1 round-robin at
+  # $idle_rate per second over all of them, so every backend wakes now and then and nearly all
+  # are idle at any instant.
+  python3 bench/hold_connections.py "$PGC_WORK/.s.PGSQL.$PGC_PORT" "$n" "$idle_rate" offcpu-bench-idle \
+    >"$work/holder.out" 2>&1 &
   holder_pid=$!
   await_line "$work/holder.out" '^held' "$holder_pid" 60 "cannot hold $n connections"
   start_agent --frequency 19
