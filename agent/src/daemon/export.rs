@@ -159,7 +159,11 @@ impl Exporter {
             }
             self.fold(root, &mut profiles, config);
             if config.labels.query_text {
-                self.query_texts.refresh(root, &profiles).await;
+                if let Some(client) = findings.lend_pgss(root) {
+                    if let Some(client) = self.query_texts.refresh(root, &profiles, client).await {
+                        findings.return_pgss(root, client);
+                    }
+                }
                 self.query_texts.apply(root, &mut profiles);
             }
             self.enqueue(name, container, profiles, config, enqueued);

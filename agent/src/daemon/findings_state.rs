@@ -145,6 +145,19 @@ impl AgentFindings {
         None
     }
 
+    /// Lends the open connection to the database that has pg_stat_statements (query texts are
+    /// read over it): one connection, one backend of the agent's, per instance.
+    pub fn lend_pgss(&mut self, root: u32) -> Option<tokio_postgres::Client> {
+        self.pgss.get_mut(&root)?.client.take()
+    }
+
+    /// Takes back what [`Self::lend_pgss`] lent.
+    pub fn return_pgss(&mut self, root: u32, client: tokio_postgres::Client) {
+        if let Some(reading) = self.pgss.get_mut(&root) {
+            reading.client = Some(client);
+        }
+    }
+
     /// Evaluates the rules over one instance's interval — the profiles about to be shipped and
     /// the probes' counts — and logs what changed since its last interval.
     pub fn evaluate(

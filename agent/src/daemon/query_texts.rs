@@ -20,7 +20,7 @@ pub const MAX_CHARS: usize = 160;
 pub const LABEL: &str = "query";
 /// How long reading the texts may hold up an upload.
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
-/// After a failed read, or a queryid pg_stat_statements did not have, when to ask again.
+/// After a queryid pg_stat_statements did not have, when to ask again.
 const RETRY: Duration = Duration::from_secs(60);
 /// Texts kept per instance at most; past it the cache starts over (the labelled queryids are
 /// a few hundred at most: this only bounds a workload that churns through them).
@@ -48,14 +48,12 @@ pub fn label_value(text: &str) -> Option<String> {
     Some(cut)
 }
 
-/// One instance's connection to the database that has pg_stat_statements, and its texts.
+/// One instance's texts.
 #[derive(Default)]
 struct InstanceTexts {
-    client: Option<tokio_postgres::Client>,
     /// Queryid → its label value; None: not in pg_stat_statements or not normalized, asked
     /// at that instant.
     texts: HashMap<i64, (Option<String>, Instant)>,
-    retry_at: Option<Instant>,
 }
 
 /// Per instance (root PID).
@@ -65,12 +63,21 @@ pub struct QueryTexts {
 }
 
 impl QueryTexts {
-    /// Reads the texts of the queryids `profiles` label that are not known yet.
-    pub async fn refresh(&mut self, root: u32, profiles: &[(&'static str, Profile)]) {
+    /// Reads the texts of the queryids `profiles` label that are not known yet, over `client`
+    /// (the findings' connection to the database that has pg_stat_statements), which it gives
+    /// back unless the read failed or timed out.
+    pub async fn refresh(
+        &mut self,
+        root: u32,
+        profiles: &[(&'static str, Profile)],
+        client: tokio_postgres::Client,
+    ) -> Option<tokio_postgres::Client> {
         let ids = labelled_ids(profiles);
-        if !ids.is_empty() {
-            self.instances.entry(root).or_default().refresh(root, &ids).await;
-        }
+        self.instances
+            .entry(root)
+            .or_default()
+            .refresh(root, &ids, client)
+            .await
     }
 
     /// Labels the samples of `profiles` whose queryid has a known text with it.
@@ -99,11 +106,13 @@ impl QueryTexts {
 
 impl InstanceTexts {
     /// Reads the texts of `ids` not known, or not found at least [`RETRY`] ago.
-    async fn refresh(&mut self, root: u32, ids: &[i64]) {
+    async fn refresh(
+        &mut self,
+        root: u32,
+        ids: &[i64],
+        client: tokio_postgres::Client,
+    ) -> Option<tokio_postgres::Client> {
         let now = Instant::now();
-        if self.retry_at.is_some_and(|at| now < at) {
-            return;
-        }
         let missing: Vec<i64> = ids
             .iter()
             .copied()
@@ -114,30 +123,9 @@ impl InstanceTexts {
             })
             .collect();
         if missing.is_empty() {
-            return;
+            return Some(client);
         }
-        if self.client.as_ref().is_some_and(|c| c.is_closed()) {
-            self.client = None;
-        }
-        let client = &mut self.client;
-        let read = async {
-            let connected = match client.take() {
-                Some(open) => open,
-                None => {
-                    let target = sql::Connect::for_process(root)?;
-                    match sql::find_pgss(&target, sql::connect(&target).await?).await? {
-                        sql::PgssConnection::Found { client, .. } => client,
-                        sql::PgssConnection::Absent { .. } => {
-                            anyhow::bail!("pg_stat_statements is created in no database")
-                        }
-                    }
-                }
-            };
-            let texts = sql::query_texts(&connected, &missing).await;
-            *client = Some(connected);
-            texts
-        };
-        match tokio::time::timeout(READ_TIMEOUT, read).await {
+        match tokio::time::timeout(READ_TIMEOUT, sql::query_texts(&client, &missing)).await {
             Ok(Ok(texts)) => {
                 if self.texts.len() + missing.len() > MAX_CACHED {
                     self.texts.clear();
@@ -146,15 +134,15 @@ impl InstanceTexts {
                     let value = texts.get(&id).and_then(|t| label_value(t));
                     self.texts.insert(id, (value, now));
                 }
-                self.retry_at = None;
+                Some(client)
             }
             Ok(Err(error)) => {
                 debug!(postmaster = root, "no query labels for now: {error:#}");
-                self.retry_at = Some(now + RETRY);
+                None
             }
             Err(_) => {
                 debug!(postmaster = root, "no query labels for now: the read timed out");
-                self.retry_at = Some(now + RETRY);
+                None
             }
         }
     }
