@@ -233,8 +233,10 @@ fn a_thousand_connections_come_and_go_and_the_agent_returns_to_its_baseline() ->
         discovery(&[&cluster])
     );
     let agent = RunningAgent::start(&config, &[])?;
-    // After a push: the agent's own connections (pg_stat_statements' counters, query texts)
-    // are among the processes then.
+    // After a push: the agent's own connection (pg_stat_statements' counters, query texts)
+    // is among the processes then. An interval without samples sends nothing, so the idle
+    // instance gets a statement to sample first.
+    cluster.psql("SELECT count(*) FROM generate_series(1, 5000000)")?;
     agent.wait_metric(
         "pgscope_export_pushes_total{result=\"ok\"}",
         "a first push",
