@@ -122,8 +122,8 @@ pub struct LabelsConfig {
     /// `pgscope.io/service-name`, else `<namespace>/<operator cluster or owner>`) instead of
     /// `service_name`.
     pub pod_service_name: bool,
-    /// Per instance and upload interval, the queryids that keep their own `queryid` label,
-    /// heaviest first; the others are pushed as `queryid="other"` (0: every queryid).
+    /// Per instance, the queryids that keep their own `queryid` label, heaviest over the last
+    /// minutes first; the others are pushed as `queryid="other"` (0: every queryid).
     pub top_queryids: usize,
     /// Series one instance's push may hold; over it the lightest are folded into coarser label
     /// sets (0: no cap).

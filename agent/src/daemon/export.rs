@@ -215,11 +215,11 @@ impl Exporter {
     /// Bounds the series of an instance's push (daemon/cardinality.rs), after the findings
     /// have read every queryid.
     fn fold(&mut self, root: u32, profiles: &mut [(&'static str, Profile)], config: &AgentConfig) {
-        let folded = self
-            .rankings
-            .entry(root)
-            .or_default()
-            .fold(profiles, config.labels.limits());
+        let folded = self.rankings.entry(root).or_default().fold(
+            profiles,
+            config.labels.limits(),
+            config.collection.upload_interval,
+        );
         for (reason, series) in folded.by_reason {
             *self.series_folded.entry(reason).or_default() += series;
         }

@@ -1,4 +1,5 @@
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use proptest::prelude::*;
 
@@ -46,6 +47,9 @@ fn totals(profiles: &[(&'static str, Profile)]) -> Vec<u64> {
     profiles.iter().map(|(_, p)| p.total_count()).collect()
 }
 
+/// The agent's default upload interval.
+const INTERVAL: Duration = Duration::from_secs(15);
+
 fn limits(top_queryids: usize, max_series: usize) -> Limits {
     Limits {
         top_queryids,
@@ -75,6 +79,7 @@ fn state_and_phase_are_left_out_unless_asked_for() {
             statement_detail: false,
             ..limits(0, 0)
         },
+        INTERVAL,
     );
     assert_eq!(series_count(&plain), 1);
     assert!(plain[0]
@@ -84,7 +89,7 @@ fn state_and_phase_are_left_out_unless_asked_for() {
         .all(|s| s.labels == [(labels::QUERY_ID.to_string(), "7".to_string())]));
     assert_eq!(folded, Folded::default(), "leaving labels out is not folding");
     let mut detailed = profiles;
-    QueryIdRanking::default().fold(&mut detailed, limits(0, 0));
+    QueryIdRanking::default().fold(&mut detailed, limits(0, 0), INTERVAL);
     assert_eq!(series_count(&detailed), 2);
 }
 
@@ -100,7 +105,7 @@ fn the_heaviest_queryids_keep_their_label_and_the_rest_become_other() {
         profile((1..=10).map(|i| cpu(i, "active", u64::from(i))).collect()),
     )];
     let before = totals(&profiles);
-    let folded = QueryIdRanking::default().fold(&mut profiles, limits(3, 0));
+    let folded = QueryIdRanking::default().fold(&mut profiles, limits(3, 0), INTERVAL);
     assert_eq!(queryids(&profiles), set(&["10", "8", "9", OTHER]));
     assert_eq!(totals(&profiles), before, "folding loses no weight");
     assert_eq!(folded.by_reason.get(&FoldReason::QueryIdTopK), Some(&6));
@@ -124,35 +129,116 @@ fn off_cpu_time_ranks_a_statement_but_the_clients_time_does_not() {
             ]),
         ),
     ];
-    QueryIdRanking::default().fold(&mut profiles, limits(1, 0));
+    QueryIdRanking::default().fold(&mut profiles, limits(1, 0), INTERVAL);
     assert_eq!(queryids(&profiles), set(&["1", OTHER]));
+}
+
+/// One interval of CPU samples: (queryid, samples).
+fn interval_of(weights: &[(u32, u64)]) -> Vec<(&'static str, Profile)> {
+    vec![(
+        "process_cpu",
+        profile(weights.iter().map(|&(id, n)| cpu(id, "active", n)).collect()),
+    )]
+}
+
+/// The interval (counted from 1) in which `newcomer`, at `newcomer_samples` an interval, first
+/// keeps its label against `k` queryids that have had 10 samples an interval for ten minutes;
+/// `None` if not within 100 intervals.
+fn intervals_to_take_a_place(k: u32, newcomer: u32, newcomer_samples: u64) -> Option<usize> {
+    let mut ranking = QueryIdRanking::default();
+    let incumbents: Vec<(u32, u64)> = (1..=k).map(|id| (id, 10)).collect();
+    for _ in 0..40 {
+        ranking.fold(&mut interval_of(&incumbents), limits(k as usize, 0), INTERVAL);
+    }
+    (1..=100).find(|_| {
+        let mut weights = incumbents.clone();
+        weights.push((newcomer, newcomer_samples));
+        let mut profiles = interval_of(&weights);
+        ranking.fold(&mut profiles, limits(k as usize, 0), INTERVAL);
+        queryids(&profiles).contains(&newcomer.to_string())
+    })
 }
 
 #[test]
 fn a_labelled_queryid_keeps_its_place_unless_a_newcomer_outweighs_it_by_half() {
     let mut ranking = QueryIdRanking::default();
-    let mut first = vec![(
-        "process_cpu",
-        profile(vec![cpu(1, "active", 10), cpu(2, "active", 9)]),
-    )];
-    ranking.fold(&mut first, limits(1, 0));
+    let mut first = interval_of(&[(1, 10), (2, 9)]);
+    ranking.fold(&mut first, limits(1, 0), INTERVAL);
     assert_eq!(queryids(&first), set(&["1", OTHER]));
+    // Query 2 is now a little heavier, for ten minutes: query 1 stays (no flapping at the
+    // boundary).
+    for _ in 0..40 {
+        let mut next = interval_of(&[(1, 10), (2, 14)]);
+        ranking.fold(&mut next, limits(1, 0), INTERVAL);
+        assert_eq!(queryids(&next), set(&["1", OTHER]));
+    }
+}
 
-    // Query 2 is now a little heavier: query 1 stays (no flapping at the boundary).
-    let mut second = vec![(
-        "process_cpu",
-        profile(vec![cpu(1, "active", 10), cpu(2, "active", 14)]),
-    )];
-    ranking.fold(&mut second, limits(1, 0));
-    assert_eq!(queryids(&second), set(&["1", OTHER]));
+#[test]
+fn a_newcomer_takes_a_place_sooner_the_heavier_it_is() {
+    // 150 s half-lives of 15 s intervals: the lightest labelled queryid's decayed weight is
+    // ~15 intervals of its samples, and a newcomer must reach 1.5 times that.
+    let place = |samples| intervals_to_take_a_place(10, 99, samples);
+    assert_eq!(place(14), None, "never, below the bonus");
+    assert_eq!(place(20), Some(20), "twice as heavy: two half-lives");
+    assert_eq!(place(30), Some(10), "three times: one half-life");
+    assert_eq!(place(100), Some(3), "as heavy as the ten together");
+    assert_eq!(place(1000), Some(1), "taking over the instance");
+}
 
-    // Twice as heavy: it takes the place.
-    let mut third = vec![(
-        "process_cpu",
-        profile(vec![cpu(1, "active", 10), cpu(2, "active", 20)]),
-    )];
-    ranking.fold(&mut third, limits(1, 0));
-    assert_eq!(queryids(&third), set(&["2", OTHER]));
+#[test]
+fn a_long_flat_tail_does_not_rotate_through_the_labels() {
+    // bench/scale.sh's shape: 4990 statements share 190 samples an interval at random, 10
+    // heavy ones have 10 each; K = 100. Ranked by one interval, the 90 places left to the
+    // tail were drawn anew each interval: ~1950 queryids labelled in 10 minutes.
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut random = move |below: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % below
+    };
+    let mut ranking = QueryIdRanking::default();
+    let mut labelled = BTreeSet::new();
+    for _ in 0..40 {
+        let mut weights: BTreeMap<u32, u64> = (0..10).map(|heavy| (heavy, 10)).collect();
+        for _ in 0..190 {
+            *weights.entry(10 + random(4990) as u32).or_default() += 1;
+        }
+        let mut profiles = interval_of(&weights.into_iter().collect::<Vec<_>>());
+        ranking.fold(&mut profiles, limits(100, 0), INTERVAL);
+        let pushed = queryids(&profiles);
+        assert!(pushed.len() <= 101);
+        for heavy in 0..10 {
+            assert!(pushed.contains(&heavy.to_string()), "heavy {heavy} folded");
+        }
+        labelled.extend(pushed.into_iter().filter(|id| id != OTHER));
+    }
+    assert!(
+        labelled.len() <= 600,
+        "{} queryids labelled in 10 minutes",
+        labelled.len()
+    );
+}
+
+#[test]
+fn the_ranking_remembers_a_bounded_number_of_queryids() {
+    // Literal-varying statements: a new queryid every sample.
+    let mut ranking = QueryIdRanking::default();
+    for interval in 0..50u32 {
+        let mut profiles = interval_of(&(0..1000).map(|i| (interval * 1000 + i, 1)).collect::<Vec<_>>());
+        ranking.fold(&mut profiles, limits(5, 0), INTERVAL);
+        assert!(ranking.weights.len() <= 5 * REMEMBERED_PER_LABEL);
+    }
+    // Those that stopped are forgotten once far below the top K.
+    for _ in 0..200 {
+        ranking.fold(
+            &mut interval_of(&[(1, 10), (2, 10), (3, 10), (4, 10), (5, 10)]),
+            limits(5, 0),
+            INTERVAL,
+        );
+    }
+    assert_eq!(ranking.weights.len(), 5);
 }
 
 #[test]
@@ -162,7 +248,7 @@ fn no_limits_fold_nothing() {
         profile((1..=50).map(|i| cpu(i, "active", 1)).collect()),
     )];
     let before = profiles.clone();
-    let folded = QueryIdRanking::default().fold(&mut profiles, limits(0, 0));
+    let folded = QueryIdRanking::default().fold(&mut profiles, limits(0, 0), INTERVAL);
     assert_eq!(folded, Folded::default());
     assert_eq!(profiles[0].1.samples, before[0].1.samples);
 }
@@ -177,7 +263,7 @@ fn over_the_cap_the_lightest_series_are_folded_first() {
     }
     let mut profiles = vec![("process_cpu", profile(samples))];
     let before = totals(&profiles);
-    let folded = QueryIdRanking::default().fold(&mut profiles, limits(0, 10));
+    let folded = QueryIdRanking::default().fold(&mut profiles, limits(0, 10), INTERVAL);
     assert!(
         series_count(&profiles) <= 10,
         "{} series",
@@ -208,7 +294,7 @@ fn the_cap_folds_statement_detail_when_queryids_alone_do_not_fit() {
         .collect();
     let mut profiles = vec![("offcpu", off_cpu(samples))];
     let before = totals(&profiles);
-    QueryIdRanking::default().fold(&mut profiles, limits(0, 5));
+    QueryIdRanking::default().fold(&mut profiles, limits(0, 5), INTERVAL);
     assert!(series_count(&profiles) <= 5);
     assert_eq!(totals(&profiles), before);
     let events: BTreeSet<_> = profiles[0]
@@ -271,7 +357,7 @@ proptest! {
     ) {
         let mut folded_profiles = profiles.clone();
         let series_before = series_count(&profiles);
-        let folded = QueryIdRanking::default().fold(&mut folded_profiles, limits(k, max));
+        let folded = QueryIdRanking::default().fold(&mut folded_profiles, limits(k, max), INTERVAL);
         // Nothing lost: each profile's total, and each stack's, is what it was.
         prop_assert_eq!(totals(&folded_profiles), totals(&profiles));
         for ((_, a), (_, b)) in profiles.iter().zip(&folded_profiles) {
