@@ -261,6 +261,12 @@ fn render_probes(out: &mut Text, probes: &ProbeMetrics) {
         out.value("pgscope_probe_calls_total", &[("function", function)], *hits);
     }
     out.family(
+        "pgscope_probe_calls_dropped_total",
+        "counter",
+        "Measured calls of probed functions attributed to no instance: their process exited before a sample placed it in one.",
+    );
+    out.value("pgscope_probe_calls_dropped_total", &[], probes.calls_dropped);
+    out.family(
         "pgscope_probe_foreign_hits_total",
         "counter",
         "Probe traps taken by processes the agent does not profile that map the same file (excluded instances, other programs): nothing is measured for them, but each pays a trap, and the duty cycle's budget counts them.",

@@ -56,6 +56,8 @@ pub struct ProbeMetrics {
     pub foreign_hits: Vec<(&'static str, u64)>,
     /// Per executable: the shared duty cycle and each probe's state.
     pub groups: Vec<(String, f64, Vec<ProbeState>)>,
+    /// Measured calls not attributed to an instance (their process exited unplaced).
+    pub calls_dropped: u64,
 }
 
 pub struct AgentProbes {
@@ -67,6 +69,9 @@ pub struct AgentProbes {
     groups: Vec<Group>,
     /// Per (process, function, queryid): the kernel's cumulative counts at the last read.
     last: HashMap<CallKey, (u64, u64)>,
+    /// Calls of processes that exited before a sample placed them in an instance, since the
+    /// start: counted, not attributed.
+    calls_dropped: u64,
     /// Per (instance, function, queryid): the rates of the recent intervals.
     estimates: BTreeMap<EstimateKey, Estimate>,
     /// Per instance: on-CPU samples at the last second and the CPU it used (ns per second).
@@ -112,6 +117,7 @@ impl AgentProbes {
             ns_per_hit: None,
             groups: Vec::new(),
             last: HashMap::new(),
+            calls_dropped: 0,
             estimates: BTreeMap::new(),
             cpu: HashMap::new(),
             frequency_hz: config.collection.frequency,
@@ -327,6 +333,12 @@ impl AgentProbes {
             }
             let root = self.placed.root_of(key.tgid, session.placed_in(key.tgid));
             let (Some(root), Some(call)) = (root, ProbedCall::from_key(&key)) else {
+                // Kept in the kernel's map while the process lives (it may be placed later:
+                // the counts are cumulative), lost once it has exited.
+                if exited.contains(&key.tgid) {
+                    let (calls, _) = delta(self.last.entry(key).or_default(), &stats);
+                    self.calls_dropped += calls;
+                }
                 continue;
             };
             let (calls, ns) = delta(self.last.entry(key).or_default(), &stats);
@@ -382,6 +394,7 @@ impl AgentProbes {
                 .iter()
                 .map(|g| (g.executable.clone(), g.set.duty(), g.set.states()))
                 .collect(),
+            calls_dropped: self.calls_dropped,
         }
     }
 
