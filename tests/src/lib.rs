@@ -18,6 +18,7 @@ pub mod debuginfod;
 pub mod fault_pyroscope;
 pub mod findings_json;
 pub mod install;
+pub mod kube;
 pub mod perf;
 pub mod pgbench;
 pub mod pgscope;
