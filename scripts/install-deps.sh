@@ -12,6 +12,7 @@ packages=(
   binutils elfutils file              # strip/objcopy/readelf for fixtures and the debug-file split
   linux-perf                          # the perf agreement test
   gdb                                 # the s_lock call-site test calls s_lock in a backend
+  valgrind                            # gdb's register descriptions without AVX (tests/src/gdb.rs)
   debuginfod                          # a real debuginfod server for the DEBUGINFOD_URLS tests
   postgresql-15 postgresql-contrib    # the distro Postgres profiled by demo and tests
   postgresql-server-dev-15            # server headers: tests check offsets and enum values

@@ -17,6 +17,7 @@ pub mod container_pg;
 pub mod debuginfod;
 pub mod fault_pyroscope;
 pub mod findings_json;
+pub mod gdb;
 pub mod install;
 pub mod kube;
 pub mod perf;

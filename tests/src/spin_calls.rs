@@ -2,9 +2,7 @@
 //! is contended, which no workload forces on demand; calling it from gdb inside a backend is a
 //! real call with known arguments, in any build that names `s_lock` (`.dynsym` or `.symtab`).
 
-use std::process::Command;
-
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 
 use crate::summary::SpinSite;
 
@@ -21,22 +19,20 @@ pub struct CallSite {
 
 /// Makes backend `pid` call `s_lock` once per site, on a free lock of its own (fresh zeroed
 /// memory, so that no real lock of the instance is touched): a free lock is taken at once and
-/// s_lock returns immediately. One gdb session for all of them.
+/// s_lock returns immediately. One gdb session for all of them; `pid` must be waiting for its
+/// client ([`crate::gdb`] says why).
 pub fn call_s_lock_in(pid: u32, sites: &[CallSite]) -> Result<()> {
-    let mut gdb = Command::new("gdb");
-    gdb.args(["-p", &pid.to_string(), "-batch", "-nx"]);
+    let mut commands = Vec::new();
     for site in sites {
         // A lock per call: s_lock returns holding it, and a second call on it would spin
         // until Postgres PANICs with "stuck spinlock".
-        gdb.args(["-ex", "set $lock = (void *) calloc(1, 8)"]);
-        gdb.arg("-ex").arg(format!(
+        commands.push("set $lock = (void *) calloc(1, 8)".to_string());
+        commands.push(format!(
             "call ((int(*)(void *, const char *, int, const char *)) s_lock)($lock, \"{}\", {}, \"{}\")",
             site.file, site.line, site.function
         ));
     }
-    let output = gdb
-        .output()
-        .context("cannot run gdb (scripts/install-deps.sh installs it)")?;
+    let output = crate::gdb::batch(pid, &commands)?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     // gdb prints `$N = 0` for each call that returned 0 (no delay); `set` prints nothing.
     let returned = stdout.lines().filter(|line| line.ends_with(" = 0")).count();

@@ -2,9 +2,7 @@
 //! as `pg_stat_activity` shows it (`LWLock:pg_stat_statements`), not `LWLock:extension`: pgscope
 //! reads the names the postmaster copied into shared memory (`NamedLWLockTrancheArray`).
 
-use std::process::Command;
-
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use pgscope_tests::activity::{label_sets, Activity};
 use pgscope_tests::workload::CPU_BOUND;
 use pgscope_tests::{require_root_and_bpf, LabeledProfile, PgCluster, PgInstall, Trace};
@@ -13,33 +11,45 @@ const FREQUENCY: u32 = 99;
 const PGSS_WAIT: &str = "LWLock:pg_stat_statements";
 
 /// Makes backend `pid`, busy on CPU, report a wait on pg_stat_statements' LWLock tranche, and
-/// returns the tranche id. Postgres names the id: `GetNamedLWLockTranche` returns the
-/// tranche's first lock, whose first field (`LWLock.tranche`, a uint16) is it. The backend's
+/// returns the tranche id. Postgres names the id in shared memory: `NamedLWLockTrancheArray`
+/// holds one `{int trancheId; char *trancheName;}` per tranche requested by name, and with
+/// pg_stat_statements the only library preloaded, its tranche is the only one. The backend's
 /// `*my_wait_event_info` (its `MyProc->wait_event_info`) is then set to `PG_WAIT_LWLOCK | id`,
 /// as `LWLockReportWaitStart` does. A real wait sleeps off CPU, where an on-CPU profiler takes
-/// no samples; this one lasts as long as the query runs, on CPU.
+/// no samples; this one lasts as long as the query runs, on CPU. gdb only reads and writes
+/// memory: it calls no function in a backend that is running a query ([`pgscope_tests::gdb`]).
 fn report_pgss_tranche_wait(pid: u32) -> Result<u32> {
-    let output = Command::new("gdb")
-        .args(["-p", &pid.to_string(), "-batch", "-nx"])
-        .args([
-            "-ex",
-            "set $id = *(unsigned short *) ((void *(*)(const char *)) GetNamedLWLockTranche)(\"pg_stat_statements\")",
-            "-ex",
-            "set var **(unsigned int **) &my_wait_event_info = 0x01000000 | $id",
-            "-ex",
-            "print $id",
-        ])
-        .output()
-        .context("cannot run gdb (scripts/install-deps.sh installs it)")?;
+    let commands = [
+        "set $tranches = *(char **) &NamedLWLockTrancheArray",
+        "set $id = *(int *) $tranches",
+        "print $id",
+        "print *(int *) &NamedLWLockTrancheRequests",
+        "print *(char **) ($tranches + 8)",
+        "set var **(unsigned int **) &my_wait_event_info = 0x01000000 | $id",
+    ]
+    .map(String::from);
+    let output = pgscope_tests::gdb::batch(pid, &commands)?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let id = stdout
-        .lines()
-        .find_map(|line| line.strip_prefix("$1 = "))
-        .and_then(|id| id.trim().parse().ok());
+    let value = |n: u32| {
+        stdout
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("${n} = ")))
+            .map(str::trim)
+    };
+    let id = value(1).and_then(|id| id.parse().ok());
+    let requests = value(2);
+    let name = value(3);
     match id {
-        Some(id) if output.status.success() => Ok(id),
+        Some(id)
+            if output.status.success()
+                && requests == Some("1")
+                && name.is_some_and(|n| n.ends_with("\"pg_stat_statements\"")) =>
+        {
+            Ok(id)
+        }
         _ => anyhow::bail!(
-            "gdb could not set a pg_stat_statements wait in backend {pid}:\n{stdout}\n{}",
+            "gdb could not set a pg_stat_statements wait in backend {pid} (tranche {id:?}, \
+             named tranches {requests:?}, the first named {name:?}):\n{stdout}\n{}",
             String::from_utf8_lossy(&output.stderr)
         ),
     }
