@@ -92,12 +92,13 @@ pub struct Limits {
 /// The labels only [`Limits::statement_detail`] keeps.
 const DETAIL_LABELS: [&str; 2] = [labels::STATE, labels::PHASE];
 
-/// One instance's folding state: each queryid's decayed weight and those labelled in its last
-/// interval.
+/// One instance's folding state: each queryid's decayed weight, those labelled in its last
+/// interval, and when that interval ended.
 #[derive(Debug, Default)]
 pub struct QueryIdRanking {
     weights: HashMap<String, f64>,
     labelled: HashSet<String>,
+    last_end: Option<Duration>,
 }
 
 /// Series folded by one call, per reason.
@@ -107,13 +108,15 @@ pub struct Folded {
 }
 
 impl QueryIdRanking {
-    /// Folds the instance's profiles of one interval (`interval` long) in place (see the
-    /// module's text).
+    /// Folds the instance's profiles of one interval, ending at `end` (since the Unix epoch),
+    /// in place (see the module's text). The weights decay by the time since the last
+    /// interval folded, not by one interval: an instance with nothing to push for a while
+    /// comes back with its old weights decayed by that while.
     pub fn fold(
         &mut self,
         profiles: &mut [(&'static str, Profile)],
         limits: Limits,
-        interval: Duration,
+        end: Duration,
     ) -> Folded {
         let mut folded = Folded::default();
         if !limits.statement_detail {
@@ -127,7 +130,7 @@ impl QueryIdRanking {
         }
         let before = series_count(profiles);
         if limits.top_queryids > 0 {
-            self.add_interval(profiles, interval);
+            self.add_interval(profiles, end);
             let kept = self.rank(limits.top_queryids);
             for (_, profile) in profiles.iter_mut() {
                 for sample in &mut profile.samples {
@@ -142,6 +145,7 @@ impl QueryIdRanking {
         } else {
             self.weights.clear();
             self.labelled.clear();
+            self.last_end = None;
         }
         let after_top_k = series_count(profiles);
         add(&mut folded, FoldReason::QueryIdTopK, before - after_top_k);
@@ -156,9 +160,13 @@ impl QueryIdRanking {
         folded
     }
 
-    /// Decays the weights by one interval and adds this interval's.
-    fn add_interval(&mut self, profiles: &[(&'static str, Profile)], interval: Duration) {
-        let decay = 0.5f64.powf(interval.as_secs_f64() / HALF_LIFE.as_secs_f64());
+    /// Decays the weights by the time since the last interval's end and adds this interval's.
+    fn add_interval(&mut self, profiles: &[(&'static str, Profile)], end: Duration) {
+        let elapsed = self
+            .last_end
+            .map_or(Duration::ZERO, |last| end.saturating_sub(last));
+        self.last_end = Some(end);
+        let decay = 0.5f64.powf(elapsed.as_secs_f64() / HALF_LIFE.as_secs_f64());
         for weight in self.weights.values_mut() {
             *weight *= decay;
         }

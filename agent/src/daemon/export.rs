@@ -157,7 +157,7 @@ impl Exporter {
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));
             }
-            self.fold(root, &mut profiles, config);
+            self.fold(root, &mut profiles, config, end);
             if config.labels.query_text {
                 if let Some(client) = findings.lend_pgss(root) {
                     if let Some(client) = self.query_texts.refresh(root, &profiles, client).await {
@@ -202,7 +202,7 @@ impl Exporter {
             end,
         );
         self.kernel = cached;
-        self.fold(gone.context.root, &mut profiles, config);
+        self.fold(gone.context.root, &mut profiles, config, end);
         self.rankings.remove(&gone.context.root);
         // Gone: the texts already read, none asked for.
         if config.labels.query_text {
@@ -212,13 +212,13 @@ impl Exporter {
         self.enqueue(&name, &container, profiles, config, enqueued);
     }
 
-    /// Bounds the series of an instance's push (daemon/cardinality.rs), after the findings
-    /// have read every queryid.
-    fn fold(&mut self, root: u32, profiles: &mut [(&'static str, Profile)], config: &AgentConfig) {
+    /// Bounds the series of an instance's push (daemon/cardinality.rs) of the interval ending
+    /// at `end` (ns since the epoch), after the findings have read every queryid.
+    fn fold(&mut self, root: u32, profiles: &mut [(&'static str, Profile)], config: &AgentConfig, end: u64) {
         let folded = self.rankings.entry(root).or_default().fold(
             profiles,
             config.labels.limits(),
-            config.collection.upload_interval,
+            Duration::from_nanos(end),
         );
         for (reason, series) in folded.by_reason {
             *self.series_folded.entry(reason).or_default() += series;

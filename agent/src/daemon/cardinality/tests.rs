@@ -50,6 +50,12 @@ fn totals(profiles: &[(&'static str, Profile)]) -> Vec<u64> {
 /// The agent's default upload interval.
 const INTERVAL: Duration = Duration::from_secs(15);
 
+/// Folds the next interval of `ranking`'s instance: one [`INTERVAL`] after its last.
+fn step(ranking: &mut QueryIdRanking, profiles: &mut [(&'static str, Profile)], limits: Limits) -> Folded {
+    let end = ranking.last_end.map_or(INTERVAL, |last| last + INTERVAL);
+    ranking.fold(profiles, limits, end)
+}
+
 fn limits(top_queryids: usize, max_series: usize) -> Limits {
     Limits {
         top_queryids,
@@ -148,13 +154,13 @@ fn intervals_to_take_a_place(k: u32, newcomer: u32, newcomer_samples: u64) -> Op
     let mut ranking = QueryIdRanking::default();
     let incumbents: Vec<(u32, u64)> = (1..=k).map(|id| (id, 10)).collect();
     for _ in 0..40 {
-        ranking.fold(&mut interval_of(&incumbents), limits(k as usize, 0), INTERVAL);
+        step(&mut ranking, &mut interval_of(&incumbents), limits(k as usize, 0));
     }
     (1..=100).find(|_| {
         let mut weights = incumbents.clone();
         weights.push((newcomer, newcomer_samples));
         let mut profiles = interval_of(&weights);
-        ranking.fold(&mut profiles, limits(k as usize, 0), INTERVAL);
+        step(&mut ranking, &mut profiles, limits(k as usize, 0));
         queryids(&profiles).contains(&newcomer.to_string())
     })
 }
@@ -163,13 +169,13 @@ fn intervals_to_take_a_place(k: u32, newcomer: u32, newcomer_samples: u64) -> Op
 fn a_labelled_queryid_keeps_its_place_unless_a_newcomer_outweighs_it_by_half() {
     let mut ranking = QueryIdRanking::default();
     let mut first = interval_of(&[(1, 10), (2, 9)]);
-    ranking.fold(&mut first, limits(1, 0), INTERVAL);
+    step(&mut ranking, &mut first, limits(1, 0));
     assert_eq!(queryids(&first), set(&["1", OTHER]));
     // Query 2 is now a little heavier, for ten minutes: query 1 stays (no flapping at the
     // boundary).
     for _ in 0..40 {
         let mut next = interval_of(&[(1, 10), (2, 14)]);
-        ranking.fold(&mut next, limits(1, 0), INTERVAL);
+        step(&mut ranking, &mut next, limits(1, 0));
         assert_eq!(queryids(&next), set(&["1", OTHER]));
     }
 }
@@ -184,6 +190,21 @@ fn a_newcomer_takes_a_place_sooner_the_heavier_it_is() {
     assert_eq!(place(30), Some(10), "three times: one half-life");
     assert_eq!(place(100), Some(3), "as heavy as the ten together");
     assert_eq!(place(1000), Some(1), "taking over the instance");
+}
+
+#[test]
+fn weights_decay_over_the_time_an_instance_pushed_nothing() {
+    // Query 1 was the instance's statement for ten minutes; after an hour with nothing to push,
+    // query 2, a tenth as heavy, takes the only place at once: the hour decayed query 1's
+    // weight although no interval was folded in it.
+    let mut ranking = QueryIdRanking::default();
+    for _ in 0..40 {
+        step(&mut ranking, &mut interval_of(&[(1, 100)]), limits(1, 0));
+    }
+    let later = ranking.last_end.unwrap_or_default() + Duration::from_secs(3600);
+    let mut profiles = interval_of(&[(2, 10)]);
+    ranking.fold(&mut profiles, limits(1, 0), later);
+    assert_eq!(queryids(&profiles), set(&["2"]));
 }
 
 #[test]
@@ -206,7 +227,7 @@ fn a_long_flat_tail_does_not_rotate_through_the_labels() {
             *weights.entry(10 + random(4990) as u32).or_default() += 1;
         }
         let mut profiles = interval_of(&weights.into_iter().collect::<Vec<_>>());
-        ranking.fold(&mut profiles, limits(100, 0), INTERVAL);
+        step(&mut ranking, &mut profiles, limits(100, 0));
         let pushed = queryids(&profiles);
         assert!(pushed.len() <= 101);
         for heavy in 0..10 {
@@ -227,15 +248,15 @@ fn the_ranking_remembers_a_bounded_number_of_queryids() {
     let mut ranking = QueryIdRanking::default();
     for interval in 0..50u32 {
         let mut profiles = interval_of(&(0..1000).map(|i| (interval * 1000 + i, 1)).collect::<Vec<_>>());
-        ranking.fold(&mut profiles, limits(5, 0), INTERVAL);
+        step(&mut ranking, &mut profiles, limits(5, 0));
         assert!(ranking.weights.len() <= 5 * REMEMBERED_PER_LABEL);
     }
     // Those that stopped are forgotten once far below the top K.
     for _ in 0..200 {
-        ranking.fold(
+        step(
+            &mut ranking,
             &mut interval_of(&[(1, 10), (2, 10), (3, 10), (4, 10), (5, 10)]),
             limits(5, 0),
-            INTERVAL,
         );
     }
     assert_eq!(ranking.weights.len(), 5);
