@@ -133,7 +133,7 @@ start() {
   echo "https://127.0.0.1:$api_port"
 }
 
-# Started apart from etcd so that a test can stop and restart the API server alone (`restart`).
+# The API server on etcd at ETCD_PORT, serving on API_PORT; returns once it is ready.
 start_apiserver() {
   local dir=$1 etcd_port=$2 api_port=$3
   "$bin_dir/kube-apiserver" \
@@ -149,7 +149,6 @@ start_apiserver() {
     --audit-policy-file "$dir/audit-policy.yaml" --audit-log-path "$dir/audit.log" \
     --cert-dir "$dir/apiserver-certs" >"$dir/apiserver.log" 2>&1 &
   echo "$!" >>"$dir/pids"
-  printf '%s %s\n' "$etcd_port" "$api_port" >"$dir/ports"
   local token; token=$(cat "$dir/admin.token")
   for _ in $(seq 600); do
     if curl -sf --cacert "$dir/ca.crt" -H "Authorization: Bearer $token" \
@@ -189,17 +188,6 @@ EOF
   chmod 600 "$dir/admin.kubeconfig"
 }
 
-# Stops the API server only and starts it again on the same port, on the same etcd.
-restart_apiserver() {
-  local dir=$1 etcd_port api_port apiserver_pid
-  read -r etcd_port api_port <"$dir/ports"
-  apiserver_pid=$(tail -1 "$dir/pids")
-  kill "$apiserver_pid" 2>/dev/null || true
-  while kill -0 "$apiserver_pid" 2>/dev/null; do sleep 0.1; done
-  sed -i '$d' "$dir/pids"
-  start_apiserver "$dir" "$etcd_port" "$api_port"
-}
-
 stop() {
   local dir=$1 pid
   [[ -f $dir/pids ]] || return 0
@@ -214,7 +202,6 @@ stop() {
 case ${1:-} in
   build) build ;;
   start) start "${2:?usage: start DIR}" ;;
-  restart-apiserver) restart_apiserver "${2:?usage: restart-apiserver DIR}" ;;
   stop) stop "${2:?usage: stop DIR}" ;;
-  *) echo "usage: $0 build | start DIR | restart-apiserver DIR | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 build | start DIR | stop DIR" >&2; exit 2 ;;
 esac

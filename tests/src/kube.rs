@@ -30,7 +30,10 @@ impl KubeControlPlane {
     /// Starts etcd and the API server; returns once the API server is ready.
     pub fn start() -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("pgscope-kube-").tempdir()?;
-        let output = script(&["start", &dir.path().display().to_string()])?;
+        let output = script(
+            "kube-control-plane.sh",
+            &["start", &dir.path().display().to_string()],
+        )?;
         let url = output.trim().to_string();
         ensure!(
             url.starts_with("https://127.0.0.1:"),
@@ -51,19 +54,6 @@ impl KubeControlPlane {
     /// The CA that signed the API server's certificate.
     pub fn ca(&self) -> PathBuf {
         self.dir.path().join("ca.crt")
-    }
-
-    /// Every request the API server handled so far, one JSON event per line.
-    pub fn audit_log(&self) -> Result<Vec<Value>> {
-        let text = std::fs::read_to_string(self.dir.path().join("audit.log")).unwrap_or_default();
-        text.lines()
-            .map(|line| serde_json::from_str(line).context("an audit event is not JSON"))
-            .collect()
-    }
-
-    /// Stops the API server and starts it again on the same port and etcd.
-    pub fn restart_apiserver(&self) -> Result<()> {
-        script(&["restart-apiserver", &self.dir.path().display().to_string()]).map(drop)
     }
 
     fn admin_token(&self) -> Result<String> {
@@ -148,26 +138,10 @@ impl KubeControlPlane {
             .context("the TokenRequest answer has no token")
     }
 
-    /// A kubeconfig in the control plane's directory for `token`'s user (what the agent reads,
-    /// as it would read its ServiceAccount's mounted token in a pod).
-    pub fn kubeconfig_for(&self, name: &str, token: &str) -> Result<PathBuf> {
-        let path = self.dir.path().join(format!("{name}.kubeconfig"));
-        let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n    \
-             certificate-authority: {}\nusers:\n- name: {name}\n  user:\n    token: {token}\n\
-             contexts:\n- name: test\n  context:\n    cluster: test\n    user: {name}\n\
-             current-context: test\n",
-            self.url,
-            self.ca().display()
-        );
-        std::fs::write(&path, text)?;
-        Ok(path)
-    }
-
     /// Runs helm (built by `scripts/chart-tools.sh helm`, cached) against this API server as
     /// the admin; its standard output.
     pub fn helm(&self, args: &[&str]) -> Result<String> {
-        let helm = chart_tool("helm")?;
+        let helm = script("chart-tools.sh", &["helm"])?;
         let output = Command::new(helm.trim())
             .args(args)
             .arg("--kubeconfig")
@@ -187,34 +161,24 @@ impl KubeControlPlane {
 
 impl Drop for KubeControlPlane {
     fn drop(&mut self) {
-        let _ = script(&["stop", &self.dir.path().display().to_string()]);
+        let _ = script(
+            "kube-control-plane.sh",
+            &["stop", &self.dir.path().display().to_string()],
+        );
     }
 }
 
-fn script(args: &[&str]) -> Result<String> {
-    let path = workspace_root().join("scripts/kube-control-plane.sh");
+/// Runs `scripts/<name>` with `args`; its standard output.
+fn script(name: &str, args: &[&str]) -> Result<String> {
+    let path = workspace_root().join("scripts").join(name);
     let output = Command::new(&path)
         .args(args)
         .output()
         .with_context(|| format!("running {}", path.display()))?;
     ensure!(
         output.status.success(),
-        "kube-control-plane.sh {}: {}",
+        "{name} {}: {}",
         args.join(" "),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
-fn chart_tool(tool: &str) -> Result<String> {
-    let path = workspace_root().join("scripts/chart-tools.sh");
-    let output = Command::new(&path)
-        .arg(tool)
-        .output()
-        .with_context(|| format!("running {}", path.display()))?;
-    ensure!(
-        output.status.success(),
-        "chart-tools.sh {tool}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
