@@ -21,6 +21,7 @@ packages=(
   python3-venv                        # the Helm chart checks' tools (scripts/chart-tools.sh)
   python3-pip                         # other majors' server headers (scripts/pg-majors.sh)
   curl                                # bench/agent.sh and the Pyroscope server's readiness check
+  openssl                             # certificates and keys of the test API server (scripts/kube-control-plane.sh)
   chromium                            # the HTML report test renders the page headless
 )
 # Other majors' server binaries come from npm (scripts/pg-majors.sh). A Node.js from elsewhere
