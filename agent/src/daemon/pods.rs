@@ -4,10 +4,11 @@
 //! Without API access (a plain host, no service account) everything works with host labels.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use futures_util::TryStreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use tracing::{info, warn};
@@ -67,11 +68,6 @@ impl PodIndex {
         for (id, _) in self.by_pod.remove(key).unwrap_or_default() {
             self.by_container.remove(&id);
         }
-    }
-
-    fn clear(&mut self) {
-        self.by_pod.clear();
-        self.by_container.clear();
     }
 }
 
@@ -143,7 +139,9 @@ fn service_name(pod: &Pod, namespace: &str, name: &str) -> String {
 }
 
 /// Watches this node's pods into `index` until the process ends; returns at once (saying so)
-/// when there is no Kubernetes API to ask.
+/// when there is no Kubernetes API to ask. While the API server is unreachable (down at start,
+/// restarting) the index keeps what it had and the watch is retried with backoff; after a
+/// re-list the index is swapped whole at its end, so lookups never see a half-loaded node.
 pub async fn watch(node: String, index: Arc<RwLock<PodIndex>>) {
     let client = match Client::try_default().await {
         Ok(client) => client,
@@ -152,32 +150,76 @@ pub async fn watch(node: String, index: Arc<RwLock<PodIndex>>) {
             return;
         }
     };
-    let pods: Api<Pod> = Api::all(client);
+    let api: Api<Pod> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = std::pin::pin!(watcher::watcher(pods, config));
-    let mut warned = false;
+    let mut events = std::pin::pin!(watcher::watcher(api, config));
+    // Retries back off exponentially (0.8 s doubling to 30 s, with jitter): an API server coming
+    // back is seen within seconds, and one that stays down is not hammered by every node.
+    let mut backoff = watcher::DefaultBackoff::default();
+    let mut pods = NodePods {
+        index,
+        relisting: None,
+    };
+    let mut failing = false;
     loop {
         match events.try_next().await {
             Ok(Some(event)) => {
-                warned = false;
-                let Ok(mut index) = index.write() else { return };
-                match event {
-                    Event::Apply(pod) | Event::InitApply(pod) => index.apply(&pod),
-                    Event::Delete(pod) => index.delete(&pod),
-                    Event::Init => index.clear(),
-                    Event::InitDone => info!(node, "pod metadata of this node loaded"),
+                // `Init` comes before the list is asked for: not yet a sign the API answers.
+                if !matches!(event, Event::Init) {
+                    backoff.reset();
+                    if failing {
+                        info!(node, "watching this node's pods again");
+                        failing = false;
+                    }
+                }
+                if let Some(count) = pods.handle(event) {
+                    info!(node, pods = count, "pod metadata of this node listed");
                 }
             }
             Ok(None) => return,
+            // 410 Gone: the last resourceVersion is too old (an API server restarted, etcd
+            // compacted); the watcher lists again at its next step, and waiting would only keep
+            // the labels stale longer.
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => {}
             Err(error) => {
-                // The watcher retries by itself; say it once per outage.
-                if !warned {
+                // The watcher resumes from the last resourceVersion, or lists again; say it
+                // once per outage.
+                if !failing {
                     warn!("watching this node's pods: {error} (pod labels may lag; retrying)");
-                    warned = true;
+                    failing = true;
                 }
-                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                if let Some(delay) = backoff.next() {
+                    tokio::time::sleep(delay).await;
+                }
             }
         }
+    }
+}
+
+/// The shared index, and a re-list in progress: built aside and swapped in whole at its end,
+/// so that lookups never see a half-listed node (nor lose the labels they had meanwhile).
+struct NodePods {
+    index: Arc<RwLock<PodIndex>>,
+    relisting: Option<PodIndex>,
+}
+
+impl NodePods {
+    /// Applies one watch event; the node's pod count when a (re-)list completes.
+    fn handle(&mut self, event: Event<Pod>) -> Option<usize> {
+        let shared = || self.index.write().unwrap_or_else(PoisonError::into_inner);
+        match event {
+            Event::Init => self.relisting = Some(PodIndex::default()),
+            Event::InitApply(pod) => self.relisting.get_or_insert_with(PodIndex::default).apply(&pod),
+            Event::InitDone => {
+                let fresh = self.relisting.take().unwrap_or_default();
+                let count = fresh.by_pod.len();
+                *shared() = fresh;
+                return Some(count);
+            }
+            Event::Apply(pod) => shared().apply(&pod),
+            Event::Delete(pod) => shared().delete(&pod),
+        }
+        None
     }
 }
 
@@ -247,5 +289,30 @@ mod tests {
         assert!(index
             .lookup("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
             .is_none());
+    }
+
+    #[test]
+    fn a_relist_replaces_the_index_whole_and_only_when_complete() {
+        const CNPG: &str = "9f8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b4a39281706f5e4d3c2b1a0";
+        const PLAIN: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+        let all = pods();
+        let index = Arc::new(RwLock::new(PodIndex::default()));
+        let found = |id: &str| index.read().expect("not poisoned").lookup(id).is_some();
+        let mut node = NodePods {
+            index: index.clone(),
+            relisting: None,
+        };
+        node.handle(Event::Apply(all[0].clone()));
+        // A re-list (after a restart of the API server) in which the first pod is gone, broken
+        // off once half-way and started again.
+        assert_eq!(node.handle(Event::Init), None);
+        node.handle(Event::InitApply(all[0].clone()));
+        node.handle(Event::Init);
+        node.handle(Event::InitApply(all[1].clone()));
+        assert!(found(CNPG), "labels kept while the re-list runs");
+        assert!(!found(PLAIN), "a half-listed node is not shown");
+        assert_eq!(node.handle(Event::InitDone), Some(1));
+        assert!(!found(CNPG), "the pod gone from the list is gone from the index");
+        assert!(found(PLAIN));
     }
 }
