@@ -78,14 +78,15 @@ test-majors: build pg-nofp pg-majors
 	grep '^major=' "$$log" || echo "test-majors: no major was measured"; exit $$status
 
 # The Kubernetes tests alone (tests/tests/kubernetes_*.rs): the chart installed, upgraded and
-# uninstalled in a real API server, its ServiceAccount's rights checked by the real authorizer.
-# Ends with one line, `kubernetes: install=ok upgrade=ok uninstall=ok denied=403` (FAIL for what
-# did not pass).
-test-kubernetes: build kube-control-plane
+# uninstalled in a real API server, its ServiceAccount's rights checked by the real authorizer,
+# the agent labelling a containerised Postgres from its pod through an outage and a restart of
+# the API server (root and BPF). Ends with one line,
+# `kubernetes: install=ok labels=ok relist=ok denied=403 uninstall=ok` (FAIL for what did not pass).
+test-kubernetes: build pg-nofp kube-control-plane
 	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests --test 'kubernetes_*' -- \
 	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \
-	line=kubernetes:; for key in install upgrade uninstall denied; do \
+	line=kubernetes:; for key in install labels relist denied uninstall; do \
 	  value=$$(grep -o 'kubernetes: .*' "$$log" | grep -o "\b$$key=[^ ]*" | tail -1 | cut -d= -f2); \
 	  line="$$line $$key=$${value:-FAIL}"; done; echo "$$line"; exit $$status
 

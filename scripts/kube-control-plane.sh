@@ -9,6 +9,11 @@
 #   scripts/kube-control-plane.sh build        builds (once) and prints the directory of the binaries
 #   scripts/kube-control-plane.sh start DIR    starts etcd and the API server with their state in DIR;
 #                                              prints the API server's URL once it is ready
+#   scripts/kube-control-plane.sh stop-apiserver DIR
+#                                              stops the API server only (etcd keeps the state)
+#   scripts/kube-control-plane.sh start-apiserver DIR
+#                                              starts it again on the same port; prints its URL
+#                                              once it is ready (an API server restart, an outage)
 #   scripts/kube-control-plane.sh stop DIR     stops what `start DIR` started
 #
 # `start` writes into DIR: ca.crt (the API server's CA), admin.token (a static token of a
@@ -128,6 +133,7 @@ start() {
     --initial-cluster "pgscope-test=http://127.0.0.1:$peer_port" \
     --listen-metrics-urls "" >"$dir/etcd.log" 2>&1 &
   echo "$!" >"$dir/pids"
+  printf '%s %s\n' "$etcd_port" "$api_port" >"$dir/ports"
   start_apiserver "$dir" "$etcd_port" "$api_port"
   write_kubeconfig "$dir" "$api_port" "$admin_token"
   echo "https://127.0.0.1:$api_port"
@@ -188,6 +194,25 @@ EOF
   chmod 600 "$dir/admin.kubeconfig"
 }
 
+# The pids file holds etcd's PID, then the API server's (when it runs).
+stop_apiserver() {
+  local dir=$1 etcd pid
+  { read -r etcd; read -r pid || true; } <"$dir/pids"
+  if [[ -n ${pid:-} ]]; then
+    kill "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+  fi
+  echo "$etcd" >"$dir/pids"
+}
+
+restart_apiserver() {
+  local dir=$1 etcd_port api_port
+  read -r etcd_port api_port <"$dir/ports"
+  [[ $(wc -l <"$dir/pids") == 1 ]] || { echo "kube-control-plane.sh: the API server of $dir runs" >&2; exit 1; }
+  start_apiserver "$dir" "$etcd_port" "$api_port"
+  echo "https://127.0.0.1:$api_port"
+}
+
 stop() {
   local dir=$1 pid
   [[ -f $dir/pids ]] || return 0
@@ -202,6 +227,8 @@ stop() {
 case ${1:-} in
   build) build ;;
   start) start "${2:?usage: start DIR}" ;;
+  stop-apiserver) stop_apiserver "${2:?usage: stop-apiserver DIR}" ;;
+  start-apiserver) restart_apiserver "${2:?usage: start-apiserver DIR}" ;;
   stop) stop "${2:?usage: stop DIR}" ;;
-  *) echo "usage: $0 build | start DIR | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 build | start DIR | stop-apiserver DIR | start-apiserver DIR | stop DIR" >&2; exit 2 ;;
 esac

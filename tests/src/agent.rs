@@ -28,6 +28,11 @@ impl RunningAgent {
     /// Starts `pgscope agent --config <config> --metrics-addr 127.0.0.1:<free port> <args>` and
     /// waits until `/readyz` answers 200.
     pub fn start(config: &str, args: &[&str]) -> Result<Self> {
+        Self::start_with_env(config, args, &[])
+    }
+
+    /// The same with `env` added to the agent's environment (`PGSCOPE_NODE_NAME`, `KUBECONFIG`).
+    pub fn start_with_env(config: &str, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("pgscope-agent-").tempdir()?;
         let config_path = dir.path().join("agent.toml");
         std::fs::write(&config_path, config)?;
@@ -39,6 +44,7 @@ impl RunningAgent {
             .arg("--metrics-addr")
             .arg(format!("127.0.0.1:{metrics_port}"))
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log);

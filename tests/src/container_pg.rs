@@ -15,7 +15,8 @@ use tempfile::TempDir;
 use crate::install::PgInstall;
 use crate::process::wait_for;
 
-/// The container ID the cgroup is named after.
+/// The container ID the cgroup is named after (unless [`NamespacedPostgres::start_as`] names
+/// another).
 pub const CONTAINER_ID: &str = "7c0de5a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d";
 /// The pod UID of the parent cgroup.
 pub const POD_UID: &str = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
@@ -24,6 +25,7 @@ pub struct NamespacedPostgres {
     root: TempDir,
     port: u16,
     postmaster: u32,
+    container_id: String,
     child: Child,
     cgroup: Vec<PathBuf>,
 }
@@ -31,8 +33,14 @@ pub struct NamespacedPostgres {
 impl NamespacedPostgres {
     /// Copies `install` (a relocatable build: the no-frame-pointer one) into a new root,
     /// initialises a cluster there and starts it in new mount and PID namespaces, in a
-    /// containerd-style cgroup.
+    /// containerd-style cgroup named after [`CONTAINER_ID`].
     pub fn start(install: &PgInstall) -> Result<Self> {
+        Self::start_as(install, CONTAINER_ID)
+    }
+
+    /// The same, in the cgroup of container `container_id` (64 hex digits): several containers,
+    /// or a container replaced by one with a new ID.
+    pub fn start_as(install: &PgInstall, container_id: &str) -> Result<Self> {
         let prefix = install.bindir.parent().context("the build has a prefix")?;
         let root = tempfile::Builder::new().prefix("pgscope-container-").tempdir()?;
         let r = root.path();
@@ -68,7 +76,7 @@ impl NamespacedPostgres {
         ));
         fs::write(r.join("data/postgresql.conf"), conf)?;
 
-        let cgroup = containerd_cgroup()?;
+        let cgroup = containerd_cgroup(container_id)?;
         let procs = cgroup.last().context("cgroup")?.join("cgroup.procs");
         // The shell joins the cgroup, then becomes unshare. Inside, PID 1 builds the container's
         // root on a tmpfs and pivots into it, dropping the old root, as container runtimes do:
@@ -101,6 +109,7 @@ impl NamespacedPostgres {
             root,
             port,
             postmaster: 0,
+            container_id: container_id.to_string(),
             child,
             cgroup,
         };
@@ -132,7 +141,7 @@ impl NamespacedPostgres {
             };
             let exe = fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
             let cgroup = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-            if exe != Path::new("/opt/pg/bin/postgres") || !cgroup.contains(CONTAINER_ID) {
+            if exe != Path::new("/opt/pg/bin/postgres") || !cgroup.contains(&self.container_id) {
                 continue;
             }
             let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -148,6 +157,10 @@ impl NamespacedPostgres {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    pub fn container_id(&self) -> &str {
+        &self.container_id
     }
 
     /// The postmaster's PID on the host (in its namespace it is 1).
@@ -187,7 +200,7 @@ impl Drop for NamespacedPostgres {
 }
 
 /// `<cgroup2 mount>/kubepods.slice/kubepods-pod<uid>.slice/cri-containerd-<id>.scope`, created.
-fn containerd_cgroup() -> Result<Vec<PathBuf>> {
+fn containerd_cgroup(container_id: &str) -> Result<Vec<PathBuf>> {
     let mounts = fs::read_to_string("/proc/mounts")?;
     let mount = mounts
         .lines()
@@ -199,7 +212,7 @@ fn containerd_cgroup() -> Result<Vec<PathBuf>> {
         .context("no cgroup2 hierarchy mounted")?;
     let slice = mount.join("kubepods.slice");
     let pod = slice.join(format!("kubepods-pod{}.slice", POD_UID.replace('-', "_")));
-    let scope = pod.join(format!("cri-containerd-{CONTAINER_ID}.scope"));
+    let scope = pod.join(format!("cri-containerd-{container_id}.scope"));
     fs::create_dir_all(&scope).with_context(|| format!("creating `{}`", scope.display()))?;
     Ok(vec![slice, pod, scope])
 }

@@ -6,6 +6,7 @@
 //! authorizer decide. Tokens go to curl on its standard input, never on a command line.
 
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
@@ -13,6 +14,10 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 
 use crate::workspace_root;
+
+/// Where the tests install the chart: its release name is also its ServiceAccount's name.
+pub const CHART_NAMESPACE: &str = "observability";
+pub const CHART_RELEASE: &str = "pgscope";
 
 pub struct KubeControlPlane {
     url: String,
@@ -49,6 +54,50 @@ impl KubeControlPlane {
     /// The admin's kubeconfig (for helm).
     pub fn kubeconfig(&self) -> PathBuf {
         self.dir.path().join("admin.kubeconfig")
+    }
+
+    /// A kubeconfig for `token`'s user (what the agent reads through `KUBECONFIG`), in the
+    /// control plane's directory, readable by its owner only.
+    pub fn kubeconfig_for(&self, name: &str, token: &str) -> Result<PathBuf> {
+        let path = self.dir.path().join(format!("{name}.kubeconfig"));
+        let config = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \
+             certificate-authority: {ca}\nusers:\n- name: {name}\n  user:\n    token: {token}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: {name}\ncurrent-context: test\n",
+            url = self.url,
+            ca = self.ca().display(),
+        );
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)?;
+        file.write_all(config.as_bytes())?;
+        Ok(path)
+    }
+
+    /// Stops the API server (etcd keeps the cluster's state): an outage, or half a restart.
+    pub fn stop_apiserver(&self) -> Result<()> {
+        script("kube-control-plane.sh", &["stop-apiserver", &self.dir_arg()]).map(drop)
+    }
+
+    /// Starts the API server again on its port; returns once it is ready.
+    pub fn start_apiserver(&self) -> Result<()> {
+        script("kube-control-plane.sh", &["start-apiserver", &self.dir_arg()]).map(drop)
+    }
+
+    /// The audit log's events so far (one JSON object per request, Metadata level: user, verb,
+    /// resource, requestURI, stage).
+    pub fn audit_events(&self) -> Result<Vec<Value>> {
+        let text = std::fs::read_to_string(self.dir.path().join("audit.log"))?;
+        text.lines()
+            .filter(|line| !line.trim().is_empty())
+            .map(|line| serde_json::from_str(line).with_context(|| format!("audit line `{line}`")))
+            .collect()
+    }
+
+    fn dir_arg(&self) -> String {
+        self.dir.path().display().to_string()
     }
 
     /// The CA that signed the API server's certificate.
@@ -138,6 +187,25 @@ impl KubeControlPlane {
             .context("the TokenRequest answer has no token")
     }
 
+    /// `helm install` of the repository's chart as release [`CHART_RELEASE`] in namespace
+    /// [`CHART_NAMESPACE`] (created), pushing to a Pyroscope at `pyroscope_url`, with `extra`
+    /// arguments (`--set …`).
+    pub fn install_chart(&self, pyroscope_url: &str, extra: &[&str]) -> Result<()> {
+        let url = format!("pyroscope.url={pyroscope_url}");
+        let mut args = vec![
+            "install",
+            CHART_RELEASE,
+            "helm/pgscope",
+            "--namespace",
+            CHART_NAMESPACE,
+            "--create-namespace",
+            "--set",
+            &url,
+        ];
+        args.extend_from_slice(extra);
+        self.helm(&args).map(drop)
+    }
+
     /// Runs helm (built by `scripts/chart-tools.sh helm`, cached) against this API server as
     /// the admin; its standard output.
     pub fn helm(&self, args: &[&str]) -> Result<String> {
@@ -161,10 +229,7 @@ impl KubeControlPlane {
 
 impl Drop for KubeControlPlane {
     fn drop(&mut self) {
-        let _ = script(
-            "kube-control-plane.sh",
-            &["stop", &self.dir.path().display().to_string()],
-        );
+        let _ = script("kube-control-plane.sh", &["stop", &self.dir_arg()]);
     }
 }
 

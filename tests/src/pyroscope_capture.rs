@@ -9,7 +9,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use flate2::read::GzDecoder;
@@ -27,6 +27,8 @@ pub struct Request {
     pub body: Vec<u8>,
     /// The status it was answered with.
     pub status: u16,
+    /// When it was read: which pushes came after a change the test made.
+    pub received: Instant,
 }
 
 /// One series of one push, its profiles decoded.
@@ -232,6 +234,7 @@ pub(crate) fn read_request(reader: &mut impl BufRead) -> Result<Option<Request>>
         headers,
         body,
         status: 0,
+        received: Instant::now(),
     }))
 }
 

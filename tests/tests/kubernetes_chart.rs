@@ -6,10 +6,9 @@
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 
-use pgscope_tests::kube::KubeControlPlane;
+use pgscope_tests::kube::{KubeControlPlane, CHART_NAMESPACE as NAMESPACE, CHART_RELEASE as RELEASE};
 
-const NAMESPACE: &str = "observability";
-const RELEASE: &str = "pgscope";
+const PYROSCOPE_URL: &str = "http://127.0.0.1:4040";
 const SELECTOR: &str = "app.kubernetes.io/instance=pgscope";
 
 /// The release's objects, by API path, as the admin lists them.
@@ -28,21 +27,6 @@ const KINDS: [(&str, &str); 7] = [
         "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
     ),
 ];
-
-fn install(kube: &KubeControlPlane, extra: &[&str]) -> Result<()> {
-    let mut args = vec![
-        "install",
-        RELEASE,
-        "helm/pgscope",
-        "--namespace",
-        NAMESPACE,
-        "--create-namespace",
-        "--set",
-        "pyroscope.url=http://127.0.0.1:4040",
-    ];
-    args.extend_from_slice(extra);
-    kube.helm(&args).map(drop)
-}
 
 /// Names of the release's objects of each kind.
 fn release_objects(kube: &KubeControlPlane) -> Result<Vec<(String, String)>> {
@@ -76,7 +60,7 @@ fn config_text(kube: &KubeControlPlane) -> Result<String> {
 #[test]
 fn the_chart_installs_upgrades_and_uninstalls_in_a_real_api_server() -> Result<()> {
     let kube = KubeControlPlane::start()?;
-    install(&kube, &[])?;
+    kube.install_chart(PYROSCOPE_URL, &[])?;
 
     let objects = release_objects(&kube)?;
     eprintln!("installed: {objects:?}");
@@ -179,7 +163,7 @@ fn the_chart_installs_upgrades_and_uninstalls_in_a_real_api_server() -> Result<(
 #[test]
 fn the_charts_service_account_may_read_pods_and_nothing_else() -> Result<()> {
     let kube = KubeControlPlane::start()?;
-    install(&kube, &[])?;
+    kube.install_chart(PYROSCOPE_URL, &[])?;
     let token = kube.service_account_token(NAMESPACE, RELEASE)?;
 
     // What the agent does: list and watch the pods of its node.
