@@ -268,3 +268,77 @@ def test_the_image_builds_what_the_makefile_builds():
     for package in ["clang", "llvm", "libbpf-dev", "bpftool", "build-essential", "pkg-config"]:
         assert f" {package}" in dockerfile, package
         assert package in deps, package
+
+
+def test_the_binary_runs_on_a_bookworm_slim_root(tmp_path):
+    """The image copies the binary onto debian:bookworm-slim: debootstrap's minbase, i.e.
+    Debian's `Priority: required` packages, apt, and what they depend on. No container engine
+    here: every library `ldd` lists must come from a package of that set (computed from this
+    machine's bookworm package index), and the binary must run in a root holding nothing but
+    itself and those libraries. (The Makefile's binary links the same libraries as `make
+    release`'s: the profile changes code, not what is linked.)"""
+    pgscope = Path(os.environ.get("PGSCOPE_BIN", str(ROOT / "target/debug/pgscope")))
+    ldd = subprocess.run(["ldd", str(pgscope)], capture_output=True, text=True, check=True).stdout
+    libraries = []
+    for line in ldd.splitlines():
+        fields = line.split()
+        if "=>" in fields:
+            libraries.append(fields[fields.index("=>") + 1])
+        elif fields and fields[0].startswith("/"):
+            libraries.append(fields[0])  # the dynamic loader
+    assert libraries, ldd
+    packages = {}
+    for library in libraries:
+        # Debian 12 merged /lib into /usr/lib: dpkg knows a file by the path its package ships.
+        candidates = [library, "/usr" + library, str(Path(library).resolve())]
+        owner = next((run_out(["dpkg", "-S", c]) for c in candidates if run_out(["dpkg", "-S", c])), "")
+        assert owner, f"no package owns {library}"
+        packages[library] = owner.split(":")[0]
+    base = minbase_packages()
+    assert len(base) > 50, f"the package index gives a minbase of {len(base)} packages"
+    outside = {lib: pkg for lib, pkg in packages.items() if pkg not in base}
+    assert not outside, f"libraries from packages bookworm-slim does not have: {outside}"
+
+    root = tmp_path / "root"
+    for library in libraries:
+        target = root / library.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(Path(library).resolve().read_bytes())
+        target.chmod(0o755)
+    (root / "pgscope").write_bytes(pgscope.read_bytes())
+    (root / "pgscope").chmod(0o755)
+    result = subprocess.run(["unshare", "--map-root-user", "chroot", str(root), "/pgscope", "--version"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("pgscope "), result.stderr
+    print(f"image: {' '.join(sorted(set(packages.values())))} (in bookworm-slim's {len(base)} packages); "
+          f"runs alone: {result.stdout.strip()}")
+
+
+def minbase_packages():
+    """`Priority: required` packages and apt, with their dependencies (first alternatives,
+    as debootstrap takes them), from `apt-cache dumpavail`."""
+    index = {}
+    for stanza in run_out(["apt-cache", "dumpavail"]).split("\n\n"):
+        fields = {}
+        for line in stanza.splitlines():
+            if ": " in line and not line.startswith(" "):
+                key, value = line.split(": ", 1)
+                fields[key] = value
+        if "Package" in fields:
+            depends = ", ".join(filter(None, [fields.get("Pre-Depends"), fields.get("Depends")]))
+            first = [d.split("|")[0].split("(")[0].split(":")[0].strip() for d in depends.split(",") if d.strip()]
+            index[fields["Package"]] = (fields.get("Priority"), first)
+    todo = [name for name, (priority, _) in index.items() if priority == "required"] + ["apt"]
+    base = set()
+    while todo:
+        name = todo.pop()
+        if name in base or name not in index:
+            continue
+        base.add(name)
+        todo.extend(index[name][1])
+    return base
+
+
+def run_out(command):
+    result = subprocess.run(command, capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else ""
