@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes demo test unit-test integration-test test-majors lint fuzz docs-check clean
+.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-majors lint fuzz docs-check clean
 
 all: build
 
@@ -28,8 +28,8 @@ pg-nofp: deps
 pg-majors: deps
 	@scripts/pg-majors.sh >/dev/null
 
-# Grafana Pyroscope v1.12 for the end-to-end test, built from the Go module proxy once into
-# /var/cache/pgscope (a few minutes; later runs reuse it).
+# Grafana Pyroscope v1.12 with its web UI for the end-to-end tests, built from the Go module
+# proxy and npm once into /var/cache/pgscope (about 5 minutes; later runs reuse it).
 pyroscope-server: deps
 	@scripts/pyroscope-server.sh build >/dev/null
 
@@ -89,6 +89,15 @@ test-kubernetes: build pg-nofp kube-control-plane
 	line=kubernetes:; for key in install labels relist denied uninstall; do \
 	  value=$$(grep -o 'kubernetes: .*' "$$log" | grep -o "\b$$key=[^ ]*" | tail -1 | cut -d= -f2); \
 	  line="$$line $$key=$${value:-FAIL}"; done; echo "$$line"; exit $$status
+
+# Our profiles in Pyroscope's own web UI (tests/tests/pyroscope_ui.rs): headless Chromium opens
+# the flamegraph of the pgbench statement's queryid. Ends with one line,
+# `pyroscope-ui: flamegraph=ok function=<a Postgres function on the page>` (FAIL if it failed).
+test-pyroscope-ui: build pg-nofp pyroscope-server
+	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test pyroscope_ui -- \
+	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \
+	grep -o '^pyroscope-ui: .*' "$$log" || echo "pyroscope-ui: flamegraph=FAIL"; exit $$status
 
 # The Helm chart: lint, render, offline schema validation, manifest assertions (helm and
 # kubernetes-validate are fetched from the registries into /var/cache/pgscope once).

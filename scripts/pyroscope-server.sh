@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A real Grafana Pyroscope server for the end-to-end tests, built from the Go module proxy.
+# A real Grafana Pyroscope server for the end-to-end tests, built from the Go module proxy, with
+# its web UI (what operators look at our profiles in).
 #
 #   scripts/pyroscope-server.sh build            builds once into $PGSCOPE_CACHE, prints the binary
 #   scripts/pyroscope-server.sh start PORT DIR   starts it (HTTP on PORT, gRPC PORT+1, gossip
@@ -10,13 +11,43 @@
 # `./api` folder, which the module zip leaves out (it is a module of its own), and the proxy has
 # no api version tagged for that commit. The api module's v1.1.0 (2025-01-08, a week before
 # v1.12.0) carries the same generated push/querier types: the server builds and answers with it.
+#
+# The UI: the module's source holds the frontend (public/app, package.json, yarn.lock); built
+# with yarn into public/build and compiled in with the `embedassets` tag, the server serves it
+# (without, it answers "not available in dev mode"). Two changes to the build copy: yarn.lock's
+# URLs point at the npm registry this machine reaches (the integrity hashes stay and are
+# checked), and `@grafana/flamegraph` is pinned to 11.3.1, because 11.4.0, which v1.12.0 pins, is
+# no longer published (yarn resolves 11.3.1 and its @grafana dependencies afresh). `canvas`, a
+# native module only the frontend's unit tests use, is left out: it does not build here.
 set -euo pipefail
 
 PYROSCOPE_VERSION=v1.12.0
 API_VERSION=v1.1.0
+FLAMEGRAPH_VERSION=11.3.1
+YARN_VERSION=1.22.22
 cache=${PGSCOPE_CACHE:-/var/cache/pgscope}
-bin_dir="$cache/pyroscope-$PYROSCOPE_VERSION-api-$API_VERSION"
+bin_dir="$cache/pyroscope-$PYROSCOPE_VERSION-api-$API_VERSION-ui-flamegraph-$FLAMEGRAPH_VERSION"
 bin="$bin_dir/pyroscope"
+
+# public/build of the source copy in SRC, built with yarn (its cache in the scratch copy too:
+# ~2 GB that a later build would not need, since the result is cached).
+build_ui() {
+  local src=$1 yarn_dir="$cache/yarn-$YARN_VERSION" registry
+  command -v npm >/dev/null || { echo "pyroscope-server.sh: npm is not installed (scripts/install-deps.sh installs it)" >&2; exit 1; }
+  [[ -x $yarn_dir/node_modules/.bin/yarn ]] || npm install --silent --prefix "$yarn_dir" "yarn@$YARN_VERSION" >&2
+  registry=$(npm config get registry)
+  sed -i "s#https://registry.yarnpkg.com/#${registry%/}/#" "$src/yarn.lock"
+  sed -i "s#\"@grafana/flamegraph\": \"[^\"]*\"#\"@grafana/flamegraph\": \"$FLAMEGRAPH_VERSION\"#; /\"canvas\": /d" \
+    "$src/package.json"
+  (
+    cd "$src"
+    export CYPRESS_INSTALL_BINARY=0 YARN_CACHE_FOLDER="$src/.yarn-cache"
+    nice "$yarn_dir/node_modules/.bin/yarn" install --ignore-engines --non-interactive --network-timeout 600000
+    # `yarn build` without its --progress (hundreds of lines in the CI log).
+    NODE_ENV=production nice "$yarn_dir/node_modules/.bin/yarn" run webpack --config scripts/webpack/webpack.prod.js
+  ) >&2
+  [[ -f $src/public/build/index.html ]] || { echo "pyroscope-server.sh: the UI build made no public/build/index.html" >&2; exit 1; }
+}
 
 build() {
   if [[ -x $bin ]]; then
@@ -37,8 +68,9 @@ build() {
   chmod -R u+w "$src"
   rm -f "$src/go.work" "$src/go.work.sum"
   sed -i "s#github.com/grafana/pyroscope/api => ./api#github.com/grafana/pyroscope/api => github.com/grafana/pyroscope/api $API_VERSION#" "$src/go.mod"
+  build_ui "$src"
   mkdir -p "$bin_dir"
-  (cd "$src" && nice go build -o "$bin.tmp" ./cmd/pyroscope) >&2
+  (cd "$src" && nice go build -tags embedassets -o "$bin.tmp" ./cmd/pyroscope) >&2
   mv "$bin.tmp" "$bin"
   echo "$bin"
 }

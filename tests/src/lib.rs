@@ -10,6 +10,7 @@ pub mod agent;
 pub mod agreement;
 pub mod app_database;
 pub mod bpf_objects;
+pub mod chromium;
 pub mod cluster;
 pub mod compare;
 pub mod connection;

@@ -4,51 +4,20 @@
 //! the findings, both flamegraphs and the plan-node table must be in what it rendered, and its
 //! screenshot is kept in `target/test-artifacts/report.png`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
-use anyhow::{bail, ensure, Context, Result};
-use pgscope_tests::{require_root_and_bpf, run_pgscope, workspace_root, PgCluster, PgInstall, Trace};
+use anyhow::{ensure, Context, Result};
+use pgscope_tests::{
+    chromium, require_root_and_bpf, run_pgscope, workspace_root, PgCluster, PgInstall, Trace,
+};
 
 const PARTITIONS: u32 = 32;
 
-/// Chromium, or an error that says how to get it (CI installs it: `.ci/run`).
-fn chromium() -> Result<PathBuf> {
-    for name in ["chromium", "chromium-browser"] {
-        if let Ok(output) = Command::new("which").arg(name).output() {
-            let path = String::from_utf8_lossy(&output.stdout).trim().to_string();
-            if output.status.success() && !path.is_empty() {
-                return Ok(PathBuf::from(path));
-            }
-        }
-    }
-    bail!("the report test renders the page in Chromium, which is not installed: apt-get install chromium")
-}
-
-/// Headless Chromium on `page` with `args` (`--dump-dom`, `--screenshot=…`); scripts get up
-/// to five seconds of virtual time, so the page's load handler has run when it dumps.
+/// Headless Chromium on the report at `page`; five seconds of virtual time, so that the
+/// page's load handler has run when it dumps.
 fn headless(page: &Path, profile_dir: &Path, args: &[&str]) -> Result<Output> {
-    let output = Command::new(chromium()?)
-        .args([
-            "--headless",
-            // Root cannot use Chromium's sandbox; the page is our own.
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            "--virtual-time-budget=5000",
-        ])
-        .arg(format!("--user-data-dir={}", profile_dir.display()))
-        .args(args)
-        .arg(format!("file://{}", page.display()))
-        .output()
-        .context("running chromium")?;
-    ensure!(
-        output.status.success(),
-        "chromium failed ({}): {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(output)
+    chromium::headless(&format!("file://{}", page.display()), profile_dir, 5000, args)
 }
 
 /// The `data-frames` count the page's script set on the flamegraph frame titled `title`.
@@ -69,7 +38,7 @@ fn rendered_frames(dom: &str, title: &str) -> Result<u64> {
 #[test]
 fn the_report_renders_findings_and_both_flamegraphs_in_chromium() -> Result<()> {
     require_root_and_bpf();
-    let browser = chromium()?;
+    let browser = chromium::chromium()?;
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     cluster.pgbench(&["-i", "-q", "-s", "1", &format!("--partitions={PARTITIONS}")])?;
     cluster.psql("ALTER SYSTEM SET plan_cache_mode = 'force_generic_plan'")?;
@@ -159,13 +128,7 @@ fn the_report_renders_findings_and_both_flamegraphs_in_chromium() -> Result<()> 
             "--window-size=1400,3200",
         ],
     )?;
-    let png =
-        std::fs::read(&screenshot).with_context(|| format!("{} was not written", screenshot.display()))?;
-    ensure!(
-        png.starts_with(b"\x89PNG") && png.len() > 20_000,
-        "the screenshot is not a PNG of a rendered page ({} bytes)",
-        png.len()
-    );
+    chromium::check_screenshot(&screenshot)?;
     std::fs::copy(&page, artifacts.join("report.html"))?;
     eprintln!(
         "report rendered by {}; screenshot: {}",
