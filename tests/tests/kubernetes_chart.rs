@@ -211,6 +211,11 @@ fn the_charts_service_account_may_read_pods_and_nothing_else() -> Result<()> {
             "the refusal does not name the ServiceAccount: {}",
             answer.body
         );
+        eprintln!(
+            "{method} {path}: {} {}",
+            answer.status,
+            answer.body["message"].as_str().unwrap_or_default()
+        );
     }
     // A token of no one is not a way in either.
     let anonymous = kube.request_as("not-a-token", "GET", node_pods, None)?;
