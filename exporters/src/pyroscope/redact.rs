@@ -81,12 +81,12 @@ pub fn url(url: &str) -> Cow<'_, str> {
 
 /// One URL after its `scheme://`: userinfo and sensitive query values hidden.
 fn url_credentials(url: &str) -> String {
-    let (authority_on, userinfo_hidden) = match url.rfind('@') {
-        Some(at) => (&url[at..], true),
-        None => (url, false),
+    let (hidden, authority_on) = match url.rfind('@') {
+        Some(at) => (Some(&url[..at]), &url[at..]),
+        None => (None, url),
     };
     let mut out = String::with_capacity(url.len());
-    if userinfo_hidden {
+    if hidden.is_some() {
         out.push_str(MASK);
     }
     match authority_on.split_once('?') {
@@ -95,30 +95,73 @@ fn url_credentials(url: &str) -> String {
             out.push('?');
             out.push_str(&query_credentials(query));
         }
-        None => out.push_str(authority_on),
+        // The last `@` may be in the query string (`?a=b@c&token=…`, `?token@x=…`): then what
+        // follows it is the rest of a parameter begun in the hidden part, and more parameters.
+        // (With a raw `?` in a password, `u:pa?ss@host`, the "parameter" is the host: shown.)
+        None => match hidden.and_then(|h| h.rsplit_once('?')) {
+            Some((_, query_begun)) => {
+                out.push('@');
+                out.push_str(&query_tail_credentials(query_begun, &authority_on[1..]));
+            }
+            None => out.push_str(authority_on),
+        },
     }
     out
 }
 
 /// `a=1&token=x#frag` → `a=1&token=***#frag`.
 fn query_credentials(query: &str) -> String {
-    let (params, fragment) = match query.split_once('#') {
+    query_tail_credentials("", query)
+}
+
+/// The query from an `@` on: `begun` is what precedes the `@` in the query (empty for a whole
+/// query), so that a parameter cut by the `@` is judged whole.
+fn query_tail_credentials(begun: &str, tail: &str) -> String {
+    let (params, fragment) = match tail.split_once('#') {
         Some((params, fragment)) => (params, Some(fragment)),
-        None => (query, None),
+        None => (tail, None),
     };
-    let hidden: Vec<String> = params
-        .split('&')
-        .map(|param| match param.split_once('=') {
-            Some((key, value)) if is_sensitive_key(key) && !value.is_empty() => format!("{key}={MASK}"),
-            _ => param.to_string(),
-        })
-        .collect();
-    let mut out = hidden.join("&");
+    let begun = begun.rsplit('&').next().unwrap_or_default();
+    let mut out = String::with_capacity(tail.len());
+    for (index, param) in params.split('&').enumerate() {
+        if index > 0 {
+            out.push('&');
+        }
+        let cut = if index == 0 && !begun.is_empty() {
+            begun.len() + 1
+        } else {
+            0
+        };
+        let whole = if cut > 0 {
+            Cow::Owned(format!("{begun}@{param}"))
+        } else {
+            Cow::Borrowed(param)
+        };
+        match secret_value_start(&whole) {
+            // The value is (partly) in `param`: hide that part.
+            Some(start) if whole.len() > start.max(cut) => {
+                out.push_str(&param[..start.saturating_sub(cut)]);
+                out.push_str(MASK);
+            }
+            _ => out.push_str(param),
+        }
+    }
     if let Some(fragment) = fragment {
         out.push('#');
         out.push_str(fragment);
     }
     out
+}
+
+/// Where a secret's value begins in one query parameter: after the first `=` that a secret's
+/// name precedes (`token=…`; in mangled text also `x@token=…` or `a=token=…`, erring towards
+/// hiding).
+fn secret_value_start(param: &str) -> Option<usize> {
+    param
+        .match_indices('=')
+        .map(|(at, _)| at)
+        .find(|&at| is_sensitive_key(&param[..at]))
+        .map(|at| at + 1)
 }
 
 #[cfg(test)]
@@ -145,6 +188,32 @@ mod tests {
             urls("http://a/ and https://b:c@d/"),
             "http://a/ and https://***@d/"
         );
+    }
+
+    #[test]
+    fn a_parameter_after_an_at_sign_in_the_query_is_hidden() {
+        // Found by the config fuzz test: the last `@` is in the query, so the userinfo mask
+        // swallowed the `?` and the parameter after it was shown.
+        assert_eq!(
+            url("https://agent:pw@pyro:4443/prefix?@[[x&token=s3cret"),
+            "https://***@[[x&token=***"
+        );
+        assert_eq!(
+            url("https://pyro/p?a=b@c&token=s3cret"),
+            "https://***@c&token=***"
+        );
+        assert_eq!(
+            urls("at https://pyro/p?note=x@y&api_key=s3cret now"),
+            "at https://***@y&api_key=*** now"
+        );
+        // The `@` inside a secret's name, or inside its value.
+        assert_eq!(url("https://pyro/p?token@[[=s3cret"), "https://***@[[=***");
+        assert_eq!(
+            url("https://pyro/p?a=1&token=ab@s3cret&b=2"),
+            "https://***@***&b=2"
+        );
+        // A raw `?` in a password: what follows the `@` is the host, shown.
+        assert_eq!(url("https://u:pa?ss@host/p"), "https://***@host/p");
     }
 
     #[test]
@@ -228,6 +297,23 @@ mod tests {
             prop_assert!(redacted.contains(&format!("{key}={MASK}")), "{text} → {redacted}");
         }
 
+        /// A secret parameter survives no `@` planted anywhere in the query before it.
+        #[test]
+        fn a_token_parameter_after_an_at_in_the_query_never_survives(
+            userinfo in "([a-z]{1,6}:[a-z0-9]{1,8}@)?",
+            before in "[a-z0-9=&\\[\\]]{0,12}",
+            after in "[a-z0-9=\\[\\]]{0,12}",
+            secret in "[A-Za-z0-9._~%+-]{6,24}",
+            split in any::<bool>(),
+        ) {
+            let value = format!("https://{userinfo}pyro:4443/p?{before}@{after}&token={secret}");
+            prop_assume!(!format!("{userinfo}{before}{after}").contains(&secret));
+            let value = if split { value.replacen("&token=", "token@x=", 1) } else { value };
+            let redacted = url(&value);
+            prop_assert!(!redacted.contains(&secret), "{value} → {redacted}");
+            prop_assert!(!urls(&value).contains(&secret), "{value} → {}", urls(&value));
+        }
+
         /// A URL value, however malformed, shows no password planted before its host.
         #[test]
         fn a_malformed_url_value_never_shows_its_password(
@@ -249,7 +335,8 @@ mod tests {
             let sensitive = text
                 .split(['?', '&'])
                 .skip(1)
-                .any(|param| param.split_once('=').is_some_and(|(key, _)| is_sensitive_key(key)));
+                .any(|param| secret_value_start(param.split('#').next().unwrap_or_default())
+                    .is_some_and(|start| start < param.split('#').next().unwrap_or_default().len()));
             prop_assume!(!sensitive);
             prop_assert_eq!(urls(&text), text.as_str());
         }
