@@ -68,8 +68,9 @@ fn in_credential_place(text: &str, secret: &str) -> bool {
             let sensitive = |key: &str| !key.is_empty() && is_sensitive_key(key);
             let parameter = before.strip_suffix('=').is_some_and(|head| {
                 let start = head.rfind(['?', '&']).map_or(head.len(), |i| i + 1);
-                // A parameter's name ends at its first `=`.
-                start < head.len() && !head[start..].contains('=') && sensitive(&head[start..])
+                // A parameter's name ends at its first `=`. A backslash in it is a TOML escape
+                // (`\token` is a tab and `oken`): the parsed name is another one.
+                start < head.len() && !head[start..].contains(['=', '\\']) && sensitive(&head[start..])
             });
             let toml_value = line
                 .strip_suffix('"')
