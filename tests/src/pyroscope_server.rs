@@ -4,13 +4,14 @@
 //! test, killed when dropped.
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::process::Command;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 
-use crate::workspace_root;
+use crate::{workspace_root, PgCluster, RunningAgent};
 
 pub struct PyroscopeServer {
     url: String,
@@ -99,6 +100,39 @@ impl Drop for PyroscopeServer {
             unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
         }
     }
+}
+
+/// `pgscope agent` on `cluster` (debug files in `debug_dir`) pushing to `pyroscope` as service
+/// `service` every 3 s, under `pgbench -S` (2 clients), until four pushes are accepted; then
+/// both are stopped and the agent must exit cleanly. `collection` adds lines to the agent's
+/// `[collection]`. Returns when the agent started, in unix milliseconds.
+pub fn push_pgbench_run(
+    pyroscope: &PyroscopeServer,
+    cluster: &PgCluster,
+    debug_dir: &Path,
+    service: &str,
+    collection: &str,
+) -> Result<i64> {
+    let config = format!(
+        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"3s\"\n{collection}\ndebug_dirs = [\"{}\"]\n\
+         [labels]\nservice_name = \"{service}\"\n[[discovery.include]]\ndata_dir = \"{}\"\n",
+        pyroscope.url(),
+        debug_dir.display(),
+        cluster.data_dir().display()
+    );
+    let start = now_ms();
+    let agent = RunningAgent::start(&config, &[])?;
+    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
+    agent.wait_metric(
+        "pgscope_export_pushes_total{result=\"ok\"}",
+        "four pushes accepted by Pyroscope",
+        Duration::from_secs(90),
+        |pushes| pushes >= 4.0,
+    )?;
+    pgbench.stop()?;
+    let (status, log) = agent.terminate()?;
+    ensure!(status.success(), "agent exit {status}:\n{log}");
+    Ok(start)
 }
 
 /// Now as unix milliseconds, the unit of the querier API's `start` and `end`.

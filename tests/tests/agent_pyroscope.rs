@@ -8,8 +8,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use pgscope_tests::pyroscope_server::{now_ms, PyroscopeServer};
-use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall, RunningAgent};
+use pgscope_tests::pyroscope_server::{now_ms, push_pgbench_run, PyroscopeServer};
+use pgscope_tests::{require_root_and_bpf, wait_for, PgCluster, PgInstall};
 use serde_json::{json, Value};
 
 /// The function names of a merged flamegraph.
@@ -38,25 +38,7 @@ fn pyroscope_answers_per_query_flamegraphs_on_and_off_cpu() -> Result<()> {
     cluster.pgbench(&["-i", "-s", "1", "-q"])?;
     // A service name of this run only: a shared server may hold earlier runs' data.
     let service = format!("pgscope-e2e-{}-{}", std::process::id(), now_ms());
-    let config = format!(
-        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"3s\"\noff_cpu = true\ndebug_dirs = [\"{}\"]\n\
-         [labels]\nservice_name = \"{service}\"\n[[discovery.include]]\ndata_dir = \"{}\"\n",
-        pyroscope.url(),
-        debug_dir.display(),
-        cluster.data_dir().display()
-    );
-    let start = now_ms();
-    let agent = RunningAgent::start(&config, &[])?;
-    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
-    agent.wait_metric(
-        "pgscope_export_pushes_total{result=\"ok\"}",
-        "four pushes accepted by Pyroscope",
-        Duration::from_secs(90),
-        |pushes| pushes >= 4.0,
-    )?;
-    pgbench.stop()?;
-    let (status, log) = agent.terminate()?;
-    ensure!(status.success(), "agent exit {status}:\n{log}");
+    let start = push_pgbench_run(&pyroscope, &cluster, &debug_dir, &service, "off_cpu = true")?;
     let queryid = cluster.pgbench_select_queryid()?;
     let end = now_ms() + 1000;
     let selector = format!("{{service_name=\"{service}\"}}");

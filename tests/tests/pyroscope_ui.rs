@@ -15,8 +15,8 @@ use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 
 use pgscope_tests::chromium;
-use pgscope_tests::pyroscope_server::{now_ms, PyroscopeServer};
-use pgscope_tests::{require_root_and_bpf, wait_for, workspace_root, PgCluster, PgInstall, RunningAgent};
+use pgscope_tests::pyroscope_server::{now_ms, push_pgbench_run, PyroscopeServer};
+use pgscope_tests::{require_root_and_bpf, wait_for, workspace_root, PgCluster, PgInstall};
 
 const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 
@@ -77,25 +77,7 @@ fn pyroscopes_ui_shows_a_statements_flamegraph_by_queryid() -> Result<()> {
     let cluster = PgCluster::start_with_pg_stat_statements(&install, &[])?;
     cluster.pgbench(&["-i", "-s", "1", "-q"])?;
     let service = format!("pgscope-ui-{}-{}", std::process::id(), now_ms());
-    let config = format!(
-        "[pyroscope]\nurl = \"{}\"\n[collection]\nupload_interval = \"3s\"\ndebug_dirs = [\"{}\"]\n\
-         [labels]\nservice_name = \"{service}\"\n[[discovery.include]]\ndata_dir = \"{}\"\n",
-        pyroscope.url(),
-        debug_dir.display(),
-        cluster.data_dir().display()
-    );
-    let start = now_ms();
-    let agent = RunningAgent::start(&config, &[])?;
-    let pgbench = cluster.spawn_pgbench(&["-S", "-c", "2", "-j", "2", "-T", "60"], 2)?;
-    agent.wait_metric(
-        "pgscope_export_pushes_total{result=\"ok\"}",
-        "four pushes accepted by Pyroscope",
-        Duration::from_secs(90),
-        |pushes| pushes >= 4.0,
-    )?;
-    pgbench.stop()?;
-    let (status, log) = agent.terminate()?;
-    ensure!(status.success(), "agent exit {status}:\n{log}");
+    let start = push_pgbench_run(&pyroscope, &cluster, &debug_dir, &service, "")?;
     let queryid = cluster.pgbench_select_queryid()?;
     let selector = format!("{{service_name=\"{service}\",queryid=\"{queryid}\"}}");
 
