@@ -159,6 +159,16 @@ impl NamespacedPostgres {
         self.port
     }
 
+    /// `pgbench <args> postgres` against this instance, with `install`'s client.
+    pub fn pgbench(&self, install: &PgInstall, args: &[&str]) -> Command {
+        let mut command = Command::new(install.bin("pgbench"));
+        command
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
+            .args(args)
+            .arg("postgres");
+        command
+    }
+
     pub fn container_id(&self) -> &str {
         &self.container_id
     }

@@ -2,7 +2,7 @@
 //! containerd-named cgroup: the agent on the "node" profiles it through /proc/PID/root and
 //! labels it with its container ID and its PID inside the namespace.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
@@ -16,14 +16,7 @@ fn a_postgres_in_its_own_namespaces_is_profiled_and_labelled_with_its_container(
     let debug_dir = install.debug_dir.clone().context("debug files")?;
     let postgres = NamespacedPostgres::start(&install)?;
     let port = postgres.port().to_string();
-    let pgbench = |args: &[&str]| {
-        let mut command = Command::new(install.bin("pgbench"));
-        command
-            .args(["-h", "127.0.0.1", "-p", &port, "-U", "postgres"])
-            .args(args)
-            .arg("postgres");
-        command
-    };
+    let pgbench = |args: &[&str]| postgres.pgbench(&install, args);
     ensure!(
         pgbench(&["-i", "-s", "1", "-q"]).output()?.status.success(),
         "pgbench -i failed"

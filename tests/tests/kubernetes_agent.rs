@@ -7,7 +7,7 @@
 //! server restart survived, and pods of another node never asked for (the audit log).
 
 use std::ffi::OsStr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
@@ -38,15 +38,7 @@ impl Drop for Load {
 
 fn start_container(install: &PgInstall, id: &str) -> Result<(NamespacedPostgres, Load)> {
     let postgres = NamespacedPostgres::start_as(install, id)?;
-    let port = postgres.port().to_string();
-    let pgbench = |args: &[&str]| {
-        let mut command = Command::new(install.bin("pgbench"));
-        command
-            .args(["-h", "127.0.0.1", "-p", &port, "-U", "postgres"])
-            .args(args)
-            .arg("postgres");
-        command
-    };
+    let pgbench = |args: &[&str]| postgres.pgbench(install, args);
     let init = pgbench(&["-i", "-s", "1", "-q"]).output()?;
     ensure!(
         init.status.success(),
