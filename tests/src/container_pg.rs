@@ -169,10 +169,6 @@ impl NamespacedPostgres {
         command
     }
 
-    pub fn container_id(&self) -> &str {
-        &self.container_id
-    }
-
     /// The postmaster's PID on the host (in its namespace it is 1).
     pub fn postmaster_pid(&self) -> u32 {
         self.postmaster
