@@ -276,9 +276,17 @@ const WAIT_REPEAT_MAGIC: u64 = c::PGSCOPE_WAIT_REPEAT_MAGIC;
 impl WaitRepeat {
     /// A ring buffer record that is a repeat of a thread's last wait sample.
     pub fn parse(bytes: &[u8]) -> Option<Self> {
-        record_of::<Self>(bytes).filter(|repeat| repeat.magic == WAIT_REPEAT_MAGIC)
+        record_of::<Self>(bytes)
+            .filter(|repeat| repeat.magic == WAIT_REPEAT_MAGIC && repeat.weight_ns <= WAIT_NS_MAX)
     }
 }
+
+/// The longest time off CPU one record can carry: 2^56 ns, about 2.3 years. pgscope measures a
+/// wait from when it began watching the thread, so no real record comes near; a larger value
+/// is a corrupt record, rejected (and counted) where it is parsed. Bounding each record keeps
+/// what adds many of them up (a stack's total, pprof's merge of equal stacks) far below the
+/// int64 that pprof and Pyroscope hold: 128 records at the bound make 2^63.
+pub const WAIT_NS_MAX: u64 = 1 << 56;
 
 /// `struct pgscope_wait_end`: the end of a wait sent with [`OFF_CPU_PENDING`] (`blocked_ns` 0:
 /// shorter than the threshold, counted in the totals: drop the stacks).
@@ -297,7 +305,7 @@ fn record_of<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
 impl WaitEnd {
     /// A ring buffer record that is a wait's end (samples are far longer).
     pub fn parse(bytes: &[u8]) -> Option<Self> {
-        record_of::<Self>(bytes).filter(|end| end.magic == WAIT_END_MAGIC)
+        record_of::<Self>(bytes).filter(|end| end.magic == WAIT_END_MAGIC && end.blocked_ns <= WAIT_NS_MAX)
     }
 }
 /// `struct pgscope_long_wait_end`: a wait without stacks that lasted at least
@@ -314,7 +322,8 @@ impl LongWaitEnd {
     /// A ring buffer record that is a long wait's end (samples are far longer, wait ends
     /// shorter).
     pub fn parse(bytes: &[u8]) -> Option<Self> {
-        record_of::<Self>(bytes).filter(|end| end.magic == LONG_WAIT_END_MAGIC)
+        record_of::<Self>(bytes)
+            .filter(|end| end.magic == LONG_WAIT_END_MAGIC && end.blocked_ns <= WAIT_NS_MAX)
     }
 }
 
@@ -385,6 +394,8 @@ pub enum RecordError {
     Short(usize),
     #[error("sample record claims {claimed} stack bytes but carries {carried}")]
     StackLength { claimed: u64, carried: usize },
+    #[error("sample record claims {0} ns off CPU, more than a record can carry ({WAIT_NS_MAX})")]
+    OffCpuTime(u64),
 }
 
 impl<'a> SampleRecord<'a> {
@@ -399,6 +410,9 @@ impl<'a> SampleRecord<'a> {
         let claimed = header.user_stack_len;
         if claimed > carried as u64 || claimed > USER_STACK_MAX as u64 {
             return Err(RecordError::StackLength { claimed, carried });
+        }
+        if header.off_cpu_ns > WAIT_NS_MAX {
+            return Err(RecordError::OffCpuTime(header.off_cpu_ns));
         }
         let user_stack = &bytes[SAMPLE_STACK_OFFSET..SAMPLE_STACK_OFFSET + claimed as usize];
         Ok(Self { header, user_stack })
@@ -448,6 +462,35 @@ mod tests {
         wrong[31] ^= 1;
         assert_eq!(WaitEnd::parse(&wrong), None, "magic checked");
         assert_eq!(WaitEnd::parse(&[0u8; SAMPLE_STACK_OFFSET]), None);
+    }
+
+    #[test]
+    fn rejects_records_claiming_more_time_off_cpu_than_one_can_carry() {
+        let end = WaitEnd {
+            tgid: 7,
+            tid: 8,
+            start_ns: 100,
+            blocked_ns: WAIT_NS_MAX,
+            magic: WAIT_END_MAGIC,
+        };
+        // SAFETY: WaitEnd is repr(C) plain old data of 32 bytes.
+        let bytes: [u8; 32] = unsafe { std::mem::transmute(end) };
+        assert_eq!(WaitEnd::parse(&bytes), Some(end), "the bound itself is kept");
+        let corrupt = WaitEnd {
+            blocked_ns: WAIT_NS_MAX + 1,
+            ..end
+        };
+        // SAFETY: as above.
+        let bytes: [u8; 32] = unsafe { std::mem::transmute(corrupt) };
+        assert_eq!(WaitEnd::parse(&bytes), None);
+
+        let mut sample = vec![0u8; SAMPLE_STACK_OFFSET];
+        let at = offset_of!(SampleHeader, off_cpu_ns);
+        sample[at..at + 8].copy_from_slice(&(u64::MAX - 1).to_ne_bytes());
+        assert!(matches!(
+            SampleRecord::parse(&sample),
+            Err(RecordError::OffCpuTime(ns)) if ns == u64::MAX - 1
+        ));
     }
 
     #[test]

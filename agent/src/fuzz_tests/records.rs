@@ -18,7 +18,7 @@ use proptest::test_runner::TestRunner;
 
 use crate::bpf::abi::{
     LongWaitEnd, RecordError, SampleRecord, WaitEnd, WaitRepeat, KERNEL_FRAMES_MAX, SAMPLE_STACK_OFFSET,
-    USER_STACK_MAX,
+    USER_STACK_MAX, WAIT_NS_MAX,
 };
 use crate::collect::instance::{InstanceContext, InstanceFacts, Scope};
 use crate::collect::off_cpu::OffCpuMode;
@@ -49,7 +49,7 @@ fn check_parsers(bytes: &[u8]) {
     let wait_end = WaitEnd::parse(bytes);
     assert_eq!(
         wait_end.is_some(),
-        bytes.len() == 32 && u64_at(bytes, 24) == WAIT_END_MAGIC,
+        bytes.len() == 32 && u64_at(bytes, 24) == WAIT_END_MAGIC && u64_at(bytes, 16) <= WAIT_NS_MAX,
         "wait end of {} bytes",
         bytes.len()
     );
@@ -63,7 +63,7 @@ fn check_parsers(bytes: &[u8]) {
     let long_end = LongWaitEnd::parse(bytes);
     assert_eq!(
         long_end.is_some(),
-        bytes.len() == 64 && u64_at(bytes, 56) == LONG_WAIT_END_MAGIC,
+        bytes.len() == 64 && u64_at(bytes, 56) == LONG_WAIT_END_MAGIC && u64_at(bytes, 16) <= WAIT_NS_MAX,
         "long wait end of {} bytes",
         bytes.len()
     );
@@ -75,7 +75,7 @@ fn check_parsers(bytes: &[u8]) {
     let repeat = WaitRepeat::parse(bytes);
     assert_eq!(
         repeat.is_some(),
-        bytes.len() == 24 && u64_at(bytes, 16) == WAIT_REPEAT_MAGIC,
+        bytes.len() == 24 && u64_at(bytes, 16) == WAIT_REPEAT_MAGIC && u64_at(bytes, 8) <= WAIT_NS_MAX,
         "wait repeat of {} bytes",
         bytes.len()
     );
@@ -93,6 +93,10 @@ fn check_parsers(bytes: &[u8]) {
             assert_eq!(carried, bytes.len() - SAMPLE_STACK_OFFSET);
             assert!(claimed > carried as u64 || claimed > USER_STACK_MAX as u64);
         }
+        Err(RecordError::OffCpuTime(ns)) => {
+            assert_eq!(ns, u64_at(bytes, 88));
+            assert!(ns > WAIT_NS_MAX);
+        }
         Ok(record) => {
             let claimed = u64_at(bytes, STACK_LEN_AT) as usize;
             assert!(claimed <= USER_STACK_MAX && SAMPLE_STACK_OFFSET + claimed <= bytes.len());
@@ -107,6 +111,7 @@ fn check_parsers(bytes: &[u8]) {
             }
             assert_eq!(record.header.tgid, u32_at(bytes, 0));
             assert_eq!(record.header.off_cpu_ns, u64_at(bytes, 88));
+            assert!(record.header.off_cpu_ns <= WAIT_NS_MAX);
             assert_eq!(record.header.statement_start, u64_at(bytes, 104));
         }
     }
@@ -425,7 +430,8 @@ fn sample_fields() -> impl Strategy<Value = SampleFields> {
         any::<[u64; 3]>(),
         (0..=USER_STACK_MAX, any::<u64>()).prop_map(|(len, seed)| noise(len, seed)),
         any::<(u64, u32, u32, u32, u32, u32, u32)>(),
-        any::<(u64, u32, u32)>(),
+        // Within what one record can carry; past it, a record is rejected (check_parsers).
+        (0..=WAIT_NS_MAX, any::<u32>(), any::<u32>()),
         any::<u64>(),
     )
         .prop_map(
@@ -471,7 +477,10 @@ fn a_sample_in_the_c_layout_reads_back_as_written() {
 
 #[test]
 fn wait_ends_in_the_c_layout_read_back_as_written() {
-    let strategy = (any::<(u32, u32, u64, u64)>(), any::<(u64, [u32; 6])>());
+    let strategy = (
+        (any::<u32>(), any::<u32>(), any::<u64>(), 0..=WAIT_NS_MAX),
+        any::<(u64, [u32; 6])>(),
+    );
     TestRunner::new(fuzzing::config(256))
         .run(&strategy, |((tgid, tid, start, blocked), (query_id, attr))| {
             let mut bytes = Vec::new();
