@@ -27,6 +27,7 @@ shopt -s inherit_errexit   # a failure inside $(…) stops the run too
 cd "$(dirname "$0")/.."
 source scripts/lib/pgcluster.sh
 source scripts/lib/free-port.sh
+source scripts/lib/pyroscope.sh
 
 rounds=${1:-3}
 secs=${2:-15}
@@ -63,26 +64,10 @@ clang -g -O2 -target bpf -I"/usr/include/$(gcc -print-multiarch)" -Wall -Werror 
   -c bench/switch_floor/floor.bpf.c -o "$work/floor.bpf.o"
 cc -O2 -Wall -Werror bench/switch_floor/floor.c -o "$work/floor" -lbpf
 
-# Where the agent pushes: a real Pyroscope on loopback when scripts/pyroscope-server.sh has one
-# built (building it takes minutes and the network: not done here), else a port with nothing
-# listening, where every push fails (the agent goes on and counts them) and costs a refused
-# connection instead of an upload.
-pyroscope_cache=${PGSCOPE_CACHE:-/var/cache/pgscope}
-pyroscope_bin="$pyroscope_cache/pyroscope-$(sed -n 's/^PYROSCOPE_VERSION=//p' scripts/pyroscope-server.sh)-api-$(sed -n 's/^API_VERSION=//p' scripts/pyroscope-server.sh)/pyroscope"
-pyroscope_port=$(free_port 3)
-if [[ ! -x $pyroscope_bin ]]; then
-  push_to="no Pyroscope is built ($pyroscope_bin; scripts/pyroscope-server.sh build builds it)"
-elif pyroscope_pid=$(scripts/pyroscope-server.sh start "$pyroscope_port" "$work/pyroscope"); then
-  push_to="Pyroscope on 127.0.0.1:$pyroscope_port"
-else
-  pyroscope_pid=
-  push_to="Pyroscope did not start"
-fi
-if [[ -z $pyroscope_pid ]]; then
-  push_to="127.0.0.1:$pyroscope_port where nothing listens ($push_to): every push fails"
-  echo "offcpu.sh: the agent pushes to $push_to" >&2
-fi
-push_url=http://127.0.0.1:$pyroscope_port
+# Where the agent pushes: a real Pyroscope on loopback (scripts/lib/pyroscope.sh; built once when
+# the cache has none).
+start_bench_pyroscope "$work/pyroscope"
+push_to="Pyroscope on 127.0.0.1:$pyroscope_port"
 
 # synchronous_commit=on is the default; said explicitly because the TPC-B figures depend on it.
 # Checkpoints are spaced out so that one does not land in some runs and not others.

@@ -41,6 +41,7 @@ shopt -s inherit_errexit   # a failure inside $(…) stops the run too
 cd "$(dirname "$0")/.."
 source scripts/lib/pgcluster.sh
 source scripts/lib/free-port.sh
+source scripts/lib/pyroscope.sh
 
 read -ra backend_counts <<<"${PGSCOPE_SCALE_BACKENDS:-100 1000}"
 secs=${PGSCOPE_SCALE_SECONDS:-45}
@@ -79,28 +80,14 @@ sysctl -q -w kernel.bpf_stats_enabled=1
 # Progress, on stderr, with the time since the start.
 say() { printf 'scale.sh [%d:%02d] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*" >&2; }
 
-# Where the agent pushes: a real Pyroscope on loopback when scripts/pyroscope-server.sh has one
-# built (building it takes minutes and the network: not done here), else a port with nothing
-# listening, where every push fails (the agent goes on and counts them) and Pyroscope's series
-# cannot be counted. A fresh server per phase (argument: its name): Pyroscope limits a tenant's
+# Where the agent pushes: a real Pyroscope on loopback (scripts/lib/pyroscope.sh; built once when
+# the cache has none). A fresh server per phase (argument: its name): Pyroscope limits a tenant's
 # active series (5000, kept 10 minutes after their last push), and every service of a server is
 # the one tenant, so a server shared by the phases would count the 100 backends' series against
 # the 1000's and could turn their pushes away.
-pyroscope_cache=${PGSCOPE_CACHE:-/var/cache/pgscope}
-pyroscope_bin="$pyroscope_cache/pyroscope-$(sed -n 's/^PYROSCOPE_VERSION=//p' scripts/pyroscope-server.sh)-api-$(sed -n 's/^API_VERSION=//p' scripts/pyroscope-server.sh)/pyroscope"
 start_pyroscope() {
-  pyroscope_port=$(free_port 3)
-  push_url=http://127.0.0.1:$pyroscope_port
-  if [[ ! -x $pyroscope_bin ]]; then
-    push_to="no Pyroscope is built ($pyroscope_bin; scripts/pyroscope-server.sh build builds it)"
-  elif pyroscope_pid=$(scripts/pyroscope-server.sh start "$pyroscope_port" "$work/pyroscope-$1"); then
-    push_to="Pyroscope on 127.0.0.1:$pyroscope_port"
-    return
-  else
-    pyroscope_pid=
-    push_to="Pyroscope did not start"
-  fi
-  push_to="127.0.0.1:$pyroscope_port where nothing listens ($push_to): every push fails"
+  start_bench_pyroscope "$work/pyroscope-$1"
+  push_to="Pyroscope on 127.0.0.1:$pyroscope_port"
   say "the agent pushes to $push_to"
 }
 stop_pyroscope() {
