@@ -208,18 +208,21 @@ pub(crate) fn display_name(frame: &Frame) -> String {
 
 /// See [`display_name`]; also used for label values that become root frames.
 pub(crate) fn sanitize(text: &str) -> String {
-    let trimmed = text.trim();
-    if trimmed.is_empty() {
-        return "[unknown]".to_string();
-    }
-    trimmed
+    let mapped: String = text
         .chars()
         .map(|c| match c {
             ';' => ':',
             c if c.is_control() => ' ',
             c => c,
         })
-        .collect()
+        .collect();
+    // Trimmed after the mapping: a control character at either end (a NUL before the name) must
+    // not leave a space there, which inferno reads as the end of an empty frame.
+    let trimmed = mapped.trim();
+    if trimmed.is_empty() {
+        return "[unknown]".to_string();
+    }
+    trimmed.to_string()
 }
 
 #[cfg(test)]

@@ -195,6 +195,31 @@ mod tests {
         assert_eq!(frame_groups, 1 + 2 + 6 + 2 + 3 + 2);
     }
 
+    /// Found by the agent's recording fuzz test: a NUL before the only frame's name made it
+    /// ` [preempted…]`, a folded line starting with a space, and inferno refused the graph.
+    #[test]
+    fn a_control_character_at_a_names_end_still_draws() {
+        for name in ["\u{0}[preempted: runnable, waiting for a CPU]", "ExecScan\n", "\u{7}"] {
+            let profile = Profile {
+                meta: ProfileMeta::off_cpu(0, 1),
+                samples: vec![sample(vec![user(name)], &[("pid", "42")], 4_500_373)],
+            };
+            let opts = SvgOptions {
+                root_labels: Vec::new(),
+                ..options()
+            };
+            let svg = render(&profile, &opts);
+            let doc = parse_xml(&svg).expect("well-formed XML");
+            let shown = sanitize(name);
+            assert!(!shown.starts_with(' ') && !shown.ends_with(' '), "{shown:?}");
+            assert!(
+                titles(&doc).iter().any(|t| t.starts_with(&format!("{shown} ("))),
+                "no frame for {name:?}: {:?}",
+                titles(&doc)
+            );
+        }
+    }
+
     #[test]
     fn kernel_frames_are_coloured_apart_from_user_frames() {
         let svg = render(&small_profile(), &options());
