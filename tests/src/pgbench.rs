@@ -80,6 +80,18 @@ impl BackgroundPgbench<'_> {
         self.kill_and_wait()
     }
 
+    /// The PIDs of its backends (its client connections), for measuring their CPU time.
+    pub fn backend_pids(&self) -> Result<Vec<u32>> {
+        let pids = self.cluster.psql(&format!(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' \
+             AND backend_type = 'client backend' ORDER BY pid",
+            self.tag
+        ))?;
+        pids.lines()
+            .map(|pid| pid.trim().parse().with_context(|| format!("bad pid `{pid}`")))
+            .collect()
+    }
+
     fn connections(&self) -> Result<usize> {
         let n = self.cluster.psql(&format!(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{}'",
