@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-majors lint fuzz docs-check clean
+.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-under-load check test-majors lint fuzz docs-check clean
 
 all: build
 
@@ -47,8 +47,14 @@ lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
+# Each test target keeps its output in target/test-logs and ends with the time each test file
+# took (scripts/test-times.py), slowest first, with the total: growth is seen where it happens.
+TEST_LOGS := $(CURDIR)/target/test-logs
+
 unit-test: deps pg-majors
-	$(CARGO) test --locked --workspace --exclude pgscope-tests
+	@mkdir -p $(TEST_LOGS); set -o pipefail; \
+	$(CARGO) test --locked --workspace --exclude pgscope-tests 2>&1 | tee $(TEST_LOGS)/unit.log; \
+	status=$$?; scripts/test-times.py $(TEST_LOGS)/unit.log; exit $$status
 
 # Every fuzz harness at length: the symbolizer's (symbolizer/tests/fuzz_*.rs: ELF, .eh_frame,
 # maps, kallsyms, debuginfod), the agent's (agent/src/fuzz_tests: BPF records, /proc text, pod
@@ -66,7 +72,22 @@ fuzz: deps
 # cluster per test). Every test file runs even after one fails, so that a CI run reports all
 # its failures at once.
 integration-test: build pg-nofp pg-majors pyroscope-server kube-control-plane
-	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1
+	@mkdir -p $(TEST_LOGS); set -o pipefail; \
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1 \
+	  2>&1 | tee $(TEST_LOGS)/integration.log; \
+	status=$$?; scripts/test-times.py $(TEST_LOGS)/integration.log; exit $$status
+
+# The integration tests with two CPU hogs beside them (stress-ng --cpu 2, nice 0): every
+# assertion must hold on a busy machine (docs/testing.md). Not part of CI, which runs on a quiet
+# machine. Ends with `test-under-load: passed=… failed=… minutes=… load=…`.
+test-under-load: build pg-nofp pg-majors pyroscope-server kube-control-plane
+	@scripts/test-under-load.sh $(MAKE)
+
+# The inner loop, about 3 minutes: fmt, clippy, the unit tests and a short real-BPF smoke
+# (tests/tests/smoke.rs: a cluster under pgbench traced by pgscope). `make test` stays the full
+# suite, and CI runs it.
+check: lint unit-test build
+	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test smoke -- --test-threads=1
 
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
 # pgscope (stacks, attribution, phases). Ends with its measurements, one line per major:
