@@ -199,7 +199,11 @@ mod tests {
     /// ` [preempted…]`, a folded line starting with a space, and inferno refused the graph.
     #[test]
     fn a_control_character_at_a_names_end_still_draws() {
-        for name in ["\u{0}[preempted: runnable, waiting for a CPU]", "ExecScan\n", "\u{7}"] {
+        for name in [
+            "\u{0}[preempted: runnable, waiting for a CPU]",
+            "ExecScan\n",
+            "\u{7}",
+        ] {
             let profile = Profile {
                 meta: ProfileMeta::off_cpu(0, 1),
                 samples: vec![sample(vec![user(name)], &[("pid", "42")], 4_500_373)],
