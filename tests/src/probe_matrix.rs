@@ -1,13 +1,13 @@
 //! Whether pgscope's seven function probes count right on one Postgres build: each count is
 //! compared with what that major's source says the workload calls, or with what Postgres
-//! itself counted. [`check_probes`] is one run of everything on one cluster (13-15 s on 2 cores);
-//! `tests/tests/majors.rs` runs it per major build.
+//! itself counted. [`ProbeCluster::check`] is one run of everything on one cluster (13-15 s on
+//! 2 cores); `tests/tests/majors.rs` runs it per major build.
 
 use std::fmt::Write as _;
 
 use anyhow::{bail, Context, Result};
 
-use crate::pgss_discovery::{hooks_only, offset_found_through_hooks};
+use crate::pgss_discovery::{hooks_only, offset_found_through_hooks, HooksOnly};
 use crate::probe_workloads::{trace_backend, BackendWorkload, GenericPlan, GENERIC_PLAN_SETTINGS};
 use crate::spin_calls::CallSite;
 use crate::{PgCluster, PgInstall};
@@ -106,7 +106,7 @@ pub fn expected(major: u32) -> Result<Expected> {
     }
 }
 
-/// What [`check_probes`] measured on one build, with what was expected and what disagreed.
+/// What [`ProbeCluster::check`] measured on one build, with what was expected and what disagreed.
 #[derive(Debug, Clone)]
 pub struct ProbeCounts {
     pub major: u32,
@@ -185,72 +185,111 @@ impl ProbeCounts {
     }
 }
 
-/// Runs both workloads on one cluster of `install` with pg_stat_statements loaded, pgss_store
-/// found through the hook functions (the library is stripped for the run where the build has
-/// a symbol), and compares every count. An error means the check could not run; wrong counts
-/// are in [`ProbeCounts::failures`].
-pub fn check_probes(install: &PgInstall) -> Result<ProbeCounts> {
-    let expected = expected(install.major)?;
-    let hooks = hooks_only(install)?;
-    let cluster = PgCluster::start_with_pg_stat_statements(&hooks.install, GENERIC_PLAN_SETTINGS)?;
-    let backend = trace_backend(&cluster, WORKLOAD, |trace| trace.probes(BACKEND_PROBES))?;
-    let plan = GenericPlan::measure(&cluster, PARTITIONS)?;
-    let expected_locks = (expected.locks_per_execution)(PARTITIONS);
+/// A cluster of one build on which pgscope can only find pgss_store through the hook
+/// functions (the build's `pg_stat_statements.so` stripped where it has a symbol), with
+/// pg_stat_statements loaded: what [`ProbeCluster::check`] runs on. Starting it (a copy of the
+/// build, `initdb`, start) takes seconds, which `tests/tests/majors.rs` spends while it traces
+/// another cluster of the same build.
+pub struct ProbeCluster {
+    expected: Expected,
+    // Dropped before `hooks`, whose copy of the build it runs.
+    cluster: PgCluster,
+    hooks: HooksOnly,
+}
 
-    let mut failures: Vec<String> = backend
-        .not_attached()
-        .iter()
-        .map(|line| (*line).to_owned())
-        .collect();
-    failures.extend(plan.disagreements(expected_locks));
-    failures.extend(backend.per_statement("pgss_store(exec)", expected.exec_stores_per_statement)?);
-    failures.extend(backend.per_statement("PortalStart", expected.portals_per_statement)?);
-    failures.extend(backend.selects_disagreements()?);
-    failures.extend(backend.per_vacuum(expected.datfrozenxid_per_vacuum)?);
-    failures.extend(backend.btree_disagreements()?);
-    let (spin_sites, spin_wrong) = backend.spin_sites()?;
-    failures.extend(spin_wrong);
-
-    let through_hooks = match offset_found_through_hooks(&backend.stderr) {
-        Ok(offset) => Some(offset),
-        Err(error) => {
-            failures.push(format!("{error:#}"));
-            None
-        }
-    };
-    let library = backend
-        .library
-        .as_deref()
-        .context("the backend maps no pg_stat_statements.so")?;
-    let by_name = hooks.offset_by_name(library)?;
-    if let (Some(found), Some(named)) = (through_hooks, by_name) {
-        if found != named {
-            failures.push(format!(
-                "the hook functions led to pgss_store at file offset {found:#x}, its symbol names {named:#x}"
-            ));
-        }
+impl ProbeCluster {
+    /// Starts the cluster under the lock of `first`, a cluster the caller holds and keeps
+    /// until this one is dropped (see [`PgCluster::start_beside`]).
+    pub fn start_beside(install: &PgInstall, first: &PgCluster) -> Result<Self> {
+        let expected = expected(install.major)?;
+        let hooks = hooks_only(install)?;
+        let mut settings = vec![("shared_preload_libraries", "pg_stat_statements")];
+        settings.extend_from_slice(GENERIC_PLAN_SETTINGS);
+        let cluster = PgCluster::start_beside(&hooks.install, &settings, first)?;
+        cluster.psql("CREATE EXTENSION pg_stat_statements")?;
+        Ok(Self {
+            expected,
+            cluster,
+            hooks,
+        })
     }
-    Ok(ProbeCounts {
-        major: install.major,
-        build: install.label,
-        partitions: PARTITIONS,
-        locks_per_execution: plan.locks_per_execution(),
-        expected_locks_per_execution: expected_locks,
-        cached_plans: plan.cached_plans,
-        executions: plan.executions,
-        btree_roots: backend.nested_loop_calls("_bt_getroot")?,
-        index_scans: backend.index_scans,
-        exec_stores: backend.calls("pgss_store(exec)")?,
-        statements: WORKLOAD.statements(),
-        exec_stores_of_selects: backend.exec_stores_of_selects()?,
-        selects: WORKLOAD.selects,
-        portals: backend.calls("PortalStart")?,
-        datfrozenxid_updates: backend.calls("vac_update_datfrozenxid")?,
-        vacuums: WORKLOAD.vacuums,
-        spin_sites_read: spin_sites.len(),
-        spin_sites_called: SPIN_SITES.len(),
-        pgss_store_through_hooks: through_hooks,
-        pgss_store_by_name: by_name,
-        failures,
-    })
+
+    /// Starts the cluster on its own (it takes the cluster lock).
+    pub fn start(install: &PgInstall) -> Result<Self> {
+        let expected = expected(install.major)?;
+        let hooks = hooks_only(install)?;
+        let cluster = PgCluster::start_with_pg_stat_statements(&hooks.install, GENERIC_PLAN_SETTINGS)?;
+        Ok(Self {
+            expected,
+            cluster,
+            hooks,
+        })
+    }
+
+    /// Runs both workloads on the cluster and compares every count. An error means the check
+    /// could not run; wrong counts are in [`ProbeCounts::failures`].
+    pub fn check(&self) -> Result<ProbeCounts> {
+        let (install, expected, hooks, cluster) =
+            (self.cluster.install(), self.expected, &self.hooks, &self.cluster);
+        let backend = trace_backend(cluster, WORKLOAD, |trace| trace.probes(BACKEND_PROBES))?;
+        let plan = GenericPlan::measure(cluster, PARTITIONS)?;
+        let expected_locks = (expected.locks_per_execution)(PARTITIONS);
+
+        let mut failures: Vec<String> = backend
+            .not_attached()
+            .iter()
+            .map(|line| (*line).to_owned())
+            .collect();
+        failures.extend(plan.disagreements(expected_locks));
+        failures.extend(backend.per_statement("pgss_store(exec)", expected.exec_stores_per_statement)?);
+        failures.extend(backend.per_statement("PortalStart", expected.portals_per_statement)?);
+        failures.extend(backend.selects_disagreements()?);
+        failures.extend(backend.per_vacuum(expected.datfrozenxid_per_vacuum)?);
+        failures.extend(backend.btree_disagreements()?);
+        let (spin_sites, spin_wrong) = backend.spin_sites()?;
+        failures.extend(spin_wrong);
+
+        let through_hooks = match offset_found_through_hooks(&backend.stderr) {
+            Ok(offset) => Some(offset),
+            Err(error) => {
+                failures.push(format!("{error:#}"));
+                None
+            }
+        };
+        let library = backend
+            .library
+            .as_deref()
+            .context("the backend maps no pg_stat_statements.so")?;
+        let by_name = hooks.offset_by_name(library)?;
+        if let (Some(found), Some(named)) = (through_hooks, by_name) {
+            if found != named {
+                failures.push(format!(
+                    "the hook functions led to pgss_store at file offset {found:#x}, its symbol names {named:#x}"
+                ));
+            }
+        }
+        Ok(ProbeCounts {
+            major: install.major,
+            build: install.label,
+            partitions: PARTITIONS,
+            locks_per_execution: plan.locks_per_execution(),
+            expected_locks_per_execution: expected_locks,
+            cached_plans: plan.cached_plans,
+            executions: plan.executions,
+            btree_roots: backend.nested_loop_calls("_bt_getroot")?,
+            index_scans: backend.index_scans,
+            exec_stores: backend.calls("pgss_store(exec)")?,
+            statements: WORKLOAD.statements(),
+            exec_stores_of_selects: backend.exec_stores_of_selects()?,
+            selects: WORKLOAD.selects,
+            portals: backend.calls("PortalStart")?,
+            datfrozenxid_updates: backend.calls("vac_update_datfrozenxid")?,
+            vacuums: WORKLOAD.vacuums,
+            spin_sites_read: spin_sites.len(),
+            spin_sites_called: SPIN_SITES.len(),
+            pgss_store_through_hooks: through_hooks,
+            pgss_store_by_name: by_name,
+            failures,
+        })
+    }
 }
