@@ -1,14 +1,17 @@
 //! Self-test of the harness, without pgscope: clusters start and go away, sessions are found,
 //! and the CPU-bound workload looks to perf the way the pgscope tests expect.
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use pgscope_tests::process::pid_exists;
 use pgscope_tests::profile::Stack;
 use pgscope_tests::workload::{CPU_BOUND, CPU_BOUND_HOT_LEAVES};
-use pgscope_tests::{perf_record, runs_under_exec_simple_query, wait_for, PgCluster, PgInstall, Statics};
+use pgscope_tests::{
+    perf_record, runs_under_exec_simple_query, wait_for, CpuWindow, PgCluster, PgInstall, Profile, SchedTime,
+    Statics,
+};
 
 #[test]
 fn cluster_runs_queries_and_sessions() -> Result<()> {
@@ -68,7 +71,8 @@ fn cluster_runs_queries_and_sessions() -> Result<()> {
         )?;
 
         cluster.pgbench(&["-i", "-s", "1", "-q"])?;
-        let report = cluster.pgbench(&["-S", "-c", "2", "-T", "2"])?;
+        // A count of transactions, not a time: the report is what is checked.
+        let report = cluster.pgbench(&["-S", "-c", "2", "-t", "100"])?;
         assert!(report.contains("tps = "), "pgbench report:\n{report}");
     }
     assert!(
@@ -82,6 +86,20 @@ fn cluster_runs_queries_and_sessions() -> Result<()> {
     Ok(())
 }
 
+/// perf's sampling rate: the shares below do not depend on it. At 499 Hz perf took 160-270
+/// samples per second of the backend's CPU time here (it lowers the rate it is given).
+const PERF_HZ: u32 = 499;
+/// Samples the shares are judged on. perf completed 96.8-98.2% of the distro build's stacks
+/// with the machine busy and 99.7% idle (measured here; 100% of the nofp build's): at 1500
+/// samples that share's standard error is 0.45 points at 96.8%, the 95% bar 4 of them below.
+/// Hot leaves are 28-37% of the samples, against 20% (standard error 1.2 points); of the 400
+/// or more hot samples perf completed, all ran under exec_simple_query, against 95% (a few
+/// missing would still leave 99%).
+const SAMPLES: u64 = 1500;
+/// How long the recording may take: minutes, where a busy machine gives the backend a
+/// fraction of a core.
+const RECORD_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// The assumptions `stack_completeness` and `perf_agreement` make about the workload, checked
 /// with perf instead of pgscope: perf reaches the process root, the listed hot functions are hot,
 /// and they run under `PostgresMain` → `exec_simple_query` → `PortalRun`.
@@ -91,7 +109,7 @@ fn perf_sees_the_cpu_bound_workload_as_expected() -> Result<()> {
         let cluster = PgCluster::start(&install)?;
         let session = cluster.spawn_session(CPU_BOUND)?;
         let dir = tempfile::tempdir()?;
-        let profile = perf_record(session.pid(), Duration::from_secs(4), 99, dir.path())?;
+        let (profile, used) = record_samples(session.pid(), SAMPLES, dir.path())?;
 
         let rooted = profile.fraction_where(Stack::starts_at_process_root);
         let is_hot = |s: &Stack| {
@@ -100,13 +118,26 @@ fn perf_sees_the_cpu_bound_workload_as_expected() -> Result<()> {
                 .is_some_and(|f| CPU_BOUND_HOT_LEAVES.contains(&f.as_str()))
         };
         let hot = profile.fraction_where(is_hot);
+        // Of the hot samples perf unwound to the root: a stack perf did not complete cannot
+        // show its callers, and what perf completes is `rooted`'s to judge. Over all hot
+        // samples this share fell with perf's completeness on a busy machine (94.2% against
+        // the 95% bar once), the same unwinding losses counted twice.
+        let complete_hot = profile.count_where(|s| is_hot(s) && s.starts_at_process_root());
         // `perf_record` gives perf no debug files, so the nofp build's statics are unnamed for it.
-        let chained = profile
-            .count_where(|s| is_hot(s) && runs_under_exec_simple_query(s.user_frames(), Statics::Unnamed))
-            as f64
-            / profile.count_where(is_hot).max(1) as f64;
+        let chained = profile.count_where(|s| {
+            is_hot(s)
+                && s.starts_at_process_root()
+                && runs_under_exec_simple_query(s.user_frames(), Statics::Unnamed)
+        }) as f64
+            / complete_hot.max(1) as f64;
+        let load = format!(
+            "the backend was on CPU {:.2} s and waited {:.2} s for one",
+            used.on_cpu.as_secs_f64(),
+            used.runnable.as_secs_f64()
+        );
         eprintln!(
-            "{}: perf {} samples, {:.1}% reach the root, hot leaves {:.1}%, {:.1}% of those under exec_simple_query",
+            "{}: perf {} samples at {PERF_HZ} Hz ({load}), {:.1}% reach the root, hot leaves {:.1}%, \
+             {:.1}% of the {complete_hot} complete hot stacks under exec_simple_query",
             install.label,
             profile.total(),
             rooted * 100.0,
@@ -118,11 +149,24 @@ fn perf_sees_the_cpu_bound_workload_as_expected() -> Result<()> {
             "not rooted:\n{}",
             profile.examples_where(|s| !s.starts_at_process_root(), 5)
         );
+        eprintln!(
+            "complete hot stacks not under exec_simple_query:\n{}",
+            profile.examples_where(
+                |s| is_hot(s)
+                    && s.starts_at_process_root()
+                    && !runs_under_exec_simple_query(s.user_frames(), Statics::Unnamed),
+                5
+            )
+        );
+        // perf completes fewer of the stripped build's stacks the busier the machine is (see
+        // SAMPLES): the message says how busy it was.
         ensure!(
             rooted >= 0.95,
-            "{}: only {:.1}% of perf stacks reach the root",
+            "{}: only {:.1}% of {} perf stacks reach the root ({load}; perf completed 96.8-98.2% \
+             on a busy machine, 99.7% on an idle one)",
             install.label,
-            rooted * 100.0
+            rooted * 100.0,
+            profile.total()
         );
         ensure!(
             hot >= 0.20,
@@ -130,17 +174,44 @@ fn perf_sees_the_cpu_bound_workload_as_expected() -> Result<()> {
             install.label,
             hot * 100.0
         );
-        // perf walks frame pointers: a sample in a function's first instructions (before it
-        // pushed its frame) or in glibc (built without them) loses its caller. 97-99% of the hot
-        // samples are chained here alone; 94.2% was seen with the machine busy with builds.
         ensure!(
-            chained >= 0.90,
-            "{}: only {:.1}% of hot samples under exec_simple_query",
+            chained >= 0.95,
+            "{}: only {:.1}% of the {complete_hot} complete hot stacks run under exec_simple_query",
             install.label,
             chained * 100.0
         );
     }
     Ok(())
+}
+
+/// perf's samples of `pid` until there are `wanted` of them, and the backend's CPU and
+/// run-queue time meanwhile. perf samples a process only while it runs (`cpu-clock` counts
+/// its CPU time), so a count of samples is a count of CPU time, which a busy machine hands out
+/// slower: recorded in pieces, each as long as the samples still missing take at the rate the
+/// previous piece got them.
+fn record_samples(pid: u32, wanted: u64, dir: &Path) -> Result<(Profile, SchedTime)> {
+    let window = CpuWindow::start(&[pid])?;
+    let deadline = Instant::now() + RECORD_TIMEOUT;
+    let mut profile = Profile::default();
+    // Samples per second of the piece before; a full core's at first.
+    let mut rate = f64::from(PERF_HZ);
+    while profile.total() < wanted {
+        let used = window.used()?;
+        ensure!(
+            Instant::now() < deadline,
+            "perf took {} samples of {wanted} in {RECORD_TIMEOUT:?}: the backend was on CPU \
+             {:.2} s and waited {:.2} s for one",
+            profile.total(),
+            used.on_cpu.as_secs_f64(),
+            used.runnable.as_secs_f64()
+        );
+        let missing = (wanted - profile.total()) as f64;
+        let piece = Duration::from_secs_f64((1.1 * missing / rate).clamp(1.0, 30.0));
+        let recorded = perf_record(pid, piece, PERF_HZ, dir)?;
+        rate = (recorded.total() as f64 / piece.as_secs_f64()).max(1.0);
+        profile.stacks.extend(recorded.stacks);
+    }
+    Ok((profile, window.used()?))
 }
 
 fn format_top(profile: &pgscope_tests::Profile) -> String {
