@@ -1,12 +1,24 @@
-//! The `findings[]` of a `pgscope trace --json` summary, read back: what the pathology suite
-//! asserts on (rule, severity, statements, figures) rather than the console's wording.
+//! What the findings tests share: the `findings[]` of a `pgscope trace --json` summary, read
+//! back (rule, severity, statements, figures, rather than the console's wording); one cluster
+//! for all the tests of a file; and workloads in a database of their own that run until their
+//! backends have used the CPU time an assertion needs, not for a fixed time.
 
+use std::ops::Deref;
 use std::path::Path;
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, MutexGuard, Once};
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+use crate::app_database::psql_in;
+use crate::cluster::PgCluster;
+use crate::cpu_window::{CpuWindow, SchedTime};
+use crate::install::PgInstall;
 use crate::pgscope::{Trace, TraceOutput};
+use crate::process::{describe, wait_for};
 
 /// One finding of the JSON summary.
 #[derive(Debug, Clone)]
@@ -149,4 +161,289 @@ pub fn describe_findings(findings: &[JsonFinding]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// The cluster every test of one test binary shares (a cluster start costs seconds, a database
+/// a fraction of one), and the settings it runs with.
+struct Shared {
+    cluster: PgCluster,
+    /// None while being changed (a failed change leaves them unknown).
+    settings: Option<Vec<(String, String)>>,
+}
+
+static SHARED: Mutex<Option<Shared>> = Mutex::new(None);
+
+/// The distro build's cluster shared by the tests of this test binary, with pg_stat_statements
+/// preloaded (created only in the databases of [`fresh_database`]) and `settings` set with
+/// `ALTER SYSTEM`, every other setting at the harness' default: a test states what it needs
+/// and finds it whatever the tests before it did (the server restarts when the settings
+/// change). Each test keeps its tables in databases of its own. Held until the guard is
+/// dropped; the cluster is stopped and removed when the test binary exits.
+pub fn shared_cluster(settings: &[(&str, &str)]) -> Result<SharedCluster> {
+    static STOP_AT_EXIT: Once = Once::new();
+    let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    if shared.is_none() {
+        let cluster = PgCluster::start_with(
+            &PgInstall::distro()?,
+            &[("shared_preload_libraries", "pg_stat_statements")],
+        )?;
+        *shared = Some(Shared {
+            cluster,
+            settings: Some(Vec::new()),
+        });
+        // SAFETY: atexit with a function that takes no argument and does not unwind (it
+        // catches every error of the cluster's teardown, which `PgCluster::drop` reports).
+        STOP_AT_EXIT.call_once(|| unsafe {
+            libc::atexit(stop_shared_cluster);
+        });
+    }
+    let mut guard = SharedCluster { guard: shared };
+    guard.configure(settings)?;
+    Ok(guard)
+}
+
+/// Stops the shared cluster at exit (statics are never dropped).
+extern "C" fn stop_shared_cluster() {
+    let _ = std::panic::catch_unwind(|| {
+        drop(SHARED.lock().unwrap_or_else(|e| e.into_inner()).take());
+    });
+}
+
+/// The shared cluster, held by one test at a time.
+pub struct SharedCluster {
+    guard: MutexGuard<'static, Option<Shared>>,
+}
+
+impl SharedCluster {
+    /// Runs the server with `settings` (in `postgresql.auto.conf`) and every other setting at
+    /// the harness' default, restarting it if they differ from what it runs with.
+    pub fn configure(&mut self, settings: &[(&str, &str)]) -> Result<()> {
+        let wanted: Vec<(String, String)> = settings
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect();
+        let Some(shared) = self.guard.as_mut() else {
+            unreachable!("shared_cluster() started it before handing out the guard");
+        };
+        if shared.settings.as_ref() == Some(&wanted) {
+            return Ok(());
+        }
+        shared.settings = None;
+        let cluster = &shared.cluster;
+        cluster.psql("ALTER SYSTEM RESET ALL")?;
+        for (name, value) in &wanted {
+            cluster.psql(&format!(
+                "ALTER SYSTEM SET {name} = '{}'",
+                value.replace('\'', "''")
+            ))?;
+        }
+        // Some settings (pg_stat_statements.max) take a restart; one for all is simplest.
+        cluster.restart()?;
+        shared.settings = Some(wanted);
+        Ok(())
+    }
+}
+
+impl Deref for SharedCluster {
+    type Target = PgCluster;
+
+    fn deref(&self) -> &PgCluster {
+        match self.guard.as_ref() {
+            Some(shared) => &shared.cluster,
+            None => unreachable!("shared_cluster() started it before handing out the guard"),
+        }
+    }
+}
+
+/// Creates database `name` in `cluster` with pg_stat_statements in it, dropping one left by an
+/// earlier run of the test first (and its connections): a test's tables, database-level
+/// settings and pg_class size start from `template1` whatever ran before.
+pub fn fresh_database(cluster: &PgCluster, name: &str) -> Result<()> {
+    cluster.psql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))?;
+    cluster.psql(&format!("CREATE DATABASE {name}"))?;
+    psql_in(cluster, name, "CREATE EXTENSION pg_stat_statements")?;
+    Ok(())
+}
+
+/// The queryid pg_stat_statements gives the top-level statement of database `database` whose
+/// normalized text starts with `text`, the most called if several do.
+pub fn queryid_in(cluster: &PgCluster, database: &str, text: &str) -> Result<String> {
+    let queryid = psql_in(
+        cluster,
+        database,
+        &format!(
+            "SELECT queryid FROM pg_stat_statements WHERE toplevel AND query LIKE '{}%' AND \
+             dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             ORDER BY calls DESC LIMIT 1",
+            text.replace('\'', "''")
+        ),
+    )?;
+    let queryid = queryid.trim();
+    if queryid.is_empty() {
+        bail!("no pg_stat_statements entry in database {database} for `{text}…`");
+    }
+    Ok(queryid.to_string())
+}
+
+/// Empties pg_stat_statements (of every database), from database `database`, where the
+/// extension is.
+pub fn reset_statements(cluster: &PgCluster, database: &str) -> Result<()> {
+    psql_in(cluster, database, "SELECT pg_stat_statements_reset()").map(drop)
+}
+
+/// How long a workload may take to use the CPU time asked of it: minutes, where a busy machine
+/// gives its backends a fraction of a core.
+pub const CPU_TIMEOUT: Duration = Duration::from_secs(180);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `pgbench` running in a database of the test's choice, in the background; dropping it kills
+/// pgbench and waits until its backends are gone.
+pub struct PgbenchIn<'a> {
+    cluster: &'a PgCluster,
+    child: Child,
+    tag: String,
+    line: String,
+}
+
+/// Starts `pgbench <args> <database>` and returns once `clients` of its connections are in
+/// `pg_stat_activity` (pgbench starts its script as soon as all are connected). `args` should
+/// make pgbench outlive the test's wait (a long `-T`): the test ends it.
+pub fn spawn_pgbench_in<'a>(
+    cluster: &'a PgCluster,
+    database: &str,
+    args: &[&str],
+    clients: usize,
+) -> Result<PgbenchIn<'a>> {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let tag = format!(
+        "pgscope-findings-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut cmd = cluster.client("pgbench");
+    cmd.args(args)
+        .arg(database)
+        .env("PGAPPNAME", &tag)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let line = describe(&cmd);
+    let child = cmd.spawn().with_context(|| format!("cannot start `{line}`"))?;
+    let mut pgbench = PgbenchIn {
+        cluster,
+        child,
+        tag,
+        line,
+    };
+    wait_for(
+        &format!("{clients} connections of `{}`", pgbench.line),
+        CONNECT_TIMEOUT,
+        || {
+            if let Some(status) = pgbench.child.try_wait()? {
+                let mut stderr = String::new();
+                if let Some(pipe) = pgbench.child.stderr.as_mut() {
+                    let _ = std::io::Read::read_to_string(pipe, &mut stderr);
+                }
+                bail!(
+                    "`{}` exited ({status}) before it ran: {}",
+                    pgbench.line,
+                    stderr.trim()
+                );
+            }
+            Ok((pgbench.backends()?.len() >= clients).then_some(()))
+        },
+    )?;
+    Ok(pgbench)
+}
+
+impl PgbenchIn<'_> {
+    /// The `application_name` of its connections.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// The pids of its backends.
+    pub fn backends(&self) -> Result<Vec<u32>> {
+        self.cluster
+            .psql(&format!(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' \
+                 AND backend_type = 'client backend' ORDER BY pid",
+                self.tag
+            ))?
+            .lines()
+            .map(|pid| {
+                pid.trim()
+                    .parse()
+                    .with_context(|| format!("pg_stat_activity gave pid `{pid}`"))
+            })
+            .collect()
+    }
+
+    /// Starts measuring its backends' CPU time from now on.
+    pub fn cpu_window(&self) -> Result<CpuWindow> {
+        CpuWindow::start(&self.backends()?)
+    }
+
+    /// Fails if pgbench exited (an error, or a `-T` shorter than the test's wait).
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("`{}` exited ({status}) while the test measured it", self.line);
+        }
+        Ok(())
+    }
+
+    /// Returns once its backends together have used `cpu` of CPU time from now on, with the
+    /// time they spent on CPU and waiting for one meanwhile (their run-queue time, which says
+    /// how busy the machine was). Fails after [`CPU_TIMEOUT`] saying how far they got.
+    pub fn run_for_cpu(&mut self, cpu: Duration) -> Result<SchedTime> {
+        let used = self
+            .cpu_window()?
+            .await_cpu(cpu, CPU_TIMEOUT)
+            .with_context(|| format!("`{}` did not get {cpu:?} of CPU", self.line))?;
+        self.ensure_running()?;
+        Ok(used)
+    }
+
+    /// Kills pgbench and waits until its backends have ended, so that nothing of this run is
+    /// recorded after this returns.
+    pub fn stop(mut self) -> Result<()> {
+        self.kill_and_wait()
+    }
+
+    fn kill_and_wait(&mut self) -> Result<()> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // A backend notices its client is gone when it next talks to it: after its statement.
+        wait_for(
+            &format!("the backends of `{}` to exit", self.tag),
+            CONNECT_TIMEOUT,
+            || Ok(self.backends()?.is_empty().then_some(())),
+        )
+    }
+}
+
+impl Drop for PgbenchIn<'_> {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            if let Err(e) = self.kill_and_wait() {
+                eprintln!("cannot stop `{}`: {e:#}", self.line);
+            }
+        }
+    }
+}
+
+/// `used` as a log line: CPU time, run-queue time and how much of the time the processes were
+/// runnable they spent waiting for a CPU (what a busy machine takes from them).
+pub fn describe_cpu(used: &SchedTime) -> String {
+    let runnable = (used.on_cpu + used.runnable).as_secs_f64();
+    let waiting = if runnable > 0.0 {
+        100.0 * used.runnable.as_secs_f64() / runnable
+    } else {
+        0.0
+    };
+    format!(
+        "{:.2} s on CPU and {:.2} s waiting for one (run queue: {waiting:.0}% of their runnable time)",
+        used.on_cpu.as_secs_f64(),
+        used.runnable.as_secs_f64()
+    )
 }

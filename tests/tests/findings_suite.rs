@@ -1,16 +1,23 @@
 //! The pathology suite's cases beside those of `findings.rs`: each a real cluster set up the way
-//! real ones are, a few seconds of load, the finding that names the mechanism with its figure
-//! checked against a measurement pgscope takes no part in (Postgres' own views, perf's own
-//! uprobe), and a control of the same shape that raises no warning or critical finding. Assertions read the `--json` findings (rule,
+//! real ones are, load until the backends used the CPU time the case's figures need, the
+//! finding that names the mechanism with its figure checked against a measurement pgscope
+//! takes no part in (Postgres' own views, perf's own uprobe), and a control of the same shape
+//! that raises no warning or critical finding. Assertions read the `--json` findings (rule,
 //! severity, statements, figures), not the console's wording.
+//!
+//! The tests share one cluster (a start costs seconds); each sets the server settings it needs
+//! and keeps its tables in a database of its own, so that none depends on another's having run.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
-use pgscope_tests::findings_json::{describe_findings, findings_while, JsonFinding};
+use pgscope_tests::findings_json::{
+    describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, reset_statements,
+    shared_cluster, spawn_pgbench_in, JsonFinding, CPU_TIMEOUT,
+};
 use pgscope_tests::uprobe_count::UprobeEvent;
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
+use pgscope_tests::{require_root_and_bpf, wait_for, SchedTime, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
 const AGREEMENT_FACTOR: f64 = 2.0;
@@ -27,45 +34,57 @@ fn alarms(findings: &[JsonFinding]) -> Vec<&JsonFinding> {
     findings.iter().filter(|f| f.is_alarm()).collect()
 }
 
-/// What a trace of the eviction workload found, and pg_stat_statements_info.dealloc's increase
-/// over it as read from database `app`.
+/// What a trace of the eviction workload found, pg_stat_statements_info.dealloc's increase over
+/// it as read from database `app`, and the CPU its backends were given.
 struct EvictionRun {
     findings: Vec<JsonFinding>,
     dealloc_increase: f64,
+    used: SchedTime,
 }
+
+/// CPU time of the eviction workload's backends: 400 samples at 99 Hz. The storm's figures are
+/// counts and rates far from their bars (hundreds of evictions a second against 1), and the
+/// control's 128 statements get 3 samples each, too few for any per-statement rule: what the
+/// control checks is the extension's counter and lock, which need no samples.
+const EVICTION_CPU: Duration = Duration::from_secs(4);
 
 /// 16 clients running 128 distinct selects in database `app`, the only database where
 /// pg_stat_statements is created, with `pg_stat_statements.max` = `max`; traced with
-/// `--instance --json`.
+/// `--instance --json`. Every statement runs once before the trace, so that with room for all
+/// of them the trace sees what a control should: every statement with its entry (creating the
+/// entries takes the extension's lock exclusively, which 16 clients starting at once queue on).
 fn evictions_in_app_database(max: &str) -> Result<EvictionRun> {
-    let cluster = PgCluster::start_with(
-        &PgInstall::distro()?,
-        &[
-            ("shared_preload_libraries", "pg_stat_statements"),
-            ("pg_stat_statements.max", max),
-        ],
-    )?;
-    cluster.psql("CREATE DATABASE app")?;
-    psql_in(&cluster, "app", "CREATE EXTENSION pg_stat_statements")?;
+    let cluster = shared_cluster(&[("pg_stat_statements.max", max)])?;
+    fresh_database(&cluster, "app")?;
     ensure!(
         cluster.psql("SELECT to_regclass('pg_stat_statements') IS NULL")? == "t",
         "the extension must be absent from database postgres for this case"
     );
-    let (_scripts, mut args) = distinct_selects_in(&cluster, "app", 16, 8)?;
-    args.extend(["-n", "-c", "16", "-j", "2", "-T", "6"].map(String::from));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_scripts, files) = distinct_selects_in(&cluster, "app", 16, 8)?;
+    // `files` is `-f PATH` for each script.
+    for script in files.chunks(2) {
+        let mut args = vec!["-n", "-t", "1"];
+        args.extend(script.iter().map(String::as_str));
+        pgbench_in(&cluster, "app", &args)?;
+    }
+    let mut args: Vec<&str> = files.iter().map(String::as_str).collect();
+    args.extend(["-n", "-c", "16", "-j", "2", "-T", "600"]);
     let dealloc = || -> Result<f64> {
         let n = psql_in(&cluster, "app", "SELECT dealloc FROM pg_stat_statements_info")?;
         n.parse().with_context(|| format!("dealloc is `{n}`"))
     };
     let before = dealloc()?;
     let traced = findings_while(Trace::instance(cluster.data_dir()), || {
-        pgbench_in(&cluster, "app", &args).map(drop)
+        let mut pgbench = spawn_pgbench_in(&cluster, "app", &args, 16)?;
+        let used = pgbench.run_for_cpu(EVICTION_CPU)?;
+        pgbench.stop()?;
+        Ok(used)
     })?;
     let after = dealloc()?;
     Ok(EvictionRun {
         findings: traced.findings,
         dealloc_increase: after - before,
+        used: traced.measured,
     })
 }
 
@@ -74,7 +93,8 @@ fn evictions_with_the_extension_in_an_application_database_are_named_with_their_
     require_root_and_bpf();
     let storm = evictions_in_app_database("100")?;
     eprintln!(
-        "pg_stat_statements.max = 100, extension in `app` only:\n{}",
+        "pg_stat_statements.max = 100, extension in `app` only; backends {}:\n{}",
+        describe_cpu(&storm.used),
         describe_findings(&storm.findings)
     );
     let finding = storm
@@ -108,7 +128,8 @@ fn evictions_with_the_extension_in_an_application_database_are_named_with_their_
 
     let calm = evictions_in_app_database("5000")?;
     eprintln!(
-        "pg_stat_statements.max = 5000, extension in `app` only:\n{}",
+        "pg_stat_statements.max = 5000, extension in `app` only; backends {}:\n{}",
+        describe_cpu(&calm.used),
         describe_findings(&calm.findings)
     );
     ensure!(
@@ -118,7 +139,8 @@ fn evictions_with_the_extension_in_an_application_database_are_named_with_their_
     );
     ensure!(
         alarms(&calm.findings).is_empty(),
-        "every statement has its entry, yet warnings or criticals were raised:\n{}",
+        "every statement has its entry, yet warnings or criticals were raised (backends {}):\n{}",
+        describe_cpu(&calm.used),
         describe_findings(&calm.findings)
     );
     Ok(())
@@ -133,50 +155,54 @@ struct HotSelectRun {
     calls: f64,
     plans: f64,
     /// s_lock calls from pg_stat_statements.c in the clients' backends, counted by perf's own
-    /// uprobe over [`SPIN_WINDOW`]: entry updates that found the spinlock taken.
+    /// uprobe while the test waited: entry updates that found the spinlock taken.
     spun: f64,
+    /// The CPU the clients' backends were given over that wait, and their waits for one.
+    used: SchedTime,
 }
 
-/// How long the clients run (perf counts over all of it).
-const SPIN_WINDOW: Duration = Duration::from_secs(5);
 const CLIENTS: usize = 8;
-
-/// The pids of the backends serving connections named `application_name`.
-fn backends_named(cluster: &PgCluster, application_name: &str) -> Result<Vec<u32>> {
-    cluster
-        .psql(&format!(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = '{application_name}'"
-        ))?
-        .lines()
-        .map(|pid| {
-            pid.parse()
-                .with_context(|| format!("pg_stat_activity gave pid `{pid}`"))
-        })
-        .collect()
-}
+/// CPU time of the clients' backends, and the spins perf must have counted, before the clients
+/// stop. pgscope counts the spins of the whole run, perf those from the moment it attached to
+/// the backends (a few hundred ms after they connected) to the end of the wait: 4 s of CPU
+/// keeps the wait several times longer than that gap. 100 spins keep the two counts' own noise
+/// (Poisson, ±10%) well inside the factor they are compared by. With track_planning = on an
+/// idle machine gave 1900 spins in 5 s; a busy one took 6-8 s of the backends' CPU for 100
+/// (measured here), which the wait for them allows.
+const HOT_SELECT_CPU: Duration = Duration::from_secs(4);
+const MIN_SPINS: u64 = 100;
 
 /// The role the hot select's clients connect as: track_planning is given to it alone.
 const WORKLOAD_ROLE: &str = "app";
+/// The database the hot select runs in.
+const HOT_DB: &str = "hot_select";
 
 /// [`CLIENTS`] clients running pgbench's select-only statement over the simple protocol
 /// (planned at every execution, so that with track_planning = on its entry is updated twice per
 /// execution; a prepared statement with a generic plan is planned once and would not show it),
-/// traced with pgss_store and s_lock probed at every call. The clients connect as role
-/// [`WORKLOAD_ROLE`], which has `track_planning` from `ALTER ROLE … SET`; the server (and so
-/// pgscope's own session) has the opposite value, as real servers tuned per application do.
-fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> {
+/// traced with pgss_store and s_lock probed at every call, until their backends used
+/// [`HOT_SELECT_CPU`] and perf counted `min_spins` spins on the entry. The clients connect as
+/// role [`WORKLOAD_ROLE`], which has `track_planning` from `ALTER ROLE … SET`; the server (and
+/// so pgscope's own session) has the opposite value, as real servers tuned per application do.
+fn hot_select_with_track_planning(track_planning: &str, min_spins: u64) -> Result<HotSelectRun> {
     let server_value = if track_planning == "on" { "off" } else { "on" };
-    let cluster = PgCluster::start_with_pg_stat_statements(
-        &PgInstall::distro()?,
-        &[("pg_stat_statements.track_planning", server_value)],
-    )?;
-    cluster.pgbench(&["-i", "-q", "-s", "1"])?;
+    let cluster = shared_cluster(&[("pg_stat_statements.track_planning", server_value)])?;
+    fresh_database(&cluster, HOT_DB)?;
+    pgbench_in(&cluster, HOT_DB, &["-i", "-q", "-s", "1"])?;
+    // Roles are the cluster's: created once, set again by each run.
     cluster.psql(&format!(
-        "CREATE ROLE {WORKLOAD_ROLE} LOGIN; \
-         GRANT SELECT ON ALL TABLES IN SCHEMA public TO {WORKLOAD_ROLE}; \
-         ALTER ROLE {WORKLOAD_ROLE} SET pg_stat_statements.track_planning = {track_planning}"
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{WORKLOAD_ROLE}') THEN \
+         CREATE ROLE {WORKLOAD_ROLE} LOGIN; END IF; END $$"
     ))?;
-    cluster.psql("SELECT pg_stat_statements_reset()")?;
+    cluster.psql(&format!(
+        "ALTER ROLE {WORKLOAD_ROLE} SET pg_stat_statements.track_planning = {track_planning}"
+    ))?;
+    psql_in(
+        &cluster,
+        HOT_DB,
+        &format!("GRANT SELECT ON ALL TABLES IN SCHEMA public TO {WORKLOAD_ROLE}"),
+    )?;
+    reset_statements(&cluster, HOT_DB)?;
     // s_lock(lock, file, line, func): the file, in the second argument's register, tells the
     // entry's spinlock (pg_stat_statements.c) from any other.
     let spins = UprobeEvent::add(
@@ -191,7 +217,9 @@ fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> 
     let clients = CLIENTS.to_string();
     let traced = findings_while(trace, || {
         // The last -U wins over the superuser the cluster's clients connect as.
-        let pgbench = cluster.spawn_pgbench(
+        let mut pgbench = spawn_pgbench_in(
+            &cluster,
+            HOT_DB,
             &[
                 "-U",
                 WORKLOAD_ROLE,
@@ -208,25 +236,49 @@ fn hot_select_with_track_planning(track_planning: &str) -> Result<HotSelectRun> 
             ],
             CLIENTS,
         )?;
-        let backends = backends_named(&cluster, pgbench.tag())?;
-        let spun = spins.count_in(&backends, SPIN_WINDOW)?;
+        let count = spins.count_live(&pgbench.backends()?)?;
+        let window = pgbench.cpu_window()?;
+        let mut used = SchedTime::default();
+        wait_for(
+            &format!(
+                "{CLIENTS} clients to use {HOT_SELECT_CPU:?} of CPU and spin {min_spins} times on the entry"
+            ),
+            CPU_TIMEOUT,
+            || {
+                used = window.used()?;
+                Ok((used.on_cpu >= HOT_SELECT_CPU && count.so_far() >= min_spins).then_some(()))
+            },
+        )
+        .with_context(|| {
+            format!(
+                "perf counted {} spins; the backends used {}",
+                count.so_far(),
+                describe_cpu(&used)
+            )
+        })?;
+        pgbench.ensure_running()?;
+        let spun = count.stop()?;
         pgbench.stop()?;
-        Ok(spun)
+        Ok((spun, used))
     })?;
-    let queryid = cluster.pgbench_select_queryid()?;
-    let counts = cluster.psql(&format!(
-        "SELECT calls, plans FROM pg_stat_statements WHERE queryid = {queryid}"
-    ))?;
+    let queryid = queryid_in(&cluster, HOT_DB, "SELECT abalance FROM pgbench_accounts")?;
+    let counts = psql_in(
+        &cluster,
+        HOT_DB,
+        &format!("SELECT sum(calls), sum(plans) FROM pg_stat_statements WHERE queryid = {queryid}"),
+    )?;
     let (calls, plans) = counts
         .split_once('|')
         .and_then(|(c, p)| Some((c.parse().ok()?, p.parse().ok()?)))
         .with_context(|| format!("pg_stat_statements gave `{counts}` for calls and plans"))?;
+    let (spun, used) = traced.measured;
     Ok(HotSelectRun {
         findings: traced.findings,
         queryid,
         calls,
         plans,
-        spun: traced.measured as f64,
+        spun: spun as f64,
+        used,
     })
 }
 
@@ -238,12 +290,13 @@ fn names_entry_spinlock(finding: &JsonFinding) -> bool {
 #[test]
 fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<()> {
     require_root_and_bpf();
-    let on = hot_select_with_track_planning("on")?;
+    let on = hot_select_with_track_planning("on", MIN_SPINS)?;
     eprintln!(
-        "track_planning = on for the role, off for the server: queryid {} calls {} plans {}\n{}",
+        "track_planning = on for the role, off for the server: queryid {} calls {} plans {}; backends {}\n{}",
         on.queryid,
         on.calls,
         on.plans,
+        describe_cpu(&on.used),
         describe_findings(&on.findings)
     );
     let finding = on
@@ -301,13 +354,16 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         on.spun
     );
 
-    let off = hot_select_with_track_planning("off")?;
+    // The control needs no spins: it may spin less than the case, or not at all.
+    let off = hot_select_with_track_planning("off", 0)?;
     eprintln!(
-        "track_planning = off for the role, on for the server: queryid {} calls {} plans {}, perf's uprobe counted {} spins\n{}",
+        "track_planning = off for the role, on for the server: queryid {} calls {} plans {}, \
+         perf's uprobe counted {} spins; backends {}\n{}",
         off.queryid,
         off.calls,
         off.plans,
         off.spun,
+        describe_cpu(&off.used),
         describe_findings(&off.findings)
     );
     ensure!(
@@ -328,28 +384,49 @@ fn track_planning_on_a_hot_statement_is_named_by_its_entry_spinlock() -> Result<
         .into_iter()
         .filter(|f| names_entry_spinlock(f))
         .collect();
+    // The share is of the statement's time, its waits for a CPU included; the spinning is the
+    // time in s_lock, which grows where the backend holding the spinlock is preempted: a busy
+    // machine brings the control closer to the 5% bar. 0.05-0.5% was measured here, busy or not.
     ensure!(
         named.is_empty(),
-        "one entry update per execution, yet a warning or critical names the entry's spinlock:\n{}",
+        "one entry update per execution, yet a warning or critical names the entry's spinlock \
+         (the backends {}: a spinlock held by a preempted backend is spun on longer):\n{}",
+        describe_cpu(&off.used),
         describe_findings(&off.findings)
     );
     Ok(())
 }
+
+/// CPU time of the TPC-B clients' backends: about 500 samples at 99 Hz (pgscope sampled 80% of
+/// the CPU time schedstat counted, measured here), 37 to 104 for each of the seven statements,
+/// so that every per-statement rule judges each (they need 20). Planning is the figure nearest
+/// its bar: 15-33% of a statement's CPU against 40%, where the rule also wants the share's
+/// one-sided 95% lower bound above a third (a share of 45% or more at 58 samples, 2.1 standard
+/// errors above 33%); and one statement's planning, some 5% of the instance's CPU, is
+/// information until a second statement of the same command is named beside it (a warning
+/// needs 10% of the backend time).
+const TPCB_CPU: Duration = Duration::from_secs(6);
 
 /// pgbench's TPC-B-like statements at scale 10 from two clients: nothing an operator should
 /// act on.
 #[test]
 fn a_plain_pgbench_at_defaults_raises_no_warning() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    cluster.pgbench(&["-i", "-q", "-s", "10"])?;
+    let cluster = shared_cluster(&[])?;
+    fresh_database(&cluster, "tpcb")?;
+    pgbench_in(&cluster, "tpcb", &["-i", "-q", "-s", "10"])?;
     let traced = findings_while(Trace::instance(cluster.data_dir()), || {
-        cluster
-            .pgbench(&["-n", "-c", "2", "-j", "2", "-T", "8"])
-            .map(drop)
+        let mut pgbench = spawn_pgbench_in(&cluster, "tpcb", &["-n", "-c", "2", "-j", "2", "-T", "600"], 2)?;
+        let used = pgbench.run_for_cpu(TPCB_CPU)?;
+        pgbench.stop()?;
+        Ok(used)
     })?;
-    let (output, findings) = (traced.output, traced.findings);
-    eprintln!("pgbench TPC-B-like:\n{}", describe_findings(&findings));
+    let (output, findings, used) = (traced.output, traced.findings, traced.measured);
+    eprintln!(
+        "pgbench TPC-B-like, backends {}:\n{}",
+        describe_cpu(&used),
+        describe_findings(&findings)
+    );
     ensure!(
         output.stdout.contains("UPDATE pgbench_accounts"),
         "the trace did not see pgbench's statements:\n{}",
@@ -357,7 +434,8 @@ fn a_plain_pgbench_at_defaults_raises_no_warning() -> Result<()> {
     );
     ensure!(
         alarms(&findings).is_empty(),
-        "a healthy pgbench raised warnings or criticals:\n{}",
+        "a healthy pgbench raised warnings or criticals (backends {}):\n{}",
+        describe_cpu(&used),
         describe_findings(&alarms(&findings).into_iter().cloned().collect::<Vec<_>>())
     );
     Ok(())
