@@ -142,6 +142,44 @@ pub fn ensure_samples_cover(
     Ok(())
 }
 
+/// The client backends serving the connections named `application_name` (the tag of a
+/// `spawn_pgbench` run or a session), in pid order: the processes whose CPU time a count of
+/// their samples is judged against.
+pub fn client_backends(cluster: &crate::PgCluster, application_name: &str) -> Result<Vec<u32>> {
+    // Sorted here: tests look statements up in pg_stat_statements by fragments of their text
+    // (`ORDER BY` among them), so this one stays plain.
+    let mut pids = cluster
+        .psql(&format!(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' \
+             AND backend_type = 'client backend'",
+            application_name.replace('\'', "''")
+        ))?
+        .lines()
+        .map(|pid| pid.parse().with_context(|| format!("bad pid `{pid}`")))
+        .collect::<Result<Vec<u32>>>()?;
+    pids.sort_unstable();
+    Ok(pids)
+}
+
+/// CPU time the hypervisor has taken from this VM so far, summed over its CPUs (`steal` of the
+/// `cpu` line of `/proc/stat`; zero on bare metal and where the host does not report it). A
+/// sampling timer that expires while the VM is descheduled fires once when it runs again, however
+/// many periods it missed; where the kernel does not leave stolen time out of a process's CPU
+/// time, its samples fall behind it. A failure about sample counts says how much was stolen.
+pub fn stolen_time() -> Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").context("cannot read `/proc/stat`")?;
+    let steal = stat
+        .lines()
+        .find_map(|line| line.strip_prefix("cpu "))
+        .and_then(|fields| fields.split_whitespace().nth(7))
+        .and_then(|ticks| ticks.parse::<u64>().ok())
+        .context("`/proc/stat` has no steal time on its `cpu` line")?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) returned {per_second}");
+    Ok(Duration::from_secs_f64(steal as f64 / per_second as f64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,6 +196,12 @@ mod tests {
         std::hint::black_box(x);
         let used = window.used().expect("own schedstat");
         assert!(used.on_cpu > Duration::ZERO, "{used:?}");
+    }
+
+    #[test]
+    fn reads_stolen_time_forward() {
+        let before = stolen_time().expect("/proc/stat");
+        assert!(stolen_time().expect("/proc/stat") >= before);
     }
 
     #[test]
