@@ -4,21 +4,40 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use pgscope_tests::activity::{
-    has_labels, label_sets, trace_reading_activity, Activity, Labels, CLIENT_BACKEND,
+use pgscope_tests::activity::{has_labels, label_sets, Activity, Labels, CLIENT_BACKEND};
+use pgscope_tests::agreement::{
+    check_busy_backend, check_queryids, pg_stat_statements, reading_activity, QueryidRun, SCRIPT,
 };
-use pgscope_tests::agreement::{check_busy_backend, reading_activity, QueryidRun, SCRIPT};
-use pgscope_tests::process::cpu_time;
+use pgscope_tests::cpu_window::{client_backends, stolen_time};
 use pgscope_tests::workload::{is_md5_frame, CPU_BOUND, MD5_BOUND};
-use pgscope_tests::{require_root_and_bpf, wait_for, LabeledProfile, PgCluster, PgInstall, Trace};
+use pgscope_tests::{
+    ensure_samples_cover, expected_samples, require_root_and_bpf, wait_for, CpuWindow, LabeledProfile,
+    PgCluster, PgInstall, SchedTime, Trace,
+};
 
 const FREQUENCY: u32 = 99;
 const AUXILIARY_FREQUENCY: u32 = 499;
-const TRACE_SECS: u64 = 5;
+/// A trace that lasts until its processes had some CPU time ends with SIGINT; this only bounds
+/// it should the test never send one.
+const UNTIL_INTERRUPTED_SECS: u64 = 600;
+/// Bounds each wait for CPU time: the longest asked is 4 s per process, which a process given
+/// a tenth of a core still gets.
+const CPU_TIMEOUT: Duration = Duration::from_secs(60);
+/// Samples of a busy process per CPU-second × frequency, at least. Its CPU time is read from
+/// the scheduler over a window inside the sampling window (opened once pgscope says it
+/// profiles, which it says after attaching the perf events, and closed before SIGINT), so a
+/// sampler that loses nothing gives 1.0 or a little more (0.79 to 1.24 in this file's runs on a
+/// loaded machine). Half is the bar the `--pid` traces held as an absolute count (150 samples
+/// for 3 s of CPU); it still fails a sampler or filter that drops half of them.
+const MIN_SAMPLES_PER_CPU_PERIOD: f64 = 0.5;
+
+/// CPU time pgbench's two backends get, together, under each protocol's trace: ~400 samples at
+/// [`FREQUENCY`], twice the 200 client-backend samples `check_queryids` asks; the cheapest
+/// statement of [`SCRIPT`] (the sort) got 63 and 96 of them against the 20 it asks of each.
+const QUERYID_CPU: Duration = Duration::from_secs(4);
 
 /// pgbench with the shared script under both protocols; each run is traced on its own, with
 /// pg_stat_statements reset before it, so the queryids of one run are the rows read after it.
@@ -26,19 +45,22 @@ const TRACE_SECS: u64 = 5;
 fn queryid_labels_match_pg_stat_statements() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    let run = QueryidRun {
-        trace_secs: TRACE_SECS,
-        frequency: FREQUENCY,
-    };
-    let (agreement, checked) = run.measure(&cluster, &["simple", "prepared"]);
-    checked?;
+    let dir = tempfile::tempdir()?;
+    let script = dir.path().join("burn.sql");
+    let mut text = String::from("\\set n random(1, 1000)\n");
+    for statement in &SCRIPT {
+        text.push_str(statement.sql);
+        text.push('\n');
+    }
+    std::fs::write(&script, text).with_context(|| format!("cannot write `{}`", script.display()))?;
+    let mut queryids = BTreeMap::new();
+    for protocol in ["simple", "prepared"] {
+        queryids.insert(protocol, trace_script(&cluster, dir.path(), &script, protocol)?);
+    }
     // Const and Param nodes are jumbled differently, so each protocol's statements have their own
     // queryids: the prepared run checked queryids the simple run did not already produce.
     for (i, statement) in SCRIPT.iter().enumerate() {
-        let (simple, prepared) = (
-            &agreement.queryids["simple"][i],
-            &agreement.queryids["prepared"][i],
-        );
+        let (simple, prepared) = (&queryids["simple"][i], &queryids["prepared"][i]);
         ensure!(
             simple != prepared,
             "the {} statement has queryid {simple} under both protocols",
@@ -47,6 +69,63 @@ fn queryid_labels_match_pg_stat_statements() -> Result<()> {
     }
     Ok(())
 }
+
+/// Runs `script` ([`SCRIPT`]) with pgbench under `protocol` (2 clients), traced with `--instance`
+/// until its backends had [`QUERYID_CPU`], and checks the queryid labels against the rows
+/// pg_stat_statements recorded meanwhile; returns the queryids of the script's statements.
+/// (`agreement::QueryidRun::measure`, which the majors matrix shares, traces for a fixed time.)
+fn trace_script(cluster: &PgCluster, dir: &Path, script: &Path, protocol: &str) -> Result<Vec<String>> {
+    cluster.psql("SELECT pg_stat_statements_reset()")?;
+    let pprof = dir.join(format!("{protocol}.pb.gz"));
+    let script = script.to_str().context("temp dir path is not UTF-8")?;
+    // -n: no vacuum of pgbench's own tables, which do not exist.
+    let mut pgbench =
+        cluster.spawn_pgbench(&["-n", "-M", protocol, "-f", script, "-c", "2", "-T", "600"], 2)?;
+    let backends = client_backends(cluster, pgbench.tag())?;
+    let started = Instant::now();
+    let running = Trace::instance(cluster.data_dir())
+        .duration_secs(UNTIL_INTERRUPTED_SECS)
+        .frequency(FREQUENCY)
+        .pprof(&pprof)
+        .spawn()?;
+    let stolen = stolen_time()?;
+    let used = CpuWindow::start(&backends)?.await_cpu(QUERYID_CPU, CPU_TIMEOUT)?;
+    let stolen = stolen_time()?.saturating_sub(stolen);
+    running.interrupt()?;
+    let trace_secs = started.elapsed().as_secs();
+    ensure!(pgbench.is_running()?, "pgbench ended during the trace");
+    pgbench.stop()?;
+
+    let statements = pg_stat_statements(cluster)?;
+    let profile = LabeledProfile::read_pprof(&pprof)?;
+    let of_backends: u64 = backends
+        .iter()
+        .map(|&pid| profile.count_where(|s| s.pid() == Some(pid)))
+        .sum();
+    eprintln!(
+        "{protocol}: backends {backends:?}: {:?} on CPU, {:?} waiting for one, {stolen:?} stolen \
+         from the VM; {of_backends} samples ({:.0} expected)",
+        used.on_cpu,
+        used.runnable,
+        expected_samples(used.on_cpu, FREQUENCY)
+    );
+    ensure_samples_cover(
+        &format!("{protocol}: pgbench's backends {backends:?} ({stolen:?} stolen from the VM meanwhile)"),
+        of_backends,
+        used.on_cpu,
+        FREQUENCY,
+        MIN_SAMPLES_PER_CPU_PERIOD,
+    )?;
+    let run = QueryidRun {
+        trace_secs,
+        frequency: FREQUENCY,
+    };
+    check_queryids(protocol, &run, &profile, &statements)
+}
+
+/// CPU time of the busy backend under its `--pid` trace: ~400 samples at [`FREQUENCY`], twice
+/// the 200 `check_busy_backend` asks of it, so its 90% agreement bar rests on ~40 samples.
+const BUSY_CPU: Duration = Duration::from_secs(4);
 
 /// A CPU-bound session traced with `--pid`: its samples carry what pg_stat_activity shows for
 /// it meanwhile. Then the whole instance, with checkpoints and WAL writes going on: auxiliary
@@ -61,13 +140,34 @@ fn labels_agree_with_pg_stat_activity() -> Result<()> {
 
     let pprof = dir.path().join("backend.pb.gz");
     let trace = Trace::pid(pid)
-        .duration_secs(TRACE_SECS)
+        .duration_secs(UNTIL_INTERRUPTED_SECS)
         .frequency(FREQUENCY)
         .pprof(&pprof);
-    let (_, seen) = reading_activity(&cluster, &format!("pid = {pid}"), || trace.run())?;
+    let ((used, stolen), seen) = reading_activity(&cluster, &format!("pid = {pid}"), || {
+        let running = trace.spawn()?;
+        let stolen = stolen_time()?;
+        let used = CpuWindow::start(&[pid])?.await_cpu(BUSY_CPU, CPU_TIMEOUT)?;
+        let stolen = stolen_time()?.saturating_sub(stolen);
+        running.interrupt()?;
+        Ok((used, stolen))
+    })?;
     let profile = LabeledProfile::read_pprof(&pprof)?;
-    check_busy_backend(&profile, pid, &seen)?;
     let total = profile.total();
+    eprintln!(
+        "backend {pid}: {:?} on CPU, {:?} waiting for one, {stolen:?} stolen from the VM; {total} \
+         samples ({:.0} expected)",
+        used.on_cpu,
+        used.runnable,
+        expected_samples(used.on_cpu, FREQUENCY)
+    );
+    ensure_samples_cover(
+        &format!("backend {pid} ({stolen:?} stolen from the VM meanwhile)"),
+        total,
+        used.on_cpu,
+        FREQUENCY,
+        MIN_SAMPLES_PER_CPU_PERIOD,
+    )?;
+    check_busy_backend(&profile, pid, &seen)?;
     let phases = profile.label_values("phase", |_| true);
     let running = phases.get(&Some("run".to_owned())).copied().unwrap_or(0);
     ensure!(
@@ -79,31 +179,48 @@ fn labels_agree_with_pg_stat_activity() -> Result<()> {
     Ok(())
 }
 
+/// CPU time the auxiliary processes get, together, under the instance trace: ~100 samples at
+/// [`AUXILIARY_FREQUENCY`], enough that a process whose samples all carry wrong labels cannot
+/// hide among the ones that were never sampled (the shortest trace that says so).
+const AUXILIARY_CPU: Duration = Duration::from_millis(200);
+
 /// Traces the instance while another connection writes WAL and checkpoints, then compares the
 /// labels of every non-client process that was sampled with its pg_stat_activity row.
 fn check_auxiliary_processes(cluster: &PgCluster, dir: &Path) -> Result<()> {
     let pprof = dir.join("instance.pb.gz");
     // Auxiliary processes are mostly asleep: sample more often to catch them on CPU.
     let trace = Trace::instance(cluster.data_dir())
-        .duration_secs(TRACE_SECS)
+        .duration_secs(UNTIL_INTERRUPTED_SECS)
         .frequency(AUXILIARY_FREQUENCY)
         .pprof(&pprof);
     cluster.psql("CREATE TABLE burn (g int, h text)")?;
-    thread::scope(|scope| -> Result<()> {
-        let tracing = scope.spawn(|| trace.run());
-        // Dirty buffers for the checkpointer and background writer, WAL for the walwriter.
-        // INSERT, unlike CREATE TABLE AS, writes through shared buffers without a ring, so
-        // the checkpoint has ~15 MB to write.
-        while !tracing.is_finished() {
+    let auxiliary: Vec<u32> = Activity::read(cluster, &format!("backend_type <> '{CLIENT_BACKEND}'"))?
+        .iter()
+        .map(|row| row.pid)
+        .collect();
+    let running = trace.spawn()?;
+    let window = CpuWindow::start(&auxiliary)?;
+    let stolen = stolen_time()?;
+    let mut used = SchedTime::default();
+    // Dirty buffers for the checkpointer and background writer, WAL for the walwriter, until
+    // they have had the CPU time asked. INSERT, unlike CREATE TABLE AS, writes through shared
+    // buffers without a ring, so the checkpoint has ~15 MB to write.
+    wait_for(
+        &format!("auxiliary processes {auxiliary:?} to use {AUXILIARY_CPU:?} of CPU"),
+        CPU_TIMEOUT,
+        || {
             cluster.psql(
                 "TRUNCATE burn; \
                  INSERT INTO burn SELECT g, md5(g::text) FROM generate_series(1, 200000) g; \
                  CHECKPOINT",
             )?;
-        }
-        tracing.join().expect("the trace thread panicked")?;
-        Ok(())
-    })?;
+            used = window.used()?;
+            Ok((used.on_cpu >= AUXILIARY_CPU).then_some(()))
+        },
+    )
+    .with_context(|| format!("they used {:?} on CPU", used.on_cpu))?;
+    let stolen = stolen_time()?.saturating_sub(stolen);
+    running.interrupt()?;
     let activity = Activity::read(cluster, "true")?;
     let profile = LabeledProfile::read_pprof(&pprof)?;
     let by_pid = profile.samples_by_pid();
@@ -150,7 +267,21 @@ fn check_auxiliary_processes(cluster: &PgCluster, dir: &Path) -> Result<()> {
             &["backend_type", "database", "state", "queryid"]
         )
     );
-    // Checkpoints of freshly written tables keep the checkpointer on CPU for a while.
+    let of_auxiliary: u64 = auxiliary.iter().filter_map(|pid| by_pid.get(pid)).sum();
+    eprintln!(
+        "auxiliary processes {auxiliary:?}: {:?} on CPU, {:?} waiting for one, {stolen:?} stolen \
+         from the VM; {of_auxiliary} samples ({:.0} expected), {checked} of them checked",
+        used.on_cpu,
+        used.runnable,
+        expected_samples(used.on_cpu, AUXILIARY_FREQUENCY)
+    );
+    ensure_samples_cover(
+        &format!("auxiliary processes {auxiliary:?} (per pid {by_pid:?}; {stolen:?} stolen from the VM)"),
+        of_auxiliary,
+        used.on_cpu,
+        AUXILIARY_FREQUENCY,
+        MIN_SAMPLES_PER_CPU_PERIOD,
+    )?;
     ensure!(
         checked > 0,
         "no samples of any auxiliary process although checkpoints ran; per pid: {by_pid:?}"
@@ -172,6 +303,10 @@ const PARALLEL_TABLE: &str = "CREATE TABLE parallel_burn AS SELECT g FROM genera
 /// on CPU for the whole trace (the session is cancelled at the end).
 const PARALLEL_MD5: &str = "SELECT count(*) FROM parallel_burn WHERE md5(repeat(g::text, 8000)) LIKE 'fff%'";
 const PARALLEL_WORKER: &str = "parallel worker";
+/// CPU time each of the three processes gets under the trace: ~200 samples each at
+/// [`FREQUENCY`], so that the share of them hashing rows and their labels are judged on ~100
+/// samples at the least.
+const PARALLEL_CPU: Duration = Duration::from_secs(2);
 
 /// Parallel workers are background workers; pg_stat_activity names them by their `bgw_type`
 /// ("parallel worker") and shows their leader's queryid. Two of them scan a table with the
@@ -201,10 +336,18 @@ fn parallel_workers_carry_their_type_and_the_leaders_queryid() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let pprof = dir.path().join("parallel.pb.gz");
     let trace = Trace::instance(cluster.data_dir())
-        .duration_secs(TRACE_SECS)
+        .duration_secs(UNTIL_INTERRUPTED_SECS)
         .frequency(FREQUENCY)
         .pprof(&pprof);
-    let seen = trace_reading_activity(&cluster, &trace, &of_the_query)?;
+    let traced: Vec<u32> = workers.iter().copied().chain([leader.pid()]).collect();
+    let ((used, stolen), seen) = reading_activity(&cluster, &of_the_query, || {
+        let running = trace.spawn()?;
+        let stolen = stolen_time()?;
+        let used = CpuWindow::start(&traced)?.await_cpu_each(PARALLEL_CPU, CPU_TIMEOUT)?;
+        let stolen = stolen_time()?.saturating_sub(stolen);
+        running.interrupt()?;
+        Ok((used, stolen))
+    })?;
     let still_running = Activity::read(&cluster, &format!("leader_pid = {}", leader.pid()))?;
     ensure!(
         leader.is_active()?
@@ -227,12 +370,17 @@ fn parallel_workers_carry_their_type_and_the_leaders_queryid() -> Result<()> {
         leader_queryid.as_deref().is_some_and(|q| q != "0"),
         "the leader has no queryid: {leader_labels:?}"
     );
-    for &pid in workers.iter().chain([leader.pid()].iter()) {
+    for &pid in &traced {
         let labels = single_label_set(&expected, pid)?;
         let n = profile.count_where(|s| s.pid() == Some(pid));
         let hashing = profile.count_where(|s| s.pid() == Some(pid) && s.any_frame(is_md5_frame));
+        let cpu = used.get(&pid).copied().unwrap_or_default();
         eprintln!(
-            "pid {pid}: {n} samples ({hashing} hashing); pg_stat_activity {labels:?}; label sets: {}",
+            "pid {pid}: {:?} on CPU, {:?} waiting for one; {n} samples ({:.0} expected, {hashing} \
+             hashing); pg_stat_activity {labels:?}; label sets: {}",
+            cpu.on_cpu,
+            cpu.runnable,
+            expected_samples(cpu.on_cpu, FREQUENCY),
             label_sets(&profile, pid, &["backend_type", "database", "state", "queryid"])
         );
         if pid != leader.pid() {
@@ -244,10 +392,19 @@ fn parallel_workers_carry_their_type_and_the_leaders_queryid() -> Result<()> {
                  queryid {leader_queryid:?}: {labels:?}"
             );
         }
-        // 3 busy processes on 2 cores for 5 s at 99 Hz: ~300 samples each.
+        ensure_samples_cover(
+            &format!(
+                "pid {pid} (per pid {:?}; {stolen:?} stolen from the VM)",
+                profile.samples_by_pid()
+            ),
+            n,
+            cpu.on_cpu,
+            FREQUENCY,
+            MIN_SAMPLES_PER_CPU_PERIOD,
+        )?;
         ensure!(
-            n >= 100 && hashing * 2 >= n,
-            "pid {pid} has {n} samples, {hashing} of them hashing rows: {:?}",
+            hashing * 2 >= n,
+            "pid {pid} has {n} samples, only {hashing} of them hashing rows: {:?}",
             profile.samples_by_pid()
         );
         let wrong = profile.count_where(|s| s.pid() == Some(pid) && !has_labels(s, labels));
@@ -276,14 +433,14 @@ fn single_label_set(expected: &BTreeMap<u32, BTreeSet<Labels>>, pid: u32) -> Res
 /// has had it, however long that takes on a loaded machine. At 99 Hz that is ~300 samples; the
 /// fewest seen for it, with two `yes` loops and other tests on 2 cores, were 0.75 of that.
 const FILTER_CPU: Duration = Duration::from_secs(3);
-/// Samples each traced backend must give, kept or left out: half of what [`FILTER_CPU`] is
-/// worth. (A fixed 4 s trace asked for this many and got 136 on a loaded 2-core CI machine.)
-const MIN_SAMPLES: u64 = 150;
-/// The same for `--instance`, which samples each CPU's clock rather than each backend's: on a
-/// CI host that steals CPU from the VM, a backend credited with 3.01 s of CPU got 88 samples
-/// there (46% of them taken as it came back from preemption) while `--pid` traces in the same
-/// run got all of theirs. The `--pid` cases hold the all-kept bar.
-const MIN_SAMPLES_CPU_CLOCK: u64 = 50;
+/// [`MIN_SAMPLES_PER_CPU_PERIOD`] for `--instance`: a sixth, the 50 of ~300 samples it asked
+/// as an absolute count. On a CI host that steals CPU from the VM, a backend credited with
+/// 3.01 s of CPU by `/proc/PID/stat` got 88 samples there (46% of them taken as it came back
+/// from preemption), while `--pid` traces in the same run, which sample the same per-CPU
+/// clocks, got all of theirs; the cause was not found. The CPU time is now the scheduler's
+/// (`/proc/PID/schedstat`, which leaves stolen time out on this VM's kernel), but no run has
+/// shown that this closes the gap. A sixth still fails a filter that drops the kept query.
+const MIN_INSTANCE_SAMPLES_PER_CPU_PERIOD: f64 = 1.0 / 6.0;
 
 /// `--queryid` keeps only the samples of that query: with `--pid` of the backend running it,
 /// all of them; with `--pid` of a backend running another query, none, and says it left them
@@ -309,27 +466,27 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
         "queryids {wanted} and {other_id}"
     );
     let dir = tempfile::tempdir()?;
-    for (name, trace, kept_backend, left_out_backend, min_samples) in [
+    for (name, trace, kept_backend, left_out_backend, min_ratio) in [
         (
             "own-pid",
             Trace::pid(session.pid()),
             Some(session.pid()),
             None,
-            MIN_SAMPLES,
+            MIN_SAMPLES_PER_CPU_PERIOD,
         ),
         (
             "other-pid",
             Trace::pid(other.pid()),
             None,
             Some(other.pid()),
-            MIN_SAMPLES,
+            MIN_SAMPLES_PER_CPU_PERIOD,
         ),
         (
             "instance",
             Trace::instance(cluster.data_dir()),
             Some(session.pid()),
             Some(other.pid()),
-            MIN_SAMPLES_CPU_CLOCK,
+            MIN_INSTANCE_SAMPLES_PER_CPU_PERIOD,
         ),
     ] {
         let pprof = dir.path().join(format!("{name}.pb.gz"));
@@ -339,14 +496,17 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
             .pprof(&pprof)
             .spawn_summarized()?;
         let traced: Vec<u32> = kept_backend.iter().chain(&left_out_backend).copied().collect();
-        let cpu = cpu_during(&traced, FILTER_CPU)?;
+        let stolen = stolen_time()?;
+        let used = CpuWindow::start(&traced)?.await_cpu_each(FILTER_CPU, CPU_TIMEOUT)?;
+        let stolen = stolen_time()?.saturating_sub(stolen);
         let (output, summary) = running.finish()?;
+        let cpu = |pid: u32| used.get(&pid).map_or(Duration::ZERO, |t| t.on_cpu);
         let profile = LabeledProfile::read_pprof(&pprof)?;
         let (kept, left_out) = (profile.total(), summary.samples_filtered_out()?);
         let (taken, lost) = (summary.samples_taken_in_kernel()?, summary.samples_lost()?);
         eprintln!(
-            "{name}: CPU time {cpu:?}; {taken} samples taken, {lost} lost, {kept} kept, {left_out} left out; \
-             per pid {:?}",
+            "{name}: CPU time {used:?}, {stolen:?} stolen from the VM; {taken} samples taken, \
+             {lost} lost, {kept} kept, {left_out} left out; per pid {:?}",
             profile.samples_by_pid()
         );
         let foreign = profile.count_where(|s| {
@@ -371,12 +531,16 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
             "{name}: of {taken} samples taken, {kept} kept, {left_out} left out and {lost} lost"
         );
         match kept_backend {
-            Some(pid) => ensure!(
-                kept >= min_samples,
-                "{name}: {kept} samples kept with --queryid {wanted}; backend {pid} ran only that \
-                 query for {:?} of CPU",
-                cpu[&pid]
-            ),
+            Some(pid) => ensure_samples_cover(
+                &format!(
+                    "{name}: kept with --queryid {wanted}, of backend {pid} running only that query \
+                     ({stolen:?} stolen from the VM meanwhile)"
+                ),
+                kept,
+                cpu(pid),
+                FREQUENCY,
+                min_ratio,
+            )?,
             None => {
                 ensure!(kept == 0, "{name}: {kept} samples kept");
                 ensure!(
@@ -394,12 +558,16 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
             }
         }
         match left_out_backend {
-            Some(pid) => ensure!(
-                left_out >= min_samples,
-                "{name}: {left_out} samples counted as left out; backend {pid} ran another query \
-                 for {:?} of CPU",
-                cpu[&pid]
-            ),
+            Some(pid) => ensure_samples_cover(
+                &format!(
+                    "{name}: counted as left out, of backend {pid} running another query ({stolen:?} \
+                     stolen from the VM meanwhile)"
+                ),
+                left_out,
+                cpu(pid),
+                FREQUENCY,
+                min_ratio,
+            )?,
             // The traced backend ran nothing but the wanted query.
             None => ensure!(left_out == 0, "{name}: {left_out} samples left out"),
         }
@@ -409,26 +577,4 @@ fn queryid_filter_keeps_only_that_query() -> Result<()> {
         "a workload ended during the traces"
     );
     Ok(())
-}
-
-/// Waits until each of `pids` has used `wanted` more CPU time than now; returns the CPU time
-/// each used.
-fn cpu_during(pids: &[u32], wanted: Duration) -> Result<BTreeMap<u32, Duration>> {
-    let start = pids
-        .iter()
-        .map(|&pid| Ok((pid, cpu_time(pid)?)))
-        .collect::<Result<BTreeMap<_, _>>>()?;
-    // A backend given a tenth of a core still gets there.
-    let timeout = wanted * 10;
-    wait_for(
-        &format!("backends {pids:?} to use {wanted:?} of CPU each"),
-        timeout,
-        || {
-            let used = start
-                .iter()
-                .map(|(&pid, &before)| Ok((pid, cpu_time(pid)?.saturating_sub(before))))
-                .collect::<Result<BTreeMap<_, _>>>()?;
-            Ok(used.values().all(|&cpu| cpu >= wanted).then_some(used))
-        },
-    )
 }
