@@ -82,14 +82,7 @@ impl BackgroundPgbench<'_> {
 
     /// The PIDs of its backends (its client connections), for measuring their CPU time.
     pub fn backend_pids(&self) -> Result<Vec<u32>> {
-        let pids = self.cluster.psql(&format!(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' \
-             AND backend_type = 'client backend' ORDER BY pid",
-            self.tag
-        ))?;
-        pids.lines()
-            .map(|pid| pid.trim().parse().with_context(|| format!("bad pid `{pid}`")))
-            .collect()
+        crate::cpu_window::client_backends(self.cluster, &self.tag)
     }
 
     fn connections(&self) -> Result<usize> {

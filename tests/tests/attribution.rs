@@ -11,7 +11,7 @@ use pgscope_tests::activity::{has_labels, label_sets, Activity, Labels, CLIENT_B
 use pgscope_tests::agreement::{
     check_busy_backend, check_queryids, pg_stat_statements, reading_activity, QueryidRun, SCRIPT,
 };
-use pgscope_tests::cpu_window::{client_backends, stolen_time};
+use pgscope_tests::cpu_window::stolen_time;
 use pgscope_tests::workload::{is_md5_frame, CPU_BOUND, MD5_BOUND};
 use pgscope_tests::{
     ensure_samples_cover, expected_samples, require_root_and_bpf, wait_for, CpuWindow, LabeledProfile,
@@ -81,7 +81,7 @@ fn trace_script(cluster: &PgCluster, dir: &Path, script: &Path, protocol: &str) 
     // -n: no vacuum of pgbench's own tables, which do not exist.
     let mut pgbench =
         cluster.spawn_pgbench(&["-n", "-M", protocol, "-f", script, "-c", "2", "-T", "600"], 2)?;
-    let backends = client_backends(cluster, pgbench.tag())?;
+    let backends = pgbench.backend_pids()?;
     let started = Instant::now();
     let running = Trace::instance(cluster.data_dir())
         .duration_secs(UNTIL_INTERRUPTED_SECS)

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use pgscope_tests::cpu_window::{client_backends, stolen_time};
+use pgscope_tests::cpu_window::stolen_time;
 use pgscope_tests::probe_matrix::expected;
 use pgscope_tests::probe_workloads::{
     check_consistent, trace_backend, BackendWorkload, GenericPlan, GENERIC_PLAN_SETTINGS,
@@ -91,7 +91,7 @@ fn stacks_stay_complete_while_probes_fire() -> Result<()> {
 
     // -M prepared: the simple protocol plans every statement afresh and never calls GetCachedPlan.
     let mut pgbench = cluster.spawn_pgbench(&["-n", "-S", "-M", "prepared", "-c", "2", "-T", "600"], 2)?;
-    let backends = client_backends(&cluster, pgbench.tag())?;
+    let backends = pgbench.backend_pids()?;
     ensure!(
         backends.len() == 2,
         "pgbench's 2 clients have backends {backends:?}"

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use pgscope_tests::cpu_window::{client_backends, stolen_time};
+use pgscope_tests::cpu_window::stolen_time;
 use pgscope_tests::probe_workloads::{GENERIC_PLAN_SETTINGS, PGBENCH_SELECT};
 use pgscope_tests::profile::{is_kernel_frame, Profile, Stack};
 use pgscope_tests::{
@@ -119,7 +119,7 @@ fn nested_probe_traps_are_taken_out_of_the_enclosing_function() -> Result<()> {
     // One client: the backend has a core to itself, so that the time between a call's entry and
     // return (what the probe measures) is time on CPU (what the samples measure).
     let mut pgbench = cluster.spawn_pgbench(&["-n", "-S", "-M", "prepared", "-c", "1", "-T", "600"], 1)?;
-    let backends = client_backends(&cluster, pgbench.tag())?;
+    let backends = pgbench.backend_pids()?;
     let [backend] = backends[..] else {
         anyhow::bail!("pgbench's one client has backends {backends:?}");
     };
