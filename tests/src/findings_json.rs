@@ -1,12 +1,10 @@
 //! What the findings tests share: the `findings[]` of a `pgscope trace --json` summary, read
 //! back (rule, severity, statements, figures, rather than the console's wording); one cluster
-//! for all the tests of a file; and workloads in a database of their own that run until their
-//! backends have used the CPU time an assertion needs, not for a fixed time.
+//! for all the tests of a file; databases of their own for workloads, which run until their
+//! backends have used the CPU time an assertion needs (`BackgroundPgbench::run_for_cpu`).
 
 use std::ops::Deref;
 use std::path::Path;
-use std::process::{Child, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, Once};
 use std::time::Duration;
 
@@ -15,10 +13,9 @@ use serde_json::Value;
 
 use crate::app_database::psql_in;
 use crate::cluster::PgCluster;
-use crate::cpu_window::{CpuWindow, SchedTime};
+use crate::cpu_window::SchedTime;
 use crate::install::PgInstall;
 use crate::pgscope::{Trace, TraceOutput};
-use crate::process::{describe, wait_for};
 
 /// One finding of the JSON summary.
 #[derive(Debug, Clone)]
@@ -294,143 +291,6 @@ pub fn reset_statements(cluster: &PgCluster, database: &str) -> Result<()> {
 /// How long a workload may take to use the CPU time asked of it: minutes, where a busy machine
 /// gives its backends a fraction of a core.
 pub const CPU_TIMEOUT: Duration = Duration::from_secs(180);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// `pgbench` running in a database of the test's choice, in the background; dropping it kills
-/// pgbench and waits until its backends are gone.
-pub struct PgbenchIn<'a> {
-    cluster: &'a PgCluster,
-    child: Child,
-    tag: String,
-    line: String,
-}
-
-/// Starts `pgbench <args> <database>` and returns once `clients` of its connections are in
-/// `pg_stat_activity` (pgbench starts its script as soon as all are connected). `args` should
-/// make pgbench outlive the test's wait (a long `-T`): the test ends it.
-pub fn spawn_pgbench_in<'a>(
-    cluster: &'a PgCluster,
-    database: &str,
-    args: &[&str],
-    clients: usize,
-) -> Result<PgbenchIn<'a>> {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let tag = format!(
-        "pgscope-findings-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    );
-    let mut cmd = cluster.client("pgbench");
-    cmd.args(args)
-        .arg(database)
-        .env("PGAPPNAME", &tag)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let line = describe(&cmd);
-    let child = cmd.spawn().with_context(|| format!("cannot start `{line}`"))?;
-    let mut pgbench = PgbenchIn {
-        cluster,
-        child,
-        tag,
-        line,
-    };
-    wait_for(
-        &format!("{clients} connections of `{}`", pgbench.line),
-        CONNECT_TIMEOUT,
-        || {
-            if let Some(status) = pgbench.child.try_wait()? {
-                let mut stderr = String::new();
-                if let Some(pipe) = pgbench.child.stderr.as_mut() {
-                    let _ = std::io::Read::read_to_string(pipe, &mut stderr);
-                }
-                bail!(
-                    "`{}` exited ({status}) before it ran: {}",
-                    pgbench.line,
-                    stderr.trim()
-                );
-            }
-            Ok((pgbench.backends()?.len() >= clients).then_some(()))
-        },
-    )?;
-    Ok(pgbench)
-}
-
-impl PgbenchIn<'_> {
-    /// The `application_name` of its connections.
-    pub fn tag(&self) -> &str {
-        &self.tag
-    }
-
-    /// The pids of its backends.
-    pub fn backends(&self) -> Result<Vec<u32>> {
-        self.cluster
-            .psql(&format!(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = '{}' \
-                 AND backend_type = 'client backend' ORDER BY pid",
-                self.tag
-            ))?
-            .lines()
-            .map(|pid| {
-                pid.trim()
-                    .parse()
-                    .with_context(|| format!("pg_stat_activity gave pid `{pid}`"))
-            })
-            .collect()
-    }
-
-    /// Starts measuring its backends' CPU time from now on.
-    pub fn cpu_window(&self) -> Result<CpuWindow> {
-        CpuWindow::start(&self.backends()?)
-    }
-
-    /// Fails if pgbench exited (an error, or a `-T` shorter than the test's wait).
-    pub fn ensure_running(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            bail!("`{}` exited ({status}) while the test measured it", self.line);
-        }
-        Ok(())
-    }
-
-    /// Returns once its backends together have used `cpu` of CPU time from now on, with the
-    /// time they spent on CPU and waiting for one meanwhile (their run-queue time, which says
-    /// how busy the machine was). Fails after [`CPU_TIMEOUT`] saying how far they got.
-    pub fn run_for_cpu(&mut self, cpu: Duration) -> Result<SchedTime> {
-        let used = self
-            .cpu_window()?
-            .await_cpu(cpu, CPU_TIMEOUT)
-            .with_context(|| format!("`{}` did not get {cpu:?} of CPU", self.line))?;
-        self.ensure_running()?;
-        Ok(used)
-    }
-
-    /// Kills pgbench and waits until its backends have ended, so that nothing of this run is
-    /// recorded after this returns.
-    pub fn stop(mut self) -> Result<()> {
-        self.kill_and_wait()
-    }
-
-    fn kill_and_wait(&mut self) -> Result<()> {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        // A backend notices its client is gone when it next talks to it: after its statement.
-        wait_for(
-            &format!("the backends of `{}` to exit", self.tag),
-            CONNECT_TIMEOUT,
-            || Ok(self.backends()?.is_empty().then_some(())),
-        )
-    }
-}
-
-impl Drop for PgbenchIn<'_> {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            if let Err(e) = self.kill_and_wait() {
-                eprintln!("cannot stop `{}`: {e:#}", self.line);
-            }
-        }
-    }
-}
 
 /// `used` as a log line: CPU time, run-queue time and how much of the time the processes were
 /// runnable they spent waiting for a CPU (what a busy machine takes from them).

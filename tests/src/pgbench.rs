@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use crate::cluster::PgCluster;
+use crate::cpu_window::{CpuWindow, SchedTime};
 use crate::process::{describe, wait_for};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -17,6 +18,7 @@ pub struct BackgroundPgbench<'a> {
     cluster: &'a PgCluster,
     child: Child,
     tag: String,
+    line: String,
 }
 
 impl PgCluster {
@@ -25,6 +27,16 @@ impl PgCluster {
     /// connections are told apart by a unique `application_name`. `args` should make pgbench
     /// outlive whatever the test does meanwhile (a long `-T`).
     pub fn spawn_pgbench(&self, args: &[&str], clients: usize) -> Result<BackgroundPgbench<'_>> {
+        self.spawn_pgbench_in("postgres", args, clients)
+    }
+
+    /// [`PgCluster::spawn_pgbench`] in `database`.
+    pub fn spawn_pgbench_in(
+        &self,
+        database: &str,
+        args: &[&str],
+        clients: usize,
+    ) -> Result<BackgroundPgbench<'_>> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let tag = format!(
             "pgscope-pgbench-{}-{}",
@@ -33,7 +45,7 @@ impl PgCluster {
         );
         let mut cmd = self.client("pgbench");
         cmd.args(args)
-            .arg("postgres")
+            .arg(database)
             .env("PGAPPNAME", &tag)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -44,6 +56,7 @@ impl PgCluster {
             cluster: self,
             child,
             tag,
+            line: line.clone(),
         };
         wait_for(
             &format!("{clients} connections of `{line}`"),
@@ -72,6 +85,31 @@ impl BackgroundPgbench<'_> {
     /// `true` while pgbench has not exited.
     pub fn is_running(&mut self) -> Result<bool> {
         Ok(self.child.try_wait()?.is_none())
+    }
+
+    /// Fails if pgbench exited (an error, or a `-T` shorter than the test's wait).
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("`{}` exited ({status}) while the test measured it", self.line);
+        }
+        Ok(())
+    }
+
+    /// Starts measuring its backends' CPU time from now on.
+    pub fn cpu_window(&self) -> Result<CpuWindow> {
+        CpuWindow::start(&self.backend_pids()?)
+    }
+
+    /// Returns once its backends together have used `cpu` of CPU time from now on, with the
+    /// time they spent on CPU and waiting for one meanwhile; fails after `timeout` saying how
+    /// far they got, or if pgbench exited.
+    pub fn run_for_cpu(&mut self, cpu: Duration, timeout: Duration) -> Result<SchedTime> {
+        let used = self
+            .cpu_window()?
+            .await_cpu(cpu, timeout)
+            .with_context(|| format!("`{}` did not get {cpu:?} of CPU", self.line))?;
+        self.ensure_running()?;
+        Ok(used)
     }
 
     /// Kills pgbench and waits until its backends have ended, so that no statement of this run

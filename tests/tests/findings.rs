@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
 use pgscope_tests::findings_json::{
-    describe_cpu, fresh_database, queryid_in, reset_statements, shared_cluster, spawn_pgbench_in, CPU_TIMEOUT,
+    describe_cpu, fresh_database, queryid_in, reset_statements, shared_cluster, CPU_TIMEOUT,
 };
 use pgscope_tests::summary::{CallStats, TraceSummary};
 use pgscope_tests::uprobe_count::UprobeEvent;
@@ -48,8 +48,8 @@ fn trace_pgbench(
     cpu: Duration,
 ) -> Result<(TraceOutput, SchedTime)> {
     let running = trace.duration_secs(600).spawn()?;
-    let mut pgbench = spawn_pgbench_in(cluster, database, args, clients)?;
-    let used = pgbench.run_for_cpu(cpu)?;
+    let mut pgbench = cluster.spawn_pgbench_in(database, args, clients)?;
+    let used = pgbench.run_for_cpu(cpu, CPU_TIMEOUT)?;
     pgbench.stop()?;
     let output = running.interrupt()?;
     eprintln!("pgbench -c {clients} in {database}: {}", describe_cpu(&used));
@@ -344,8 +344,8 @@ fn findings_of_inserts_with(database: &str, trigger: &str) -> Result<(String, St
     // stacks were complete (measured here), the more incomplete the busier the machine, and a
     // sample that does not reach the commit's frames counts outside the commit. The trace
     // starts once every backend has plpgsql mapped, and samples the workload, not its start.
-    let mut pgbench = spawn_pgbench_in(&cluster, database, &args, 2)?;
-    let backends = pgbench.backends()?;
+    let mut pgbench = cluster.spawn_pgbench_in(database, &args, 2)?;
+    let backends = pgbench.backend_pids()?;
     wait_for("the clients' backends to load plpgsql", CPU_TIMEOUT, || {
         let mut loaded = true;
         for pid in &backends {
@@ -356,7 +356,7 @@ fn findings_of_inserts_with(database: &str, trigger: &str) -> Result<(String, St
         Ok(loaded.then_some(()))
     })?;
     let running = Trace::instance(cluster.data_dir()).duration_secs(600).spawn()?;
-    let used = pgbench.run_for_cpu(TRIGGER_CPU)?;
+    let used = pgbench.run_for_cpu(TRIGGER_CPU, CPU_TIMEOUT)?;
     pgbench.stop()?;
     let output = running.interrupt()?;
     eprintln!("pgbench -c 2 in {database}: {}", describe_cpu(&used));
@@ -716,8 +716,8 @@ fn findings_of_selects_from(clients: usize, min_spins: u64) -> Result<(String, S
         .spawn()?;
     let n = clients.to_string();
     let args = ["-n", "-S", "-M", "prepared", "-c", &n, "-j", "2", "-T", "600"];
-    let mut pgbench = spawn_pgbench_in(&cluster, SPIN_DB, &args, clients)?;
-    let count = spins.count_live(&pgbench.backends()?)?;
+    let mut pgbench = cluster.spawn_pgbench_in(SPIN_DB, &args, clients)?;
+    let count = spins.count_live(&pgbench.backend_pids()?)?;
     let window = pgbench.cpu_window()?;
     let mut used = SchedTime::default();
     wait_for(

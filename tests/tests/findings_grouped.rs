@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::psql_in;
-use pgscope_tests::findings_json::{describe_cpu, spawn_pgbench_in};
+use pgscope_tests::findings_json::{describe_cpu, CPU_TIMEOUT};
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, SchedTime, Trace};
 use serde_json::Value;
 
@@ -88,14 +88,13 @@ fn vacuums_beside(cluster: &PgCluster, database: &str, relations: u32) -> Result
         .spawn()?;
     let script = script.display().to_string();
     // The backend starts after the trace: all of its CPU time is traced.
-    let mut pgbench = spawn_pgbench_in(
-        cluster,
-        database,
-        &["-n", "-c", "1", "-T", "600", "-f", &script],
-        1,
-    )?;
-    let window = pgbench.run_for_cpu(CPU_PER_CASE)?;
-    let backend_pid = *pgbench.backends()?.first().context("pgbench's backend is gone")?;
+    let mut pgbench =
+        cluster.spawn_pgbench_in(database, &["-n", "-c", "1", "-T", "600", "-f", &script], 1)?;
+    let window = pgbench.run_for_cpu(CPU_PER_CASE, CPU_TIMEOUT)?;
+    let backend_pid = *pgbench
+        .backend_pids()?
+        .first()
+        .context("pgbench's backend is gone")?;
     let backend = SchedTime::of(backend_pid)?;
     let exec_ms = cluster
         .psql(

@@ -14,7 +14,7 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
 use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, reset_statements,
-    shared_cluster, spawn_pgbench_in, JsonFinding, CPU_TIMEOUT,
+    shared_cluster, JsonFinding, CPU_TIMEOUT,
 };
 use pgscope_tests::uprobe_count::UprobeEvent;
 use pgscope_tests::{require_root_and_bpf, wait_for, SchedTime, Trace};
@@ -75,8 +75,8 @@ fn evictions_in_app_database(max: &str) -> Result<EvictionRun> {
     };
     let before = dealloc()?;
     let traced = findings_while(Trace::instance(cluster.data_dir()), || {
-        let mut pgbench = spawn_pgbench_in(&cluster, "app", &args, 16)?;
-        let used = pgbench.run_for_cpu(EVICTION_CPU)?;
+        let mut pgbench = cluster.spawn_pgbench_in("app", &args, 16)?;
+        let used = pgbench.run_for_cpu(EVICTION_CPU, CPU_TIMEOUT)?;
         pgbench.stop()?;
         Ok(used)
     })?;
@@ -217,8 +217,7 @@ fn hot_select_with_track_planning(track_planning: &str, min_spins: u64) -> Resul
     let clients = CLIENTS.to_string();
     let traced = findings_while(trace, || {
         // The last -U wins over the superuser the cluster's clients connect as.
-        let mut pgbench = spawn_pgbench_in(
-            &cluster,
+        let mut pgbench = cluster.spawn_pgbench_in(
             HOT_DB,
             &[
                 "-U",
@@ -236,7 +235,7 @@ fn hot_select_with_track_planning(track_planning: &str, min_spins: u64) -> Resul
             ],
             CLIENTS,
         )?;
-        let count = spins.count_live(&pgbench.backends()?)?;
+        let count = spins.count_live(&pgbench.backend_pids()?)?;
         let window = pgbench.cpu_window()?;
         let mut used = SchedTime::default();
         wait_for(
@@ -416,8 +415,8 @@ fn a_plain_pgbench_at_defaults_raises_no_warning() -> Result<()> {
     fresh_database(&cluster, "tpcb")?;
     pgbench_in(&cluster, "tpcb", &["-i", "-q", "-s", "10"])?;
     let traced = findings_while(Trace::instance(cluster.data_dir()), || {
-        let mut pgbench = spawn_pgbench_in(&cluster, "tpcb", &["-n", "-c", "2", "-j", "2", "-T", "600"], 2)?;
-        let used = pgbench.run_for_cpu(TPCB_CPU)?;
+        let mut pgbench = cluster.spawn_pgbench_in("tpcb", &["-n", "-c", "2", "-j", "2", "-T", "600"], 2)?;
+        let used = pgbench.run_for_cpu(TPCB_CPU, CPU_TIMEOUT)?;
         pgbench.stop()?;
         Ok(used)
     })?;
