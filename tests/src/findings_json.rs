@@ -15,7 +15,10 @@ use crate::app_database::psql_in;
 use crate::cluster::PgCluster;
 use crate::cpu_window::SchedTime;
 use crate::install::PgInstall;
+use crate::pgbench::BackgroundPgbench;
 use crate::pgscope::{Trace, TraceOutput};
+use crate::process::wait_for;
+use crate::uprobe_count::LiveCount;
 
 /// One finding of the JSON summary.
 #[derive(Debug, Clone)]
@@ -291,6 +294,37 @@ pub fn reset_statements(cluster: &PgCluster, database: &str) -> Result<()> {
 /// How long a workload may take to use the CPU time asked of it: minutes, where a busy machine
 /// gives its backends a fraction of a core.
 pub const CPU_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Runs `pgbench` until its backends have used `cpu` of CPU time from now on and perf's
+/// `count` has seen `min_spins` spins; returns the spins and the backends' times. `what` names
+/// the wait (a failure says how far it got).
+pub fn run_until_spins(
+    pgbench: &mut BackgroundPgbench,
+    count: LiveCount,
+    cpu: Duration,
+    min_spins: u64,
+    what: &str,
+) -> Result<(u64, SchedTime)> {
+    let window = pgbench.cpu_window()?;
+    let mut used = SchedTime::default();
+    wait_for(
+        &format!("{what} to use {cpu:?} of CPU and spin {min_spins} times on the entry"),
+        CPU_TIMEOUT,
+        || {
+            used = window.used()?;
+            Ok((used.on_cpu >= cpu && count.so_far() >= min_spins).then_some(()))
+        },
+    )
+    .with_context(|| {
+        format!(
+            "perf counted {} spins; the backends used {}",
+            count.so_far(),
+            describe_cpu(&used)
+        )
+    })?;
+    pgbench.ensure_running()?;
+    Ok((count.stop()?, used))
+}
 
 /// `used` as a log line: CPU time, run-queue time and how much of the time the processes were
 /// runnable they spent waiting for a CPU (what a busy machine takes from them).

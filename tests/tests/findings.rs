@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
 use pgscope_tests::findings_json::{
-    describe_cpu, fresh_database, queryid_in, reset_statements, shared_cluster, CPU_TIMEOUT,
+    describe_cpu, fresh_database, queryid_in, reset_statements, run_until_spins, shared_cluster, CPU_TIMEOUT,
 };
 use pgscope_tests::summary::{CallStats, TraceSummary};
 use pgscope_tests::uprobe_count::UprobeEvent;
@@ -718,25 +718,13 @@ fn findings_of_selects_from(clients: usize, min_spins: u64) -> Result<(String, S
     let args = ["-n", "-S", "-M", "prepared", "-c", &n, "-j", "2", "-T", "600"];
     let mut pgbench = cluster.spawn_pgbench_in(SPIN_DB, &args, clients)?;
     let count = spins.count_live(&pgbench.backend_pids()?)?;
-    let window = pgbench.cpu_window()?;
-    let mut used = SchedTime::default();
-    wait_for(
-        &format!("{clients} clients to use {SPIN_CPU:?} of CPU and spin {min_spins} times on the entry"),
-        CPU_TIMEOUT,
-        || {
-            used = window.used()?;
-            Ok((used.on_cpu >= SPIN_CPU && count.so_far() >= min_spins).then_some(()))
-        },
-    )
-    .with_context(|| {
-        format!(
-            "perf counted {} spins; the backends used {}",
-            count.so_far(),
-            describe_cpu(&used)
-        )
-    })?;
-    pgbench.ensure_running()?;
-    let spun = count.stop()?;
+    let (spun, used) = run_until_spins(
+        &mut pgbench,
+        count,
+        SPIN_CPU,
+        min_spins,
+        &format!("{clients} clients"),
+    )?;
     pgbench.stop()?;
     let output = running.interrupt()?;
     eprintln!(

@@ -14,10 +14,10 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::app_database::{distinct_selects_in, pgbench_in, psql_in};
 use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, reset_statements,
-    shared_cluster, JsonFinding, CPU_TIMEOUT,
+    run_until_spins, shared_cluster, JsonFinding, CPU_TIMEOUT,
 };
 use pgscope_tests::uprobe_count::UprobeEvent;
-use pgscope_tests::{require_root_and_bpf, wait_for, SchedTime, Trace};
+use pgscope_tests::{require_root_and_bpf, SchedTime, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
 const AGREEMENT_FACTOR: f64 = 2.0;
@@ -236,27 +236,13 @@ fn hot_select_with_track_planning(track_planning: &str, min_spins: u64) -> Resul
             CLIENTS,
         )?;
         let count = spins.count_live(&pgbench.backend_pids()?)?;
-        let window = pgbench.cpu_window()?;
-        let mut used = SchedTime::default();
-        wait_for(
-            &format!(
-                "{CLIENTS} clients to use {HOT_SELECT_CPU:?} of CPU and spin {min_spins} times on the entry"
-            ),
-            CPU_TIMEOUT,
-            || {
-                used = window.used()?;
-                Ok((used.on_cpu >= HOT_SELECT_CPU && count.so_far() >= min_spins).then_some(()))
-            },
-        )
-        .with_context(|| {
-            format!(
-                "perf counted {} spins; the backends used {}",
-                count.so_far(),
-                describe_cpu(&used)
-            )
-        })?;
-        pgbench.ensure_running()?;
-        let spun = count.stop()?;
+        let (spun, used) = run_until_spins(
+            &mut pgbench,
+            count,
+            HOT_SELECT_CPU,
+            min_spins,
+            &format!("{CLIENTS} clients"),
+        )?;
         pgbench.stop()?;
         Ok((spun, used))
     })?;
