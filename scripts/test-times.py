@@ -59,6 +59,9 @@ def failure_errors(lines):
         if not starts:
             return ["(no `Error:` or panic line in its output)"]
         error = section[starts[-1]:]
+        # anyhow's backtrace (RUST_BACKTRACE) says where, at length; the log keeps it.
+        if "Stack backtrace:" in error:
+            error = error[: error.index("Stack backtrace:")]
         while error and not error[-1].strip():
             error.pop()
         if len(error) > ERROR_LINES:

@@ -15,6 +15,15 @@ const FREQUENCY: u32 = 99;
 const BACKEND_CPU: Duration = Duration::from_secs(2);
 /// A backend given a tenth of a core still gets there.
 const CPU_TIMEOUT: Duration = Duration::from_secs(60);
+/// Samples of the backends per CPU-second × [`FREQUENCY`], at least. The CPU window lies inside
+/// the sampling window, so a sampler that loses nothing gives about 1.0; but these backends
+/// sleep and wake at every statement, and a CPU-clock tick that comes due while a CPU switches
+/// tasks (interrupts off) fires after the switch, in the next task (leaves
+/// `finish_task_switch`, `_raw_spin_unlock_irqrestore`): a backend that blocks hands its tick
+/// to its client or the idle task. Runs here gave 0.95, and 0.775 in a CI run on a fresh clone
+/// (155 samples for 2.03 s), like the 0.76-1.27 of `function_probes.rs`, which judges the same
+/// kind of backends at half. Half still fails a sampler that loses half its ticks.
+const MIN_SAMPLES_PER_CPU_PERIOD: f64 = 0.5;
 
 #[test]
 fn pgbench_is_traced_with_stacks_and_queryid() -> Result<()> {
@@ -49,8 +58,14 @@ fn pgbench_is_traced_with_stacks_and_queryid() -> Result<()> {
          {with_queryid} with queryid {queryid}; {complete:.1}% of user stacks complete",
         used.on_cpu, used.runnable
     );
-    // The trace window holds the measured one; on-CPU sampling misses a few ticks at most.
-    ensure_samples_cover("pgbench's backends", samples, used.on_cpu, FREQUENCY, 0.8)?;
+    // The trace window holds the measured one.
+    ensure_samples_cover(
+        "pgbench's backends",
+        samples,
+        used.on_cpu,
+        FREQUENCY,
+        MIN_SAMPLES_PER_CPU_PERIOD,
+    )?;
     ensure!(
         complete >= 95.0,
         "only {complete:.1}% of user stacks reached the process root"
