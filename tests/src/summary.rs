@@ -139,6 +139,28 @@ impl TraceSummary {
         Ok(phases)
     }
 
+    /// Samples per phase of one statement (`queries[].phases` of `queryid`).
+    pub fn phases_of_query(&self, queryid: &str) -> Result<BTreeMap<String, u64>> {
+        let query = self
+            .array("queries")?
+            .iter()
+            .find(|q| q.get("queryid").and_then(Value::as_str) == Some(queryid))
+            .with_context(|| format!("no entry for queryid {queryid} in `queries`"))?;
+        let phases = query
+            .get("phases")
+            .and_then(Value::as_object)
+            .with_context(|| format!("no object `phases` in {query}"))?;
+        phases
+            .iter()
+            .map(|(phase, n)| {
+                let n = n
+                    .as_u64()
+                    .with_context(|| format!("phase `{phase}` has `{n}` samples, not a count"))?;
+                Ok((phase.clone(), n))
+            })
+            .collect()
+    }
+
     /// `samples.user_stacks_complete_pct`.
     pub fn user_stacks_complete_pct(&self) -> Result<f64> {
         self.json

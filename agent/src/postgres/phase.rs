@@ -71,10 +71,52 @@ impl Phase {
         })
     }
 
-    /// The phase of a stack given root first: the outermost phase function decides, so that
-    /// planning a query nested in a running function counts as running the outer statement.
+    /// The phase an executor entry point marks when the portal that runs the statement calls it
+    /// (`ProcessQuery` runs the executor's start, run, finish and end under `PortalRun`).
+    fn of_executor_call(name: &str) -> Option<Phase> {
+        Some(match name {
+            "ExecutorStart" | "standard_ExecutorStart" => Phase::ExecutorStart,
+            "ExecutorRun" | "standard_ExecutorRun" => Phase::Run,
+            "ExecutorFinish" | "standard_ExecutorFinish" | "ExecutorEnd" | "standard_ExecutorEnd" => {
+                Phase::Finish
+            }
+            _ => return None,
+        })
+    }
+
+    /// Functions by which a portal runs a utility statement (`CALL`, `DO`, `EXPLAIN ANALYZE`,
+    /// DDL): the executor calls below one are nested statements', and the utility statement is
+    /// running throughout.
+    fn is_utility_call(name: &str) -> bool {
+        matches!(
+            name,
+            "PortalRunUtility" | "ProcessUtility" | "standard_ProcessUtility"
+        )
+    }
+
+    /// The phase of a stack given root first: the phase of the statement the client sent.
+    /// - The outermost phase function decides, so that planning a query nested in a running
+    ///   function counts as running the outer statement.
+    /// - Under `PortalRun`, the first executor entry point below it is the statement's own
+    ///   (the portal runs the executor's start, run, finish and end in turn): a `DELETE` whose
+    ///   time goes to its foreign keys' AFTER triggers, fired from `ExecutorFinish`, is
+    ///   finishing, not running. Executor calls below a utility statement's are nested
+    ///   statements', and leave it running.
     pub fn of_stack<'a>(frames_root_first: impl IntoIterator<Item = &'a str>) -> Option<Phase> {
-        frames_root_first.into_iter().find_map(Phase::of_function)
+        let mut frames = frames_root_first.into_iter();
+        let outermost = frames.by_ref().find_map(Phase::of_function)?;
+        if outermost != Phase::Run {
+            return Some(outermost);
+        }
+        for name in frames {
+            if Phase::is_utility_call(name) {
+                break;
+            }
+            if let Some(phase) = Phase::of_executor_call(name) {
+                return Some(phase);
+            }
+        }
+        Some(outermost)
     }
 }
 
@@ -113,6 +155,64 @@ mod tests {
                 "{function}"
             );
         }
+    }
+
+    #[test]
+    fn a_statement_finishing_under_its_portal_is_finishing() {
+        // A DELETE whose foreign key's AFTER trigger runs a query of its own.
+        let stack = [
+            "main",
+            "PostgresMain",
+            "PortalRun",
+            "PortalRunMulti",
+            "ExecutorFinish",
+            "standard_ExecutorFinish",
+            "AfterTriggerEndQuery",
+            "RI_FKey_noaction_del",
+            "SPI_execute_snapshot",
+            "standard_ExecutorRun",
+            "ExecScan",
+        ];
+        assert_eq!(Phase::of_stack(stack), Some(Phase::Finish));
+    }
+
+    #[test]
+    fn the_portals_first_executor_call_decides() {
+        for (call, phase) in [
+            ("standard_ExecutorStart", Phase::ExecutorStart),
+            ("ExecutorRun", Phase::Run),
+            ("standard_ExecutorEnd", Phase::Finish),
+        ] {
+            let stack = [
+                "main",
+                "PostgresMain",
+                "PortalRun",
+                call,
+                "ExecutorFinish",
+                "leaf",
+            ];
+            assert_eq!(Phase::of_stack(stack), Some(phase), "{call}");
+        }
+        assert_eq!(
+            Phase::of_stack(["main", "PostgresMain", "PortalRun", "PortalRunSelect", "leaf"]),
+            Some(Phase::Run)
+        );
+    }
+
+    #[test]
+    fn a_utility_statement_runs_throughout() {
+        // DO, CALL, EXPLAIN ANALYZE: the executor below is a nested statement's.
+        let stack = [
+            "main",
+            "PostgresMain",
+            "PortalRun",
+            "PortalRunUtility",
+            "ProcessUtility",
+            "ExecuteDoStmt",
+            "SPI_execute",
+            "standard_ExecutorFinish",
+        ];
+        assert_eq!(Phase::of_stack(stack), Some(Phase::Run));
     }
 
     #[test]
