@@ -67,7 +67,8 @@ pub struct OffCpuQueryWait {
     pub wait_event: String,
     pub off_cpu: String,
     pub ns: u64,
-    /// Innermost user frames of its longest stack, innermost first, joined by ` ← `.
+    /// Where its longest stack waited (the wait machinery skipped), innermost first, joined by
+    /// ` ← `.
     pub stack: String,
 }
 

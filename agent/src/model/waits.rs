@@ -38,7 +38,7 @@ pub struct QueryWait {
     pub wait: String,
     pub class: String,
     pub ns: u64,
-    /// Innermost user frames of its longest stack, innermost first.
+    /// Where its longest stack waited, innermost first ([`where_it_waits`]).
     pub stack: String,
     /// Weight of that longest stack.
     longest: u64,
@@ -194,15 +194,92 @@ fn by_query(profile: &Profile) -> Vec<QueryWaits> {
     out
 }
 
-/// The four innermost user frames of a stack, innermost first: `sem_wait ← PGSemaphoreLock ←
-/// LWLockAcquire ← pgss_store`.
+/// Frames shown of a wait's stack.
+const WAIT_FRAMES: usize = 4;
+
+/// Functions that are how a backend waits, not what it waits for: C library wrappers of the
+/// blocking system calls, and Postgres' latch, semaphore, condition-variable and lock-manager
+/// waiting code. Every wait goes through some of them, so they name no cause.
+fn is_wait_machinery(name: &str) -> bool {
+    const MACHINERY: &[&str] = &[
+        // The C library's blocking calls and their internal steps.
+        "epoll_wait",
+        "epoll_pwait",
+        "poll",
+        "__poll",
+        "ppoll",
+        "select",
+        "__select",
+        "syscall",
+        "sem_wait",
+        "sem_timedwait",
+        "sem_clockwait",
+        "do_futex_wait",
+        "__new_sem_wait_slow",
+        "__new_sem_wait_slow64",
+        "__futex_abstimed_wait_common",
+        "__futex_abstimed_wait_common64",
+        "futex_wait",
+        "__lll_lock_wait",
+        "nanosleep",
+        "clock_nanosleep",
+        "__clock_nanosleep",
+        "__nanosleep",
+        "usleep",
+        // Latches and wait event sets.
+        "WaitEventSetWait",
+        "WaitEventSetWaitBlock",
+        "WaitLatch",
+        "WaitLatchOrSocket",
+        // Semaphores, LWLocks and condition variables.
+        "PGSemaphoreLock",
+        "LWLockAcquire",
+        "LWLockAcquireOrWait",
+        "LWLockWaitForVar",
+        "LWLockQueueSelf",
+        "ConditionVariableSleep",
+        "ConditionVariableTimedSleep",
+        // The heavyweight lock manager's wait.
+        "ProcSleep",
+        "WaitOnLock",
+        "LockAcquire",
+        "LockAcquireExtended",
+        // Spinning on a spinlock, and sleeping between spins.
+        "pg_usleep",
+        "perform_spin_delay",
+        "s_lock",
+    ];
+    // glibc's versioned and cloned copies: `__new_sem_wait_slow64.constprop.0`.
+    let base = name.split('.').next().unwrap_or(name);
+    MACHINERY.contains(&base)
+}
+
+/// Whether a frame is a function symbolization could not name (`postgres+0x5d2c90`): inside the
+/// wait machinery, one of its static helpers.
+fn is_anonymous(name: &str) -> bool {
+    name.contains("+0x")
+}
+
+/// Where a wait's stack says what was being done, innermost first: the wait machinery (and the
+/// unnamed static frames within it) left out, then [`WAIT_FRAMES`] frames, e.g.
+/// `XactLockTableWait ← heap_update ← ExecUpdate ← ExecModifyTable` for a row-lock wait whose
+/// stack begins `epoll_wait ← WaitEventSetWait ← WaitLatch ← ProcSleep`. A stack that is all
+/// machinery keeps its innermost frames. The full stacks stay in the flamegraphs.
 fn where_it_waits(frames: &[Frame]) -> String {
-    frames
+    let user: Vec<&str> = frames
         .iter()
         .rev()
         .filter(|f| f.kind == FrameKind::User)
-        .take(4)
-        .map(|f| f.name.to_string())
+        .map(|f| &*f.name)
+        .collect();
+    let cause = user
+        .iter()
+        .position(|name| !is_wait_machinery(name) && !is_anonymous(name))
+        .unwrap_or(0);
+    user[cause..]
+        .iter()
+        .take(WAIT_FRAMES)
+        .copied()
         .collect::<Vec<_>>()
         .join(" ← ")
 }
@@ -211,6 +288,79 @@ fn where_it_waits(frames: &[Frame]) -> String {
 mod tests {
     use super::*;
     use crate::model::fixtures::{labelled as sample, off_cpu};
+
+    fn user_frames(names_root_first: &[&str]) -> Vec<Frame> {
+        names_root_first
+            .iter()
+            .map(|name| Frame {
+                name: (*name).into(),
+                kind: FrameKind::User,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_row_lock_wait_is_shown_by_what_waits_not_how() {
+        let stack = user_frames(&[
+            "main",
+            "PostgresMain",
+            "ExecModifyTable",
+            "ExecUpdate",
+            "heap_update",
+            "XactLockTableWait",
+            "LockAcquireExtended",
+            "postgres+0x3f1a20", // WaitOnLock, static
+            "ProcSleep",
+            "WaitLatch",
+            "WaitEventSetWait",
+            "epoll_wait",
+        ]);
+        assert_eq!(
+            where_it_waits(&stack),
+            "XactLockTableWait ← heap_update ← ExecUpdate ← ExecModifyTable"
+        );
+    }
+
+    #[test]
+    fn glibc_copies_and_spinlocks_are_machinery_too() {
+        let stack = user_frames(&[
+            "XLogFlush",
+            "LWLockAcquireOrWait",
+            "PGSemaphoreLock",
+            "__new_sem_wait_slow64.constprop.0",
+            "__futex_abstimed_wait_common",
+        ]);
+        assert_eq!(where_it_waits(&stack), "XLogFlush");
+        let spin = user_frames(&[
+            "LWLockWaitListLock",
+            "s_lock",
+            "perform_spin_delay",
+            "pg_usleep",
+            "__select",
+        ]);
+        assert_eq!(where_it_waits(&spin), "LWLockWaitListLock");
+    }
+
+    #[test]
+    fn a_stack_of_machinery_alone_keeps_its_innermost_frames() {
+        let stack = user_frames(&["postgres+0x100", "WaitLatch", "WaitEventSetWait", "epoll_wait"]);
+        assert_eq!(
+            where_it_waits(&stack),
+            "epoll_wait ← WaitEventSetWait ← WaitLatch ← postgres+0x100"
+        );
+        // An unnamed frame after the cause is shown: it may be the caller that matters.
+        let io = user_frames(&[
+            "ReadBuffer_common",
+            "postgres+0x44a690",
+            "mdread",
+            "FileRead",
+            "__libc_pread",
+        ]);
+        assert_eq!(
+            where_it_waits(&io),
+            "__libc_pread ← FileRead ← mdread ← postgres+0x44a690"
+        );
+    }
 
     #[test]
     fn waits_are_summed_per_event_and_per_query_with_where_they_wait() {
@@ -269,10 +419,7 @@ mod tests {
         assert_eq!(q7.blocked_ns(), 4_000_000);
         let lwlock_row = q7.blocked().next().expect("a blocked wait");
         assert_eq!(lwlock_row.ns, 4_000_000);
-        assert_eq!(
-            lwlock_row.stack,
-            "sem_wait ← PGSemaphoreLock ← LWLockAcquire ← pgss_store"
-        );
+        assert_eq!(lwlock_row.stack, "pgss_store ← main");
         assert_eq!(q7.not_idle().count(), 1);
         // Client waits inside a transaction are not blocked time, but they are not idle either.
         let q8 = &tables.by_query[1];
