@@ -167,7 +167,14 @@ pub fn planning_dominated(queries: &[StatementCpu], period_ns: u64) -> Vec<Findi
 
 /// Time spinning on spinlocks, per query and over all: many backends want the same short
 /// critical section at once. The caller of s_lock names the lock.
-pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
+///
+/// Its cost to the instance is the time spun (samples × `period_ns`), so that, like the
+/// per-statement rules, it warns only when the spinning costs the instance enough
+/// (`group::weigh`): one statement may spin a few percent of its own CPU on a machine whose
+/// CPUs are oversubscribed (a spinlock's holder preempted, its waiters spinning; 0.8% of the
+/// instance's CPU under `WalSndWakeup` in pgbench's commits beside two CPU hogs), and that is
+/// not a cause to act on.
+pub fn spinning(queries: &[StatementCpu], total: u64, period_ns: u64) -> Vec<Finding> {
     let mut callers: BTreeMap<String, u64> = BTreeMap::new();
     let mut spinning_queries = Vec::new();
     for q in queries {
@@ -179,7 +186,7 @@ pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
             && q.samples >= MIN_SAMPLES
             && spun as f64 / q.samples as f64 >= SPIN_WARN
         {
-            spinning_queries.push((q.query_id, spun));
+            spinning_queries.push((q.query_id, spun, spun as f64 / q.samples as f64));
         }
     }
     let spun: u64 = callers.values().sum();
@@ -213,7 +220,7 @@ pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
             percent(share)
         ),
         numbers,
-        query_ids: spinning_queries.iter().map(|(id, _)| *id).take(5).collect(),
+        query_ids: spinning_queries.iter().map(|(id, _, _)| *id).take(5).collect(),
         frames: by_caller
             .iter()
             .take(3)
@@ -225,7 +232,15 @@ pub fn spinning(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
                  pg_stat_statements' pgss_store it is each statement's entry, hot when one queryid runs \
                  many thousand times a second"
             .into(),
-        cause: None,
+        cause: Some(StatementCause {
+            cause: "spin on spinlocks".into(),
+            figures: spinning_queries
+                .iter()
+                .take(5)
+                .map(|(_, _, share)| format!("{} of its CPU", percent(*share)))
+                .collect(),
+            cost_ns: spun * period_ns,
+        }),
     }]
 }
 
@@ -371,7 +386,7 @@ mod tests {
             sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 30),
             sample(7, "run", &["PostgresMain", "PortalRun"], 70),
         ]);
-        let found = spinning(&table(&p), p.total_count());
+        let found = spinning(&table(&p), p.total_count(), 1);
         assert_eq!(found.len(), 1);
         assert_eq!(found[0].severity, Severity::Critical);
         assert_eq!(found[0].frames, vec!["pgss_store → s_lock".to_string()]);
@@ -379,7 +394,28 @@ mod tests {
             sample(7, "finish", &["PostgresMain", "pgss_store", "s_lock"], 2),
             sample(7, "run", &["PostgresMain", "PortalRun"], 98),
         ]);
-        assert!(spinning(&table(&calm), calm.total_count()).is_empty());
+        assert!(spinning(&table(&calm), calm.total_count(), 1).is_empty());
+    }
+
+    #[test]
+    fn spinning_that_costs_the_instance_little_is_information() {
+        use crate::findings::group::{group_and_weigh, InstanceTime};
+        // One statement spins 8% of its own CPU; the instance, 0.8% of its CPU.
+        let p = profile(vec![
+            sample(7, "commit", &["PostgresMain", "WalSndWakeup", "s_lock"], 8),
+            sample(7, "commit", &["PostgresMain", "CommitTransactionCommand"], 92),
+            sample(8, "run", &["PostgresMain", "PortalRun"], 900),
+        ]);
+        let period_ns = 10_000_000;
+        let found = spinning(&table(&p), p.total_count(), period_ns);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].severity, Severity::Warning);
+        let instance = InstanceTime {
+            backend_ns: p.total_count() * period_ns,
+            seconds: 10.0,
+        };
+        let weighed = group_and_weigh(found, instance, |_| None);
+        assert_eq!(weighed[0].severity, Severity::Info);
     }
 
     #[test]

@@ -95,7 +95,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         &analysis.statement_time,
         analysis.seconds(),
     ));
-    findings.extend(cpu::spinning(statements, analysis.cpu_samples()));
+    findings.extend(cpu::spinning(statements, analysis.cpu_samples(), period));
     findings.extend(cpu::generic_plan_locking(statements, period));
     findings.extend(probes::locks_per_execution(measured.probes));
     findings.extend(pgss::evictions(
