@@ -27,6 +27,7 @@ pub mod pgbench;
 pub mod pgscope;
 pub mod pgss_discovery;
 pub mod pgstack;
+pub mod plan_json;
 pub mod pprof;
 pub mod probe_matrix;
 pub mod probe_workloads;

@@ -6,9 +6,12 @@
 //! the trigger's own query runs the executor (`ExecutorRun`) under it.
 //!
 //! Judged against the same run: the share of the DELETE's samples in `finish` must reach the
-//! share whose stacks fire the AFTER triggers (less a point), and at least 90%.
+//! share whose stacks fire the AFTER triggers (less a point), and at least 90%. Its plan-node
+//! table shows the nodes of its own plan (those its EXPLAIN shows), and the trigger's query's
+//! nodes only as such (`SeqScan (in an AFTER trigger)`).
 
 use anyhow::{ensure, Result};
+use pgscope_tests::plan_json::{explain_node_types, plan_node_samples};
 use pgscope_tests::{require_root_and_bpf, LabeledProfile, PgCluster, PgInstall, Trace};
 
 /// Rows of the referencing table: the trigger's scan of them is the DELETE's work.
@@ -21,6 +24,8 @@ const FREQUENCY: u32 = 499;
 const TRIGGER_FUNCTION: &str = "AfterTriggerEndQuery";
 /// The least share of the DELETE's samples in its finish phase (issue 35's bar).
 const MIN_FINISH_PCT: f64 = 90.0;
+/// How the plan-node table marks the nodes of the foreign key's query.
+const IN_AFTER_TRIGGER: &str = " (in an AFTER trigger)";
 
 #[test]
 fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
@@ -37,6 +42,8 @@ fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
          ANALYZE fk_parent; ANALYZE fk_child"
     ))?;
     let mut connection = cluster.connect()?;
+    let plan = connection.query("EXPLAIN (FORMAT JSON) DELETE FROM fk_parent WHERE id = 501")?;
+    let explained = explain_node_types(&plan)?;
     let dir = tempfile::tempdir()?;
     let (json, pprof) = (dir.path().join("summary.json"), dir.path().join("profile.pb.gz"));
     let trace = Trace::pid(connection.pid())
@@ -82,6 +89,21 @@ fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
         finish + 1.0 >= in_trigger,
         "{finish:.1}% of the DELETE's samples are in its finish phase, but {in_trigger:.1}% run \
          its AFTER triggers ({TRIGGER_FUNCTION}), which ExecutorFinish fires: {phases:?}"
+    );
+    let by_node = plan_node_samples(&json, queryid)?;
+    eprintln!("DELETE's plan nodes: {by_node:?}; EXPLAIN: {explained:?}");
+    let foreign: Vec<&String> = by_node
+        .keys()
+        .filter(|node| !node.ends_with(IN_AFTER_TRIGGER) && !explained.contains(*node))
+        .collect();
+    ensure!(
+        foreign.is_empty(),
+        "the DELETE's plan-node table shows {foreign:?}, which its plan ({explained:?}) does not \
+         have and which are not marked as the trigger's: {by_node:?}"
+    );
+    ensure!(
+        by_node.keys().any(|node| node.ends_with(IN_AFTER_TRIGGER)),
+        "no node of the trigger's query is marked{IN_AFTER_TRIGGER}: {by_node:?}"
     );
     ensure!(
         finish >= MIN_FINISH_PCT,

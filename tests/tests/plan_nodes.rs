@@ -11,11 +11,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use object::{Object, ObjectSymbol};
 use pgscope_tests::install::UPSTREAM_MAJORS;
+use pgscope_tests::plan_json::{explain_node_types, plan_node_samples};
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Profile, Trace};
-use serde_json::Value;
 use symbolizer::fuzzing::exec_node_names;
 
 /// Rows of the probe side; the build side has a tenth of them, the aggregate one group per
@@ -217,63 +217,6 @@ fn names_derived_from_stripped_upstream_builds_match_their_symbols() -> Result<(
         );
     }
     Ok(())
-}
-
-/// The plan node types of an `EXPLAIN (FORMAT JSON)` output, spelt as the executor's
-/// `ExecInit<Node>` functions do (`Hash Join` → `HashJoin`, `Aggregate` → `Agg`).
-fn explain_node_types(plan: &str) -> Result<BTreeSet<String>> {
-    fn walk(node: &Value, types: &mut BTreeSet<String>) -> Result<()> {
-        let name = node
-            .get("Node Type")
-            .and_then(Value::as_str)
-            .context("a plan node without `Node Type`")?;
-        types.insert(match name {
-            "Aggregate" => "Agg".to_string(),
-            "Nested Loop" => "NestLoop".to_string(),
-            "Materialize" => "Material".to_string(),
-            other => other.replace(' ', ""),
-        });
-        for child in node.get("Plans").and_then(Value::as_array).into_iter().flatten() {
-            walk(child, types)?;
-        }
-        Ok(())
-    }
-    let json: Value = serde_json::from_str(plan).with_context(|| format!("EXPLAIN output:\n{plan}"))?;
-    let root = json
-        .get(0)
-        .and_then(|p| p.get("Plan"))
-        .context("EXPLAIN (FORMAT JSON) has no Plan")?;
-    let mut types = BTreeSet::new();
-    walk(root, &mut types)?;
-    Ok(types)
-}
-
-/// `plan_nodes` of the `--json` summary for `queryid`: samples per node type.
-fn plan_node_samples(path: &Path, queryid: &str) -> Result<BTreeMap<String, u64>> {
-    let text = std::fs::read_to_string(path)?;
-    let json: Value = serde_json::from_str(&text)?;
-    let statements = json
-        .get("plan_nodes")
-        .and_then(Value::as_array)
-        .context("the summary has no `plan_nodes`")?;
-    let Some(statement) = statements
-        .iter()
-        .find(|s| s.get("queryid").and_then(Value::as_str) == Some(queryid))
-    else {
-        bail!("no plan_nodes entry for queryid {queryid}: {statements:?}");
-    };
-    let nodes = statement
-        .get("nodes")
-        .and_then(Value::as_array)
-        .context("an entry without `nodes`")?;
-    nodes
-        .iter()
-        .map(|n| {
-            let node = n.get("node").and_then(Value::as_str).context("`node`")?;
-            let samples = n.get("samples").and_then(Value::as_u64).context("`samples`")?;
-            Ok((node.to_string(), samples))
-        })
-        .collect()
 }
 
 /// The functions each exported `ExecInit<Node>` of `postgres` stores into

@@ -2,7 +2,9 @@
 //! ANALYZE. A sample belongs to the innermost executor node on its stack (the node whose
 //! per-node function, `ExecHashJoin`, `ExecSort`, `MultiExecHash`, … is nearest the leaf), so
 //! a node's share is the time spent in that node itself and in what it calls outside other
-//! nodes (its expressions, its tuple reads), not in its child nodes.
+//! nodes (its expressions, its tuple reads), not in its child nodes. A node of a statement
+//! nested in it (a trigger's or a function's query) is named with what nests it
+//! ([`node_of_stack`]).
 //!
 //! Which functions are per-node functions comes from the symbolizer, which derives them from
 //! the exported `ExecInit<Node>` functions that install them (named there even on a stripped
@@ -18,6 +20,80 @@ use super::QueryId;
 
 /// Per-node function name (`ExecHashJoin`) → its plan node type (`HashJoin`).
 pub type NodeFunctions = BTreeMap<Arc<str>, Arc<str>>;
+
+/// The executor's entry points. The first call of them on a stack is the statement's own
+/// execution; one reached again from below other code (a trigger, a function, SPI) is a nested
+/// statement's.
+const EXECUTOR_ENTRIES: &[&str] = &[
+    "ExecutorStart",
+    "standard_ExecutorStart",
+    "ExecutorRun",
+    "standard_ExecutorRun",
+    "ExecutorFinish",
+    "standard_ExecutorFinish",
+    "ExecutorEnd",
+    "standard_ExecutorEnd",
+];
+
+/// Functions through which Postgres fires triggers, by the kind they fire.
+const AFTER_TRIGGER_FIRING: &[&str] = &["AfterTriggerEndQuery", "AfterTriggerFireDeferred"];
+const BEFORE_TRIGGER_FIRING: &[&str] = &[
+    "ExecBRInsertTriggers",
+    "ExecBRUpdateTriggers",
+    "ExecBRDeleteTriggers",
+    "ExecIRInsertTriggers",
+    "ExecIRUpdateTriggers",
+    "ExecIRDeleteTriggers",
+    "ExecBSInsertTriggers",
+    "ExecBSUpdateTriggers",
+    "ExecBSDeleteTriggers",
+];
+
+/// A frame symbolization could not name: it tells nothing about nesting (a hook of
+/// pg_stat_statements between `ExecutorRun` and `standard_ExecutorRun`, a static helper).
+fn is_anonymous(name: &str) -> bool {
+    name.contains("+0x")
+}
+
+/// The plan node a stack (user frames, root first) is in, named as the statement sees it:
+/// the innermost node of its own plan (`SeqScan`), or, for a node of a statement nested in it,
+/// that node with what nests it (`SeqScan (in an AFTER trigger)`, `… (in a BEFORE trigger)`,
+/// `… (in a function)`). A DELETE whose foreign key's trigger scans the referencing table is
+/// then not shown as that scan, which its own plan does not have.
+fn node_of_stack(user_root_first: &[&str], functions: &NodeFunctions) -> Option<Arc<str>> {
+    let mut seen_own_call = false;
+    let mut in_entry_call = false;
+    let mut nested_at = None;
+    for (index, name) in user_root_first.iter().enumerate() {
+        if EXECUTOR_ENTRIES.contains(name) {
+            if !seen_own_call {
+                seen_own_call = true;
+                in_entry_call = true;
+            } else if !in_entry_call {
+                nested_at = Some(index);
+                break;
+            }
+        } else if !is_anonymous(name) {
+            in_entry_call = false;
+        }
+    }
+    let innermost = |frames: &[&str]| frames.iter().rev().find_map(|f| functions.get(*f)).cloned();
+    let Some(nested_at) = nested_at else {
+        return innermost(user_root_first);
+    };
+    let Some(node) = innermost(&user_root_first[nested_at..]) else {
+        return innermost(&user_root_first[..nested_at]);
+    };
+    let nesting = &user_root_first[..nested_at];
+    let nester = if nesting.iter().any(|f| AFTER_TRIGGER_FIRING.contains(f)) {
+        "an AFTER trigger"
+    } else if nesting.iter().any(|f| BEFORE_TRIGGER_FIRING.contains(f)) {
+        "a BEFORE trigger"
+    } else {
+        "a function"
+    };
+    Some(Arc::from(format!("{node} (in {nester})")))
+}
 
 /// One statement's on-CPU samples split by the innermost plan node on the stack.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -59,15 +135,14 @@ pub fn plan_nodes(profile: &Profile, functions: &NodeFunctions) -> Vec<Statement
         };
         let (samples, nodes) = by_query.entry(query_id).or_default();
         *samples += sample.count;
-        // Frames are root first: the innermost node is the last one.
-        let innermost = sample
+        let user: Vec<&str> = sample
             .frames
             .iter()
-            .rev()
             .filter(|f| f.kind == FrameKind::User)
-            .find_map(|f| functions.get(&f.name));
-        if let Some(node) = innermost {
-            *nodes.entry(node.clone()).or_insert(0) += sample.count;
+            .map(|f| &*f.name)
+            .collect();
+        if let Some(node) = node_of_stack(&user, functions) {
+            *nodes.entry(node).or_insert(0) += sample.count;
         }
     }
     let mut out: Vec<StatementPlanNodes> = by_query
@@ -158,6 +233,66 @@ mod tests {
         );
         assert_eq!(statement.outside_nodes(), 6);
         assert!((statement.pct(5) - 25.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_nested_statements_nodes_are_shown_under_what_nests_them() {
+        let functions: NodeFunctions = [
+            ("ExecModifyTable", "ModifyTable"),
+            ("ExecIndexScan", "IndexScan"),
+            ("ExecSeqScan", "SeqScan"),
+            ("ExecLockRows", "LockRows"),
+            ("ExecResult", "Result"),
+        ]
+        .into_iter()
+        .map(|(f, n)| (Arc::from(f), Arc::from(n)))
+        .collect();
+        let node = |stack: &[&str]| node_of_stack(stack, &functions).map(|n| n.to_string());
+        // A DELETE's foreign-key check, fired when the statement finishes.
+        let trigger = [
+            "PortalRun",
+            "postgres+0x47c300",
+            "ExecutorFinish",
+            "pg_stat_statements.so+0x4a10",
+            "standard_ExecutorFinish",
+            "AfterTriggerEndQuery",
+            "postgres+0x2b0000",
+            "SPI_execute_snapshot",
+            "ExecutorRun",
+            "standard_ExecutorRun",
+            "ExecLockRows",
+            "ExecSeqScan",
+            "heapgettup",
+        ];
+        assert_eq!(node(&trigger).as_deref(), Some("SeqScan (in an AFTER trigger)"));
+        // The DELETE's own plan, with pg_stat_statements' hook between the two entries.
+        let own = [
+            "PortalRun",
+            "ExecutorRun",
+            "pg_stat_statements.so+0x4a10",
+            "standard_ExecutorRun",
+            "ExecModifyTable",
+            "ExecIndexScan",
+        ];
+        assert_eq!(node(&own).as_deref(), Some("IndexScan"));
+        // A SQL function in a select list, and a nested statement that has reached no node.
+        let function = [
+            "PortalRun",
+            "standard_ExecutorRun",
+            "ExecResult",
+            "fmgr_sql",
+            "standard_ExecutorRun",
+            "ExecSeqScan",
+        ];
+        assert_eq!(node(&function).as_deref(), Some("SeqScan (in a function)"));
+        let starting = [
+            "PortalRun",
+            "standard_ExecutorRun",
+            "ExecResult",
+            "fmgr_sql",
+            "ExecutorStart",
+        ];
+        assert_eq!(node(&starting).as_deref(), Some("Result"));
     }
 
     #[test]
