@@ -24,8 +24,8 @@ const SHARE_PP: f64 = 5.0;
 const TOTAL_TOLERANCE: f64 = 0.10;
 
 /// The row of off-CPU time outside any reported wait event: preemptions, and blocking syscalls
-/// Postgres does not report. Its share is compared like any row's; it is left out of the
-/// total's bound. How much of it there is depends on what else the machine runs (two busy CPUs
+/// Postgres does not report. It is left out of the shares and of the total's bound, and judged
+/// by its own ratio ([`NO_WAIT_EVENT_RATIO`]). How much of it there is depends on what else the machine runs (two busy CPUs
 /// of other work preempt every backend), and it is where the sampler is least exact: a backend
 /// waiting for a CPU at the sampler's instant often runs, and blocks in its next client read,
 /// before the run visits it (docs/architecture.md, "What is left": preempted time 0.63-0.90 of
@@ -33,6 +33,14 @@ const TOTAL_TOLERANCE: f64 = 0.10;
 /// 1.036, 0.877, 1.058 and 0.976 of the exact in four runs of 200 s on one quiet day, while
 /// `LWLock:pg_stat_statements` held at 0.985, 0.963, 1.008 and 0.992.
 const NO_WAIT_EVENT: &str = "(no wait event)";
+
+/// The sampled time of [`NO_WAIT_EVENT`] over the exact, at least and at most: the sampler's
+/// known error on preemption (0.63-0.90 of perf's ground truth in
+/// `bench/offcpu-groundtruth.sh`'s runs, docs/architecture.md), which two CPU hogs beside the
+/// storm make most of its off-CPU time: there it came out 0.75 while the lock's time held at
+/// 1.015, and the shares, had this row been among them, were 7.6 pp apart. A sampler that
+/// lost or doubled preemptions still fails.
+const NO_WAIT_EVENT_RATIO: (f64, f64) = (0.6, 1.15);
 
 /// The settings of a cluster whose commits wait for their WAL flush: the test clusters run with
 /// fsync off, for speed.
@@ -88,17 +96,6 @@ impl ShareComparison {
 
     fn sampled_total(&self) -> f64 {
         self.rows.iter().map(|r| r.sampled).sum()
-    }
-
-    /// (reference, sampled) totals over the rows of reported wait events, [`NO_WAIT_EVENT`]
-    /// left out.
-    fn reported_wait_totals(&self) -> (f64, f64) {
-        self.rows
-            .iter()
-            .filter(|r| r.wait_event != NO_WAIT_EVENT)
-            .fold((0.0, 0.0), |(reference, sampled), r| {
-                (reference + r.reference, sampled + r.sampled)
-            })
     }
 
     /// (reference share, sampled share) of `row`, in percent.
@@ -222,9 +219,9 @@ fn rows_side_by_side(exact: &[OffCpuWait], sampled: &[OffCpuWait]) -> String {
     out
 }
 
-/// The sampled profile against the exact one of the same `--off-cpu=both` trace: every wait
-/// event's share within [`SHARE_PP`], the time in reported wait events within
-/// [`TOTAL_TOLERANCE`].
+/// The sampled profile against the exact one of the same `--off-cpu=both` trace: each
+/// reported wait event's share of the reported waits within [`SHARE_PP`], their time within
+/// [`TOTAL_TOLERANCE`], and the time outside them within [`NO_WAIT_EVENT_RATIO`].
 fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result<()> {
     let (mode, exact_mode) = summary.off_cpu_modes()?;
     ensure!(
@@ -245,12 +242,24 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
         1e3 * summary.duration_seconds()?,
         summary.samples_lost_by_reason()?
     );
-    let comparison = ShareComparison::new(
+    let (exact_rows, sampled_rows) = (
+        comparable_waits(&summary.off_cpu_exact_by_wait()?),
+        comparable_waits(&summary.off_cpu_by_wait()?),
+    );
+    let comparison = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &sampled_rows);
+    let reported_only = |rows: &BTreeMap<String, f64>| {
+        let mut rows = rows.clone();
+        rows.remove(NO_WAIT_EVENT);
+        rows
+    };
+    let reported = ShareComparison::new(
         "exact",
         ("ms", "ms"),
-        &comparable_waits(&summary.off_cpu_exact_by_wait()?),
-        &comparable_waits(&summary.off_cpu_by_wait()?),
+        &reported_only(&exact_rows),
+        &reported_only(&sampled_rows),
     );
+    let no_wait = |rows: &BTreeMap<String, f64>| rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
+    let (exact_no_wait, sampled_no_wait) = (no_wait(&exact_rows), no_wait(&sampled_rows));
     eprintln!(
         "{workload}: off-CPU time by wait event, idle and Client:* rows left out\n{}\n\
          {workload}: every row by backend type, wait event and class, in ms (not compared)\n{}",
@@ -258,7 +267,7 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
         rows_side_by_side(&summary.off_cpu_exact_by_wait()?, &summary.off_cpu_by_wait()?)
     );
     let (exact_total, sampled_total) = (comparison.reference_total(), comparison.sampled_total());
-    let (exact, sampled) = comparison.reported_wait_totals();
+    let (exact, sampled) = (reported.reference_total(), reported.sampled_total());
     ensure!(
         exact > 0.0,
         "{workload}: the exact tracer measured no time in a reported wait event outside idle and \
@@ -266,11 +275,13 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
     );
     // One line for bench/offcpu-agreement.sh, which runs the eviction storm's comparison.
     eprintln!(
-        "agreement: workload={} total_ratio={:.3} waits_ratio={:.3} max_share_pp={:.1}",
+        "agreement: workload={} total_ratio={:.3} waits_ratio={:.3} no_wait_event_ratio={:.3} \
+         max_share_pp={:.1}",
         workload.replace(' ', "-"),
         sampled_total / exact_total,
         sampled / exact,
-        comparison.max_share_difference()
+        sampled_no_wait / exact_no_wait,
+        reported.max_share_difference()
     );
     // A sample lost to a full ring buffer takes its tick out of the sampled side only (the
     // exact tracer adds the time of a lost record to its totals): a failure says so.
@@ -283,14 +294,25 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
              sampled side"
         ),
     };
-    let disagreements = comparison.disagreements();
+    let disagreements = reported.disagreements();
     ensure!(
         disagreements.is_empty(),
-        "{workload}: wait event shares differ by more than {SHARE_PP} pp between the sampled and \
-         the exact profile:\n{}\n{}{lost_note}",
+        "{workload}: reported wait events' shares differ by more than {SHARE_PP} pp between the \
+         sampled and the exact profile:\n{}\n{}{lost_note}",
         disagreements.join("\n"),
-        comparison.table()
+        reported.table()
     );
+    if exact_no_wait > 0.0 {
+        let ratio = sampled_no_wait / exact_no_wait;
+        let (least, most) = NO_WAIT_EVENT_RATIO;
+        ensure!(
+            (least..=most).contains(&ratio),
+            "{workload}: {NO_WAIT_EVENT} sampled {sampled_no_wait:.1} ms against the exact \
+             {exact_no_wait:.1} ms, {ratio:.3} of it (between {least} and {most} allowed: the \
+             sampler's known error on preemption)\n{}{lost_note}",
+            comparison.table()
+        );
+    }
     let off = (sampled - exact).abs() / exact;
     ensure!(
         off <= TOTAL_TOLERANCE,
@@ -325,7 +347,7 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
 ///   from its log), and five runs of 200 s the next day gave 1.025, 0.933, 1.048, 0.992 and
 ///   1.034 (standard deviation 0.045), the preempted time swinging 0.88-1.06 and the lock's
 ///   0.96-1.07 (0.038). So the 10% bound is on the time in reported wait events, and the
-///   preempted row, which two CPU hogs beside the test multiply, is judged by its share
+///   preempted row, which two CPU hogs beside the test multiply, is judged by its own ratio
 ///   ([`NO_WAIT_EVENT`]). The bound is 2.6 of those deviations away: about one run in 100
 ///   would still fall outside it by the sampler's noise alone. Judging the sampler against
 ///   the exact tracer's state at its own instants, not its time average, would take that
