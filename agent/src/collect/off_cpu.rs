@@ -144,12 +144,19 @@ pub fn syscall_frame(nr: u32) -> &'static str {
 
 /// The class of an off-CPU wait, `None` for an on-CPU sample. The postmaster has no wait
 /// events; it only waits for connections and children, which is idle time.
-pub fn class_of(raw: u32, postmaster: bool) -> Option<OffCpuClass> {
+///
+/// The kernel's side (the syscall, the task state) decides the class, except where Postgres
+/// reports a lock wait (`wait_event_type`): a heavyweight lock is waited for on the backend's
+/// latch and an LWLock on its semaphore, whatever the kernel saw. A backend in such a wait
+/// found blocked in a page fault or a file read of the wait's own doing is in that lock wait,
+/// not doing the statement's I/O (a `Lock:transactionid` wait was classed `io` for 111 ms).
+pub fn class_of(raw: u32, postmaster: bool, wait_event_type: Option<&str>) -> Option<OffCpuClass> {
     let class = OffCpuClass::from_raw(raw)?;
-    Some(if postmaster && class == OffCpuClass::Latch {
-        OffCpuClass::Idle
-    } else {
-        class
+    Some(match (class, wait_event_type) {
+        (OffCpuClass::Latch, _) if postmaster => OffCpuClass::Idle,
+        (OffCpuClass::Io, Some("Lock")) => OffCpuClass::Latch,
+        (OffCpuClass::Io, Some("LWLock")) => OffCpuClass::Futex,
+        (class, _) => class,
     })
 }
 
@@ -208,4 +215,29 @@ pub fn without_idle(profile: &Profile) -> Profile {
             .any(|(k, v)| k == crate::model::labels::OFF_CPU && v == OffCpuClass::Idle.name())
     });
     kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reported_lock_wait_keeps_its_lock_class_whatever_the_kernel_saw() {
+        let io = OffCpuClass::Io as u32;
+        assert_eq!(class_of(io, false, Some("Lock")), Some(OffCpuClass::Latch));
+        assert_eq!(class_of(io, false, Some("LWLock")), Some(OffCpuClass::Futex));
+        // I/O Postgres reports, or no report: the kernel's class.
+        assert_eq!(class_of(io, false, Some("IO")), Some(OffCpuClass::Io));
+        assert_eq!(class_of(io, false, None), Some(OffCpuClass::Io));
+        // Preempted stays preempted.
+        let preempted = OffCpuClass::Preempted as u32;
+        assert_eq!(
+            class_of(preempted, false, Some("Lock")),
+            Some(OffCpuClass::Preempted)
+        );
+        // The postmaster's latch waits are idle; an on-CPU sample has no class.
+        let latch = OffCpuClass::Latch as u32;
+        assert_eq!(class_of(latch, true, None), Some(OffCpuClass::Idle));
+        assert_eq!(class_of(0, false, Some("Lock")), None);
+    }
 }

@@ -371,7 +371,12 @@ impl Session {
             None => self.symbolizer.unwind(header.tgid, &regs, record.user_stack),
         };
         self.live_pids.insert(header.tgid);
-        match class_of(header.off_cpu_class, postmaster == Some(header.tgid)) {
+        let wait_event_type = attribution.wait_event.as_ref().map(|(kind, _)| *kind);
+        match class_of(
+            header.off_cpu_class,
+            postmaster == Some(header.tgid),
+            wait_event_type,
+        ) {
             Some(class) if header.off_cpu_flags & OFF_CPU_PENDING != 0 => {
                 self.waits.begin(
                     header.tid,
@@ -612,11 +617,12 @@ impl Session {
                 continue;
             };
             let postmaster = instance.context.postmaster() == Some(wait.tgid);
-            let Some(class) = class_of(wait.attr.off_cpu_class, postmaster) else {
-                continue;
-            };
             let attribution =
                 Self::attribution(instance, &SampleHeader::with_attribution(wait.tgid, &wait.attr));
+            let wait_event_type = attribution.wait_event.as_ref().map(|(kind, _)| *kind);
+            let Some(class) = class_of(wait.attr.off_cpu_class, postmaster, wait_event_type) else {
+                continue;
+            };
             let stacks = match source {
                 WaitSource::Sampled => &mut instance.stacks.off_cpu,
                 WaitSource::Traced => Self::traced_waits(self.off_cpu, &mut instance.stacks),
