@@ -76,6 +76,8 @@ pub struct PyroscopeCapture {
     requests: Arc<Mutex<Vec<Request>>>,
     status: Arc<AtomicU16>,
     stop: Arc<AtomicBool>,
+    /// The accept loop, which ends once told to stop and its connections are answered.
+    server: Option<thread::JoinHandle<()>>,
 }
 
 impl PyroscopeCapture {
@@ -99,17 +101,23 @@ impl PyroscopeCapture {
         let status = Arc::new(AtomicU16::new(200));
         let stop = Arc::new(AtomicBool::new(false));
         let (thread_requests, thread_status, thread_stop) = (requests.clone(), status.clone(), stop.clone());
-        thread::spawn(move || {
+        let server = thread::spawn(move || {
+            let mut connections = Vec::new();
             while !thread_stop.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((stream, _)) => {
                         let _ = stream.set_nonblocking(false);
                         let requests = thread_requests.clone();
                         let status = thread_status.load(Ordering::Relaxed);
-                        thread::spawn(move || handle(stream, &requests, status));
+                        connections.push(thread::spawn(move || handle(stream, &requests, status)));
                     }
                     Err(_) => thread::sleep(Duration::from_millis(20)),
                 }
+                connections.retain(|connection| !connection.is_finished());
+            }
+            drop(listener);
+            for connection in connections {
+                let _ = connection.join();
             }
         });
         Ok(Self {
@@ -117,6 +125,7 @@ impl PyroscopeCapture {
             requests,
             status,
             stop,
+            server: Some(server),
         })
     }
 
@@ -134,10 +143,18 @@ impl PyroscopeCapture {
     }
 
     /// Closes the port: connections are refused, as when Pyroscope is down.
-    pub fn stop(self) {
+    ///
+    /// Returns every request it answered, those of connections it had accepted before the stop
+    /// included: a push accepted a moment before the outage was answered 200, and its interval
+    /// is delivered, though it came after any earlier look at [`PyroscopeCapture::requests`].
+    pub fn stop(mut self) -> Vec<Request> {
         self.stop.store(true, Ordering::Relaxed);
-        // The accept loop notices within its poll interval and drops the listener.
-        thread::sleep(Duration::from_millis(100));
+        // The accept loop notices within its poll interval, drops the listener and waits for
+        // the connections it accepted to be answered (each reads for at most 10 s).
+        if let Some(server) = self.server.take() {
+            let _ = server.join();
+        }
+        self.requests()
     }
 
     pub fn requests(&self) -> Vec<Request> {

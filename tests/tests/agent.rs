@@ -195,8 +195,7 @@ fn an_outage_of_pyroscope_loses_nothing_that_fits_the_queue() -> Result<()> {
         Duration::from_secs(60),
         |pushes| pushes >= 1.0,
     )?;
-    let before = capture.requests();
-    capture.stop();
+    let before = capture.stop();
     let outage_start = unix_nanos()?;
     // An outage as long as OUTAGE_BATCHES take to queue, however long the machine takes.
     let queued = agent.wait_metric(
