@@ -137,6 +137,57 @@ fn stacks_name_the_node_functions_and_cpu_splits_by_plan_node() -> Result<()> {
     Ok(())
 }
 
+/// Rows of the filtered scan's table; the filter keeps one in a thousand.
+const FILTERED_ROWS: u64 = 1_000_000;
+const FILTERED_QUERY: &str = "SELECT count(*) FROM plan_filtered WHERE (v * 7919) % 1000 = 3";
+/// The least share of the filtered scan's samples its SeqScan node must get (issue 35's bar):
+/// evaluating the filter is the scan's work.
+const MIN_SEQSCAN_PCT: f64 = 90.0;
+
+/// A sequential scan with a filter spends its time evaluating the filter in `ExecScan`, where
+/// neither the scan's own function (a tail call) nor its access method (`SeqNext`, done with the
+/// tuple by then) is on the stack: that time is the SeqScan's all the same.
+#[test]
+fn a_filtered_scans_qual_counts_for_its_scan_node() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &PgInstall::distro()?,
+        &[("max_parallel_workers_per_gather", "0"), ("jit", "off")],
+    )?;
+    cluster.psql(&format!(
+        "CREATE TABLE plan_filtered AS SELECT g::bigint AS v FROM generate_series(1, {FILTERED_ROWS}) g; \
+         ANALYZE plan_filtered"
+    ))?;
+    let mut connection = cluster.connect()?;
+    let dir = tempfile::tempdir()?;
+    let json = dir.path().join("summary.json");
+    let trace = Trace::pid(connection.pid())
+        .duration_secs(600)
+        .frequency(499)
+        .json(&json)
+        .spawn()?;
+    for _ in 0..EXECUTIONS {
+        connection.query(FILTERED_QUERY)?;
+    }
+    trace.interrupt()?;
+    let queryid = connection.query(
+        "SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM plan_filtered%'",
+    )?;
+    ensure!(!queryid.is_empty(), "the statement is not in pg_stat_statements");
+    let summary = pgscope_tests::TraceSummary::read(&json)?;
+    let samples: u64 = summary.phases_of_query(&queryid)?.values().sum();
+    let by_node = plan_node_samples(&json, &queryid)?;
+    let seq_scan = by_node.get("SeqScan").copied().unwrap_or(0);
+    let pct = 100.0 * seq_scan as f64 / samples.max(1) as f64;
+    eprintln!("filtered scan {queryid}: {samples} samples, by node {by_node:?}: SeqScan {pct:.1}%");
+    ensure!(
+        pct >= MIN_SEQSCAN_PCT,
+        "the filtered scan's SeqScan node has {pct:.1}% of its {samples} samples (at least \
+         {MIN_SEQSCAN_PCT}%): {by_node:?}"
+    );
+    Ok(())
+}
+
 /// The node types the HTML report's plan-node table lists for `queryid`: the `<code>` names
 /// of its row (`<tr id="n{queryid}">`) other than the queryid itself.
 fn report_plan_nodes(path: &Path, queryid: &str) -> Result<BTreeSet<String>> {

@@ -10,10 +10,10 @@
 //! the exported `ExecInit<Node>` functions that install them (named there even on a stripped
 //! build); helpers such as `ExecScan` or `ExecProcNode` are no node type.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use exporters::{FrameKind, Profile};
+use exporters::{FrameKind, Profile, StackSample};
 
 use super::labels::SampleLabels;
 use super::QueryId;
@@ -60,7 +60,7 @@ fn is_anonymous(name: &str) -> bool {
 /// that node with what nests it (`SeqScan (in an AFTER trigger)`, `… (in a BEFORE trigger)`,
 /// `… (in a function)`). A DELETE whose foreign key's trigger scans the referencing table is
 /// then not shown as that scan, which its own plan does not have.
-fn node_of_stack(user_root_first: &[&str], functions: &NodeFunctions) -> Option<Arc<str>> {
+fn node_of_stack(user_root_first: &[&str], nodes: &[Option<Arc<str>>]) -> Option<Arc<str>> {
     let mut seen_own_call = false;
     let mut in_entry_call = false;
     let mut nested_at = None;
@@ -77,12 +77,12 @@ fn node_of_stack(user_root_first: &[&str], functions: &NodeFunctions) -> Option<
             in_entry_call = false;
         }
     }
-    let innermost = |frames: &[&str]| frames.iter().rev().find_map(|f| functions.get(*f)).cloned();
+    let innermost = |frames: &[Option<Arc<str>>]| frames.iter().rev().find_map(Clone::clone);
     let Some(nested_at) = nested_at else {
-        return innermost(user_root_first);
+        return innermost(nodes);
     };
-    let Some(node) = innermost(&user_root_first[nested_at..]) else {
-        return innermost(&user_root_first[..nested_at]);
+    let Some(node) = innermost(&nodes[nested_at..]) else {
+        return innermost(&nodes[..nested_at]);
     };
     let nesting = &user_root_first[..nested_at];
     let nester = if nesting.iter().any(|f| AFTER_TRIGGER_FIRING.contains(f)) {
@@ -93,6 +93,50 @@ fn node_of_stack(user_root_first: &[&str], functions: &NodeFunctions) -> Option<
         "a function"
     };
     Some(Arc::from(format!("{node} (in {nester})")))
+}
+
+/// The exported helper every scan node's function tail-calls (`return ExecScan(&node->ss,
+/// SeqNext, SeqRecheck);`): the scan's own frame is gone, and while `ExecScan` evaluates the
+/// scan's qual and projection its access method (`SeqNext`) is not on the stack either.
+const EXEC_SCAN: &str = "ExecScan";
+
+/// Which scan node each `ExecScan` call site is, learnt from one statement's samples: the
+/// frames above an `ExecScan` (the plan above the scan) → the scan node types its access
+/// methods below it named there. A plan has one node at one place, so an `ExecScan` evaluating
+/// a qual at a place where only `SeqNext` was ever seen below is that SeqScan's.
+#[derive(Default)]
+struct ScanSites(HashMap<String, BTreeSet<Arc<str>>>);
+
+impl ScanSites {
+    fn learn(&mut self, user_root_first: &[&str], functions: &NodeFunctions) {
+        let Some(at) = user_root_first.iter().rposition(|f| *f == EXEC_SCAN) else {
+            return;
+        };
+        if let Some(node) = user_root_first[at + 1..].iter().find_map(|f| functions.get(*f)) {
+            self.0
+                .entry(user_root_first[..at].join(";"))
+                .or_default()
+                .insert(node.clone());
+        }
+    }
+
+    /// The plan node of each frame: a node function's, and for the innermost `ExecScan` with
+    /// no node below it, the one scan node type seen at its place (none if several were).
+    fn nodes_of(&self, user_root_first: &[&str], functions: &NodeFunctions) -> Vec<Option<Arc<str>>> {
+        let mut nodes: Vec<Option<Arc<str>>> = user_root_first
+            .iter()
+            .map(|f| functions.get(*f).cloned())
+            .collect();
+        if let Some(at) = user_root_first.iter().rposition(|f| *f == EXEC_SCAN) {
+            if nodes[at + 1..].iter().all(Option::is_none) {
+                let seen = self.0.get(&user_root_first[..at].join(";"));
+                if let Some(only) = seen.filter(|types| types.len() == 1).and_then(|t| t.first()) {
+                    nodes[at] = Some(only.clone());
+                }
+            }
+        }
+        nodes
+    }
 }
 
 /// One statement's on-CPU samples split by the innermost plan node on the stack.
@@ -121,12 +165,31 @@ impl StatementPlanNodes {
     }
 }
 
+/// A sample's user frames, root first.
+fn user_frames(sample: &StackSample) -> Vec<&str> {
+    sample
+        .frames
+        .iter()
+        .filter(|f| f.kind == FrameKind::User)
+        .map(|f| &*f.name)
+        .collect()
+}
+
 /// Per queryid (most samples first, ties by queryid), its samples by innermost plan node.
 /// Statements none of whose samples ran in a plan node are left out; so are samples without a
 /// queryid label.
 pub fn plan_nodes(profile: &Profile, functions: &NodeFunctions) -> Vec<StatementPlanNodes> {
     if functions.is_empty() {
         return Vec::new();
+    }
+    let mut scan_sites: HashMap<QueryId, ScanSites> = HashMap::new();
+    for sample in &profile.samples {
+        if let Some(query_id) = sample.query_id() {
+            scan_sites
+                .entry(query_id)
+                .or_default()
+                .learn(&user_frames(sample), functions);
+        }
     }
     let mut by_query: HashMap<QueryId, (u64, HashMap<Arc<str>, u64>)> = HashMap::new();
     for sample in &profile.samples {
@@ -135,13 +198,12 @@ pub fn plan_nodes(profile: &Profile, functions: &NodeFunctions) -> Vec<Statement
         };
         let (samples, nodes) = by_query.entry(query_id).or_default();
         *samples += sample.count;
-        let user: Vec<&str> = sample
-            .frames
-            .iter()
-            .filter(|f| f.kind == FrameKind::User)
-            .map(|f| &*f.name)
-            .collect();
-        if let Some(node) = node_of_stack(&user, functions) {
+        let user = user_frames(sample);
+        let frame_nodes = scan_sites
+            .get(&query_id)
+            .map(|sites| sites.nodes_of(&user, functions))
+            .unwrap_or_default();
+        if let Some(node) = node_of_stack(&user, &frame_nodes) {
             *nodes.entry(node).or_insert(0) += sample.count;
         }
     }
@@ -247,7 +309,9 @@ mod tests {
         .into_iter()
         .map(|(f, n)| (Arc::from(f), Arc::from(n)))
         .collect();
-        let node = |stack: &[&str]| node_of_stack(stack, &functions).map(|n| n.to_string());
+        let node = |stack: &[&str]| {
+            node_of_stack(stack, &ScanSites::default().nodes_of(stack, &functions)).map(|n| n.to_string())
+        };
         // A DELETE's foreign-key check, fired when the statement finishes.
         let trigger = [
             "PortalRun",
@@ -293,6 +357,71 @@ mod tests {
             "ExecutorStart",
         ];
         assert_eq!(node(&starting).as_deref(), Some("Result"));
+    }
+
+    #[test]
+    fn a_scans_qual_is_credited_to_the_scan_seen_at_its_place() {
+        let functions: NodeFunctions = [
+            ("SeqNext", "SeqScan"),
+            ("IndexNext", "IndexScan"),
+            ("ExecHashJoin", "HashJoin"),
+        ]
+        .into_iter()
+        .map(|(f, n)| (Arc::from(f), Arc::from(n)))
+        .collect();
+        let p = profile(vec![
+            // A filtered seq scan: reading a tuple, then evaluating the qual.
+            sample(
+                7,
+                "run",
+                &["PortalRun", "ExecutePlan", "ExecScan", "SeqNext", "heapgettup"],
+                2,
+            ),
+            sample(
+                7,
+                "run",
+                &["PortalRun", "ExecutePlan", "ExecScan", "postgres+0x2ff300"],
+                8,
+            ),
+            // A join of two scans: its outer side's qual is known, its inner side is an index
+            // scan at another place.
+            sample(
+                8,
+                "run",
+                &["PortalRun", "ExecutePlan", "ExecHashJoin", "ExecScan", "SeqNext"],
+                1,
+            ),
+            sample(
+                8,
+                "run",
+                &[
+                    "PortalRun",
+                    "ExecutePlan",
+                    "ExecHashJoin",
+                    "ExecScan",
+                    "postgres+0x2ff300",
+                ],
+                3,
+            ),
+            // Where two scan types were seen at one place, the qual stays unattributed.
+            sample(9, "run", &["PortalRun", "ExecScan", "SeqNext"], 1),
+            sample(9, "run", &["PortalRun", "ExecScan", "IndexNext"], 1),
+            sample(9, "run", &["PortalRun", "ExecScan", "postgres+0x2ff300"], 5),
+        ]);
+        let found = plan_nodes(&p, &functions);
+        let of = |query_id: i64| -> Vec<(String, u64)> {
+            found
+                .iter()
+                .find(|s| s.query_id == QueryId(query_id))
+                .map(|s| s.by_node.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(of(7), vec![("SeqScan".to_string(), 10)]);
+        assert_eq!(of(8), vec![("SeqScan".to_string(), 4)]);
+        assert_eq!(
+            of(9),
+            vec![("IndexScan".to_string(), 1), ("SeqScan".to_string(), 1)]
+        );
     }
 
     #[test]
