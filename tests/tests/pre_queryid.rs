@@ -4,6 +4,8 @@
 //! as text each time) showed a third of its CPU under queryid 0. pgscope links those samples
 //! to the queryid the same statement (same backend, same statement start) reports next.
 
+use std::time::Duration;
+
 use anyhow::{ensure, Result};
 use pgscope_tests::{
     require_root_and_bpf, workload, LabeledProfile, LabeledSample, PgCluster, PgInstall, Trace,
@@ -12,7 +14,7 @@ use pgscope_tests::{
 #[test]
 fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
     require_root_and_bpf();
-    let run = traced_in_lists(100_000, "", None, 5)?;
+    let run = traced_in_lists(100_000, "", None, Duration::from_secs(3))?;
     let (pprof, queryid, output) = (&run.pprof, run.queryid.as_str(), &run.output);
     let profile = LabeledProfile::read_pprof(pprof)?;
     let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
@@ -59,7 +61,7 @@ fn parsing_before_the_queryid_is_known_lands_on_its_statement() -> Result<()> {
 #[test]
 fn short_statements_followed_by_a_client_wait_get_their_parsing() -> Result<()> {
     require_root_and_bpf();
-    let run = traced_in_lists(5_000, "\\sleep 30 ms\n", Some(499), 6)?;
+    let run = traced_in_lists(5_000, "\\sleep 30 ms\n", Some(499), Duration::from_millis(500))?;
     let (pprof, queryid, output) = (&run.pprof, run.queryid.as_str(), &run.output);
     let profile = LabeledProfile::read_pprof(pprof)?;
     let client = |s: &LabeledSample| s.label("backend_type") == Some("client backend");
@@ -171,7 +173,11 @@ struct InListRun {
     output: pgscope_tests::TraceOutput,
 }
 
-fn traced_in_lists(elements: u32, after: &str, hz: Option<u32>, seconds: u32) -> Result<InListRun> {
+/// Bound on the client's backend reaching the CPU time a trace needs (a tenth of a core gets
+/// there).
+const CPU_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn traced_in_lists(elements: u32, after: &str, hz: Option<u32>, backend_cpu: Duration) -> Result<InListRun> {
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
     cluster.psql("CREATE TABLE t (x int); INSERT INTO t SELECT generate_series(1, 10)")?;
     let dir = tempfile::tempdir()?;
@@ -190,7 +196,11 @@ fn traced_in_lists(elements: u32, after: &str, hz: Option<u32>, seconds: u32) ->
     }
     let trace = trace.spawn()?;
     let script = script.display().to_string();
-    cluster.pgbench(&["-n", "-c", "1", "-T", &seconds.to_string(), "-f", &script])?;
+    // Until the backend has had the CPU the counts need, however busy the machine (a fixed 5 s
+    // gave 10 samples beside two CPU hogs and other tests); longer than that, then stopped.
+    let mut pgbench = cluster.spawn_pgbench(&["-n", "-c", "1", "-T", "600", "-f", &script], 1)?;
+    pgbench.run_for_cpu(backend_cpu, CPU_TIMEOUT)?;
+    pgbench.stop()?;
     let output = trace.interrupt()?;
     let queryid = cluster
         .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'SELECT count(*) FROM t WHERE x IN%'")?
