@@ -139,12 +139,17 @@ fn check_outcome(result: &Result<(), PushError>, sent_status: Option<u16>) {
 }
 
 /// The status code of a raw answer's status line, if it has one.
+///
+/// Read as bytes: the reason phrase after the code may hold any octet above 0x7f (`obs-text`,
+/// RFC 9112 section 4), which a client rightly accepts, so the line need not be UTF-8. Empty
+/// lines before it are skipped, as clients do (httparse).
 fn status_of(response: &[u8]) -> Option<u16> {
-    let line = response.split(|&b| b == b'\n').next()?;
-    let line = std::str::from_utf8(line).ok()?;
-    let mut parts = line.split(' ');
-    parts.next().filter(|v| *v == "HTTP/1.1" || *v == "HTTP/1.0")?;
-    parts.next()?.parse().ok()
+    let line = response
+        .split(|&b| b == b'\n')
+        .find(|line| !line.is_empty() && *line != b"\r")?;
+    let mut parts = line.split(|&b| b == b' ');
+    parts.next().filter(|v| *v == b"HTTP/1.1" || *v == b"HTTP/1.0")?;
+    std::str::from_utf8(parts.next()?).ok()?.parse().ok()
 }
 
 fn seeds() -> Vec<(String, Vec<u8>)> {
