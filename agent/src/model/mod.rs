@@ -163,6 +163,12 @@ pub(crate) fn statement_time(
     time
 }
 
+/// Whether a frame is a function symbolization could not name (`postgres+0x5d2c90`, a static
+/// function of a stripped binary).
+pub fn is_unnamed_frame(name: &str) -> bool {
+    name.contains("+0x")
+}
+
 #[cfg(test)]
 mod tests {
     use super::fixtures::{labelled, off_cpu, profile, sample};

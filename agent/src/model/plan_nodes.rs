@@ -49,12 +49,6 @@ const BEFORE_TRIGGER_FIRING: &[&str] = &[
     "ExecBSDeleteTriggers",
 ];
 
-/// A frame symbolization could not name: it tells nothing about nesting (a hook of
-/// pg_stat_statements between `ExecutorRun` and `standard_ExecutorRun`, a static helper).
-fn is_anonymous(name: &str) -> bool {
-    name.contains("+0x")
-}
-
 /// The plan node a stack (user frames, root first) is in, named as the statement sees it:
 /// the innermost node of its own plan (`SeqScan`), or, for a node of a statement nested in it,
 /// that node with what nests it (`SeqScan (in an AFTER trigger)`, `… (in a BEFORE trigger)`,
@@ -73,7 +67,7 @@ fn node_of_stack(user_root_first: &[&str], nodes: &[Option<Arc<str>>]) -> Option
                 nested_at = Some(index);
                 break;
             }
-        } else if !is_anonymous(name) {
+        } else if !super::is_unnamed_frame(name) {
             in_entry_call = false;
         }
     }

@@ -81,7 +81,7 @@ impl StatementCpu {
             let mut nearest: Vec<String> = callers
                 .iter()
                 .rev()
-                .filter(|c| !c.contains("+0x"))
+                .filter(|c| !super::is_unnamed_frame(c))
                 .take(CALLERS_SHOWN)
                 .map(|c| c.to_string())
                 .collect();

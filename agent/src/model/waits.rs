@@ -254,12 +254,6 @@ fn is_wait_machinery(name: &str) -> bool {
     MACHINERY.contains(&base)
 }
 
-/// Whether a frame is a function symbolization could not name (`postgres+0x5d2c90`): inside the
-/// wait machinery, one of its static helpers.
-fn is_anonymous(name: &str) -> bool {
-    name.contains("+0x")
-}
-
 /// Where a wait's stack says what was being done, innermost first: the wait machinery (and the
 /// unnamed static frames within it) left out, then [`WAIT_FRAMES`] frames, e.g.
 /// `XactLockTableWait ← heap_update ← ExecUpdate ← ExecModifyTable` for a row-lock wait whose
@@ -274,7 +268,7 @@ fn where_it_waits(frames: &[Frame]) -> String {
         .collect();
     let cause = user
         .iter()
-        .position(|name| !is_wait_machinery(name) && !is_anonymous(name))
+        .position(|name| !is_wait_machinery(name) && !super::is_unnamed_frame(name))
         .unwrap_or(0);
     user[cause..]
         .iter()
