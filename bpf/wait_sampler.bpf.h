@@ -15,9 +15,9 @@
  * blocked in, as the exact tracer tells them) or runnable and waiting for a CPU (preempted). A
  * thread on a CPU is the perf-event sampler's. A sample weighs the tick (set by user space
  * before the run), so that on- and off-CPU samples add up to wall-clock time. Nothing runs on
- * context switches: the cost is threads × ticks. What is sampled is each thread as it was at
- * the run's instant, when the sampler's thread was due: a thread it displaced, or that was
- * running then and blocked since, is the perf-event sampler's.
+ * context switches: the cost is threads × ticks. What is sampled is each thread as the run's
+ * snapshot of it found it (snapshot_thread), a few microseconds into the run; the thread the
+ * run displaced is the perf-event sampler's.
  *
  * What a sample carries is read from the thread's own memory with bpf_copy_from_user_task (the
  * passes run in pgscope's context, as sleepable programs): what pg_stat_activity shows, and the
@@ -38,14 +38,16 @@
  * stacks sent per run at most (each is a copy of up to 16 KiB of a backend's stack: with
  * hundreds of backends waiting, and each having run since the last tick, this bounds a tick's
  * cost; threads over it are counted without a stack, marked so). Set by the passes of a run
- * (one run at a time): index 2, stacks sent in this run so far; index 3, the run's instant;
- * index 4, threads the first pass left to the second (user space runs it only then). */
+ * (one run at a time): index 2, stacks sent in this run so far; index 3, the sampler thread's
+ * wakeup and index 5 its CPU (start_run); index 4, threads the first pass left to the second
+ * (user space runs it only then). */
 #define WAIT_CONFIG_SENT 2
-#define WAIT_CONFIG_INSTANT 3
+#define WAIT_CONFIG_WOKEN 3
 #define WAIT_CONFIG_PENDING 4
+#define WAIT_CONFIG_CPU 5
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 5);
+	__uint(max_entries, 6);
 	__type(key, __u32);
 	__type(value, __u64);
 } wait_sample_config SEC(".maps");
@@ -89,6 +91,15 @@ struct wait_thread_list {
 	/* Threads active in a run, by its parity: a run visits first those of the half the last
 	 * run wrote (run & 1) and notes its own in the other. */
 	__u32 active_tids[2][WAIT_THREADS_MAX];
+	/* The run's batch of wait-event words (bpf/wait_targets.bpf.c): the addresses it spans,
+	 * the Postgres instance (its postmaster's pid) and a thread of it to read them through,
+	 * and how many bytes were read (0: none). */
+	__u64 batch_start;
+	__u64 batch_end;
+	__u32 batch_postmaster;
+	__u32 batch_tid;
+	__u32 batch_read;
+	__u32 _pad;
 };
 
 struct {
@@ -106,10 +117,12 @@ static __always_inline bool read_task_word(void *dst, __u32 size, __u64 address,
 
 /* What pg_stat_activity shows for the thread: read_attribution's fields, from another task's
  * memory. What does not change once set (backend type, database, the addresses of the status
- * entry and the wait-event word) is read once per thread. */
+ * entry and the wait-event word) is read once per thread. The wait-event word is taken from the
+ * run's snapshot when it read it. */
 static __always_inline void read_task_attribution(struct pgscope_wait_sample_task *state, struct task_struct *task,
 						   __u32 tgid, struct pgscope_pg_layout **layout_out)
 {
+	bool word_in_snapshot = state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD;
 	struct pgscope_attribution *a = &state->attr;
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
 	__u32 flags = 0;
@@ -158,7 +171,10 @@ static __always_inline void read_task_attribution(struct pgscope_wait_sample_tas
 		else if (read_task_word(&a->wait_event_info, 4, pointer, task))
 			flags |= PGSCOPE_ATTR_WAIT_EVENT;
 	}
-	if (state->wait_event_ptr) {
+	if (word_in_snapshot) {
+		a->wait_event_info = state->snapshot_wait_event;
+		flags |= PGSCOPE_ATTR_WAIT_EVENT;
+	} else if (state->wait_event_ptr) {
 		if (read_task_word(&a->wait_event_info, 4, state->wait_event_ptr, task))
 			flags |= PGSCOPE_ATTR_WAIT_EVENT;
 		else
@@ -271,6 +287,16 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 	return true;
 }
 
+/* Whether the wait Postgres reports is one for work: an idle backend's read from its client, a
+ * background process's main loop. */
+static __always_inline bool waits_for_work(struct pgscope_attribution *a, struct pgscope_pg_layout *layout)
+{
+	bool waits_for_client = layout && (a->flags & PGSCOPE_ATTR_STATUS) && layout->state_idle &&
+				a->backend_state == layout->state_idle &&
+				a->wait_event_info == layout->wait_client_read;
+	return waits_for_client || (a->wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
+}
+
 /* The off-CPU class of a thread that is not on a CPU, and whether it is waiting for work. */
 static __always_inline __u32 sampled_class(struct pgscope_wait_sample_task *state, struct pgscope_pg_layout *layout,
 					   unsigned int task_state, long syscall)
@@ -282,14 +308,10 @@ static __always_inline __u32 sampled_class(struct pgscope_wait_sample_task *stat
 	bool woken = task_state == TASK_RUNNING_STATE && a->wait_event_info && syscall >= 0;
 	__u32 class = task_state == TASK_RUNNING_STATE && !woken ? PGSCOPE_OFF_CPU_PREEMPTED
 								  : class_of_syscall(syscall, task_state);
-	bool waits_for_client = layout && (a->flags & PGSCOPE_ATTR_STATUS) && layout->state_idle &&
-				a->backend_state == layout->state_idle &&
-				a->wait_event_info == layout->wait_client_read;
-	bool main_loop = (a->wait_event_info & PG_WAIT_CLASS_MASK) == PG_WAIT_ACTIVITY;
 	/* Without a status entry or a wait event, waiting in poll/select: the postmaster's loop. */
 	bool no_status_loop = !(a->flags & PGSCOPE_ATTR_STATUS) && !a->wait_event_info &&
 			      class == PGSCOPE_OFF_CPU_LATCH;
-	if (waits_for_client || main_loop || no_status_loop)
+	if (waits_for_work(a, layout) || no_status_loop)
 		return PGSCOPE_OFF_CPU_IDLE;
 	return class;
 }
@@ -301,51 +323,175 @@ static __always_inline void set_wait_config(__u32 index, __u64 value)
 		*slot = value;
 }
 
-/* At a run's first object: no stacks sent yet, and the run's instant: the sampler's thread's
- * sched_info.last_arrival, in the run queues' clock (sched_clock). It is stamped when the thread
- * gets its CPU, or when it is woken if the wakeup takes the CPU from another thread (the
- * scheduler skips the clock update at the switch): either way before the run, at its timer's
- * schedule. 0 without CONFIG_SCHED_INFO, and then no thread is told from the run's own doing. */
-static __always_inline void start_run(void)
+/* The run queue the thread is on, or was last on. */
+static __always_inline struct rq *rq_of(struct task_struct *task)
 {
-	struct task_struct *self = (struct task_struct *)bpf_get_current_task();
-	__u64 instant = 0;
-	if (bpf_core_field_exists(self->sched_info.last_arrival))
-		instant = BPF_CORE_READ(self, sched_info.last_arrival);
-	set_wait_config(WAIT_CONFIG_PENDING, 0);
-	set_wait_config(WAIT_CONFIG_INSTANT, instant);
+	if (!bpf_core_field_exists(task->se.cfs_rq))
+		return NULL;
+	struct cfs_rq *cfs_rq = task->se.cfs_rq;
+	return cfs_rq ? cfs_rq->rq : NULL;
+}
+
+/* task_struct before Linux 5.16, whose thread_info had no cpu (x86). */
+struct task_struct___cpu_in_task {
+	unsigned int cpu;
+} __attribute__((preserve_access_index));
+
+/* The CPU the thread runs on, or last ran on. */
+static __always_inline __u32 cpu_of(struct task_struct *task)
+{
+	if (bpf_core_field_exists(task->thread_info.cpu))
+		return BPF_CORE_READ(task, thread_info.cpu);
+	struct task_struct___cpu_in_task *old = (void *)task;
+	return BPF_CORE_READ(old, cpu);
 }
 
 /*
- * Whether the thread was running at the run's instant and left its CPU since: the perf-event
- * sampler's at the tick, not a wait. A run takes a CPU for 50-250 us, and on busy CPUs the
- * thread it takes it from, and those that block while it visits the others, would otherwise
- * each be sampled as waiting for a whole tick: a wait the run causes, or that began after its
- * instant, which the exact tracer measures at its real length (measured on the pg_stat_statements
- * eviction storm: 2.7-3.4 times the exact off-CPU total).
- *
- * When a thread leaves its CPU the scheduler stamps it (se.exec_start) in its run queue's task
- * clock, which lags the run queue's clock (the instant's) by that CPU's interrupt and steal
- * time: the stamp is moved into it by the lag now (through the thread's CFS run queue, which
- * needs group scheduling; without, nothing is told). A thread migrated while asleep has its
- * stamp zeroed: it left before. A thread that started running after the instant
- * (sched_info.last_arrival) was off its CPU at the tick, in a wait of its own: sampled.
+ * At a run's first object: no stacks sent yet; the sampler thread's wakeup (its
+ * sched_info.last_arrival, in the run queues' clock, sched_clock: stamped when its timer woke
+ * it, as the wakeup takes the CPU from the thread running there and the scheduler skips the
+ * clock update at that switch) and its CPU, which tell the thread the run displaced. 0 without
+ * CONFIG_SCHED_INFO, and then that thread is not told.
  */
-static __always_inline bool left_cpu_since_instant(struct task_struct *task)
+static __always_inline void start_run(void)
 {
-	__u32 index = WAIT_CONFIG_INSTANT;
-	__u64 *instant = bpf_map_lookup_elem(&wait_sample_config, &index);
+	struct task_struct *self = (struct task_struct *)bpf_get_current_task();
+	__u64 woken = 0;
+	if (bpf_core_field_exists(self->sched_info.last_arrival))
+		woken = BPF_CORE_READ(self, sched_info.last_arrival);
+	set_wait_config(WAIT_CONFIG_PENDING, 0);
+	set_wait_config(WAIT_CONFIG_WOKEN, woken);
+	set_wait_config(WAIT_CONFIG_CPU, bpf_get_smp_processor_id());
+}
+
+static __always_inline __u64 wait_config(__u32 index)
+{
+	__u64 *slot = bpf_map_lookup_elem(&wait_sample_config, &index);
+	return slot ? *slot : 0;
+}
+
+/*
+ * Whether the thread was running at `at` (a time of the run queues' clock) and left its CPU
+ * since. When a thread leaves its CPU the scheduler stamps it (se.exec_start) in its run
+ * queue's task clock, which lags the run queue's clock by that CPU's interrupt and steal time:
+ * the stamp is moved into it by the lag now (through the thread's CFS run queue, which needs
+ * group scheduling; without, nothing is told). A thread migrated while asleep has its stamp
+ * zeroed: it left before. A thread that started running after `at` (sched_info.last_arrival)
+ * was off its CPU then.
+ */
+static __always_inline bool left_cpu_since(struct task_struct *task, __u64 at)
+{
 	__u64 left = task->se.exec_start;
-	if (!instant || !*instant || !left || !bpf_core_field_exists(task->se.cfs_rq) ||
-	    !bpf_core_field_exists(task->sched_info.last_arrival))
+	if (!at || !left || !bpf_core_field_exists(task->sched_info.last_arrival))
 		return false;
-	struct rq *rq = task->se.cfs_rq->rq;
+	struct rq *rq = rq_of(task);
 	if (!rq)
 		return false;
 	__u64 clock = rq->clock, clock_task = rq->clock_task;
-	if (left + (clock > clock_task ? clock - clock_task : 0) < *instant)
+	if (left + (clock > clock_task ? clock - clock_task : 0) < at)
 		return false;
-	return task->sched_info.last_arrival < *instant;
+	return task->sched_info.last_arrival < at;
+}
+
+/*
+ * Whether the thread is the one the run displaced: runnable, on the sampler's CPU, and running
+ * there when the sampler's timer woke it. On a CPU then, it is the perf-event sampler's; the
+ * wait the run puts it in is the run's own doing (counted, with the threads that then queued
+ * behind it, such a thread made the storm's sampled off-CPU total 2.7-3.4 times the exact
+ * tracer's). One that blocked of itself in between is sampled in its wait.
+ */
+static __always_inline bool displaced_by_run(struct task_struct *task)
+{
+	return task->__state == TASK_RUNNING_STATE && cpu_of(task) == wait_config(WAIT_CONFIG_CPU) &&
+	       left_cpu_since(task, wait_config(WAIT_CONFIG_WOKEN));
+}
+
+/*
+ * The run's snapshot of a thread: where it is as the run reaches it, from its kernel state
+ * (whether on a CPU, switch count, syscall, state), read with plain loads. That moment is the
+ * thread's sampling instant: its wait-event word, read later (read_snapshot_word), is kept only
+ * when the thread has not run in between. The kfunc passes take the snapshots of the threads
+ * active in the last run first, about 0.5 us each, and read their words after, in one batch
+ * (bpf/wait_targets.bpf.c).
+ *
+ * Why not one instant for every thread, the sampler's wakeup: on a kernel without full
+ * preemption the woken sampler gets its CPU only when the thread there reaches a preemption
+ * point, 23-40 us later on the pg_stat_statements eviction storm, and its visits then took 2-5
+ * us a thread (reads of another process's memory): 1-2 of the storm's 16 backends a tick ran
+ * between the wakeup and their visit, and what each showed at the wakeup was gone. Skipped as
+ * running, or sampled in a wait begun since, they made the lock's sampled time 0.83-1.11 of the
+ * exact tracer's as the visits were slower or faster (0.83 on a slower machine, and here with
+ * one more read per visit). A thread's own instant needs no such guess: the run starts at a
+ * time set by the timer and by the displaced thread alone (left out, displaced_by_run), and a
+ * thread's snapshot comes a few microseconds after it.
+ */
+static __always_inline void snapshot_thread(struct task_struct *task, struct pgscope_wait_sample_task *state, __u64 run)
+{
+	__u32 flags = 0;
+	__u64 switches = task->nvcsw + task->nivcsw + 1;
+	state->snapshot_run = run;
+	/* The displaced thread has switched since its last sample (it was running). */
+	if (task->on_cpu || (switches != state->switches && displaced_by_run(task)))
+		flags |= PGSCOPE_WAIT_SNAPSHOT_ON_CPU;
+	state->snapshot_switches = switches;
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+	long syscall = regs->orig_ax;
+	state->snapshot_syscall = syscall < 0 ? -1 : (__s32)syscall;
+	state->snapshot_task_state = task->__state;
+	state->snapshot_flags = flags;
+}
+
+/* Whether the thread ran since its snapshot: what its memory, kernel state and stack show now
+ * are of a later wait. */
+static __always_inline bool ran_since_snapshot(struct task_struct *task, struct pgscope_wait_sample_task *state)
+{
+	return task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->snapshot_switches;
+}
+
+/* Reads the wait-event word of a thread off its CPU at its snapshot, kept when the thread has not
+ * run since (checked after the read): the word it showed then (only the thread writes it). May
+ * sleep. */
+static __always_inline void read_snapshot_word(struct task_struct *task, struct pgscope_wait_sample_task *state)
+{
+	if (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU || !state->wait_event_ptr)
+		return;
+	if (read_task_word(&state->snapshot_wait_event, 4, state->wait_event_ptr, task) &&
+	    !ran_since_snapshot(task, state))
+		state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
+}
+
+/* Takes the thread's wait-event word from the run's batch (`words`, `read` bytes from
+ * `start`), kept like read_snapshot_word's; false when the batch does not hold it. */
+static __always_inline bool take_batched_word(struct task_struct *task, struct pgscope_wait_sample_task *state,
+					      const __u8 *words, __u64 start, __u32 read)
+{
+	if (!(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_BATCH) || state->wait_event_ptr < start ||
+	    state->wait_event_ptr - start + 4 > read)
+		return false;
+	__u32 offset = state->wait_event_ptr - start;
+	if (offset > PGSCOPE_USER_STACK_MAX - 4)
+		return false;
+	__builtin_memcpy(&state->snapshot_wait_event, words + offset, 4);
+	if (!ran_since_snapshot(task, state))
+		state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
+	return true;
+}
+
+/*
+ * The wait-event word of a thread off its CPU at its snapshot (its kernel state known from it)
+ * that ran before its word was read (0.4 of the eviction storm's 16 backends a tick): the word
+ * of its last sample when that was blocked or woken in the same kind of syscall, else the word
+ * it shows now; none when it was preempted outside a syscall (Postgres reports its waits around
+ * the syscalls that wait). Counted, so that the summary says how many were guessed.
+ */
+static __always_inline void guess_wait_event(struct pgscope_wait_sample_task *state, struct pgscope_attribution *last)
+{
+	struct pgscope_attribution *a = &state->attr;
+	count(PGSCOPE_CNT_WAIT_EVENT_UNKNOWN);
+	if (state->snapshot_syscall < 0 && state->snapshot_task_state == TASK_RUNNING_STATE)
+		a->wait_event_info = 0;
+	else if (last->wait_event_info && last->off_cpu_class == class_of_syscall(state->snapshot_syscall, state->snapshot_task_state))
+		a->wait_event_info = last->wait_event_info;
 }
 
 /* What a run's first pass left to the second for a thread. */
@@ -364,7 +510,7 @@ enum wait_visit {
 static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgid,
 					     struct pgscope_wait_sample_task *state, __u64 weight, bool defer)
 {
-	if (task->nvcsw + task->nivcsw + 1 != state->switches)
+	if (state->snapshot_switches != state->switches)
 		return false;
 	if (state->kind == PGSCOPE_WAIT_SAMPLE_NO_STACK) {
 		if (!defer) {
@@ -397,19 +543,27 @@ static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgi
 
 /*
  * A run's first pass, for one thread of a target (`tgid` is its process): decides its sample
- * as at the run's instant. A thread on a CPU is the perf-event sampler's; an idle or client
- * wait is counted without a stack; a thread that has not run since its last sample repeats it;
- * any other wait is left to the second pass for its stack.
+ * from its snapshot (taken now when the run has none of it: `run` 0, the task iterators). A thread on a CPU is the perf-event sampler's; an idle or client wait is
+ * counted without a stack; a thread that has not run since its last sample repeats it; any
+ * other wait is left to the second pass for its stack.
  */
-static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *task, __u32 tgid)
+static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *task, __u32 tgid, __u64 run)
 {
-	/* On a CPU: the perf-event sampler's. Exiting: gone before the next tick. */
-	if (task->on_cpu || task->exit_state) {
+	/* Exiting: gone before the next tick. */
+	if (task->exit_state) {
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
 		return WAIT_VISIT_DONE;
 	}
-	struct pgscope_wait_sample_task *state =
-		bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+	bool snapped = run && state && state->snapshot_run == run;
+	if (!snapped) {
+		/* On a CPU: nothing else to read (no storage made). */
+		if (task->on_cpu) {
+			count(PGSCOPE_CNT_WAIT_SKIPPED);
+			return WAIT_VISIT_DONE;
+		}
+		state = bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	}
 	__u32 zero = 0;
 	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	if (!state || !weight_ns) {
@@ -417,28 +571,30 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		return WAIT_VISIT_DONE;
 	}
 	__u64 weight = *weight_ns;
+	if (!snapped) {
+		snapshot_thread(task, state, 0);
+		read_snapshot_word(task, state);
+	}
+	__u32 snapshot = state->snapshot_flags;
+	if (snapshot & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) {
+		count(PGSCOPE_CNT_WAIT_SKIPPED);
+		return WAIT_VISIT_DONE;
+	}
+	/* Not switched out since its last sample: in that wait at its snapshot (if it got its CPU
+	 * since, it got it after). */
 	if (repeat_unchanged(task, tgid, state, weight, false))
 		return WAIT_VISIT_REPEATED;
 	/* It left the wait its deferred ticks are of: they go to that wait's total. */
 	flush_deferred(state, tgid);
-	__u64 switches = task->nvcsw + task->nivcsw + 1;
-	/* Switched since its last sample: it may have been on a CPU at the run's instant, and is
-	 * then the perf-event sampler's too. (Not switched since, it left its CPU before an earlier
-	 * tick, so before this one: the repeats above need no such check, which keeps an idle
-	 * backend at a few reads of its task.) */
-	if (left_cpu_since_instant(task)) {
-		count(PGSCOPE_CNT_WAIT_SKIPPED);
-		return WAIT_VISIT_DONE;
-	}
-
+	struct pgscope_attribution last = state->attr;
 	struct pgscope_pg_layout *layout = NULL;
 	read_task_attribution(state, task, tgid, &layout);
-	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
-	long syscall = regs->orig_ax;
-	unsigned int task_state = task->__state;
-	__u32 class = sampled_class(state, layout, task_state, syscall);
+	state->switches = state->snapshot_switches;
+	bool ran = ran_since_snapshot(task, state);
+	if (ran && !(snapshot & PGSCOPE_WAIT_SNAPSHOT_WORD))
+		guess_wait_event(state, &last);
+	__u32 class = sampled_class(state, layout, state->snapshot_task_state, state->snapshot_syscall);
 	state->attr.off_cpu_class = class;
-	state->switches = switches;
 
 	/* Waiting for work, or for the client inside a transaction (whose stack is always the
 	 * same read from the socket): counted, without a stack. Not the queryid of a finished
@@ -452,9 +608,9 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		return WAIT_VISIT_DONE;
 	}
 	/* Its stack is copied by the run's second pass: a copy takes most of a visit, and with it
-	 * here the threads visited after would be seen that much later, in waits begun since the
-	 * instant (on the eviction storm, backends woken by their clients and queued on the lock
-	 * while the run held one of the two CPUs). */
+	 * here the threads visited after would be seen that much later. One that ran since its
+	 * snapshot has left the wait the snapshot saw, and its stack with it: the second pass
+	 * counts it without (state->switches, the snapshot's, differs from its count). */
 	state->kind = PGSCOPE_WAIT_SAMPLE_PENDING;
 	__u32 pending_index = WAIT_CONFIG_PENDING;
 	__u64 *pending = bpf_map_lookup_elem(&wait_sample_config, &pending_index);

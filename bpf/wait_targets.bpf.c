@@ -31,6 +31,7 @@ extern void bpf_rcu_read_unlock(void) __ksym;
 
 struct list_ctx {
 	struct wait_thread_list *list;
+	__u8 *words; /* the run's batch of wait-event words, when read */
 };
 
 /* Notes a thread active in this run (visited, or on a CPU): the next run visits it first. */
@@ -67,17 +68,22 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 		if (!profiled(tgid))
 			continue;
 		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
-		/* Visited before the walk, as active in the last run. */
+		/* Snapshotted before the walk, as active in the last run. */
 		if (state && state->visited_run == list->run)
 			continue;
-		if (thread->on_cpu || thread->exit_state) {
+		if (thread->exit_state || thread->on_cpu) {
 			count(PGSCOPE_CNT_WAIT_SKIPPED);
 			if (thread->on_cpu)
 				note_active(list, thread->pid);
 			continue;
 		}
-		if (state && repeat_unchanged(thread, tgid, state, weight, true))
-			continue;
+		/* Its snapshot. A thread never sampled has no storage yet: its visit takes it. */
+		if (state) {
+			snapshot_thread(thread, state, list->run);
+			if (!(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) &&
+			    repeat_unchanged(thread, tgid, state, weight, true))
+				continue;
+		}
 		__u32 n = list->count;
 		if (n >= WAIT_THREADS_MAX) {
 			count(PGSCOPE_CNT_WAIT_THREADS_OVER);
@@ -95,7 +101,7 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
  * copy goes to the second pass. */
 static __always_inline void visit_thread(struct wait_thread_list *list, struct task_struct *task, __u32 tid)
 {
-	enum wait_visit visit = visit_waiting_thread(task, task->tgid);
+	enum wait_visit visit = visit_waiting_thread(task, task->tgid, list->run);
 	if (visit != WAIT_VISIT_REPEATED)
 		note_active(list, tid);
 	if (visit == WAIT_VISIT_PENDING) {
@@ -118,13 +124,69 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
 	}
 }
 
-/* bpf_loop over the threads active in the last run, before the walk: the first visits, nearest
- * the run's instant. A busy backend changes state every few tens of microseconds, and the walk
- * takes ~165 ns per thread of the host (on this VM, ~50 us before it reaches Postgres' threads,
- * the newest): visited after it, a few would be seen in a wait begun since the instant. Marked,
- * so that the walk does not visit them again. Since the last run a thread's process may have
- * left the targets (exec), or the thread exited and another took its pid: checked again. */
-static long visit_active(__u64 index, struct list_ctx *ctx)
+/*
+ * The wait-event words of the threads off their CPU at their snapshots are read in one batch: each
+ * is in the backend's PGPROC, in the shared memory the postmaster mapped before forking it, at
+ * the same address in every process of the instance, and a busy instance's PGPROCs are mostly
+ * adjacent. One read of another process's memory took 2-5 us here (most of it finding the
+ * pages, not copying): read one by one, the eviction storm's 16 backends' words were read up to
+ * 80 us after their snapshots, about 1.4 of them a tick run since, their word then guessed
+ * (0.4 with the batch, read ~8 us after).
+ * The batch spans the words of the threads of one instance (the first met; the others' are read
+ * one by one), up to the size of the scratch buffer; those past it are read one by one.
+ */
+static __always_inline void join_word_batch(struct wait_thread_list *list, struct task_struct *task,
+					    struct pgscope_wait_sample_task *state, __u32 tid)
+{
+	__u64 word = state->wait_event_ptr;
+	if (!word || state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
+		return;
+	__u32 postmaster = BPF_CORE_READ(task, real_parent, tgid);
+	if (!list->batch_tid) {
+		list->batch_tid = tid;
+		list->batch_postmaster = postmaster;
+		list->batch_start = word;
+		list->batch_end = word + 4;
+	} else if (postmaster != list->batch_postmaster) {
+		return;
+	} else if (word < list->batch_start) {
+		list->batch_start = word;
+	} else if (word + 4 > list->batch_end) {
+		list->batch_end = word + 4;
+	}
+	state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_BATCH;
+}
+
+/* Reads the run's batch of wait-event words into the scratch buffer; false when there is none. */
+static __always_inline bool read_word_batch(struct wait_thread_list *list, __u8 *words)
+{
+	list->batch_read = 0;
+	if (!list->batch_tid)
+		return false;
+	struct task_struct *task = bpf_task_from_pid(list->batch_tid);
+	if (!task)
+		return false;
+	/* Exited since its snapshot, and its pid taken by a thread of another process. */
+	if (BPF_CORE_READ(task, real_parent, tgid) != list->batch_postmaster) {
+		bpf_task_release(task);
+		return false;
+	}
+	__u64 span = list->batch_end - list->batch_start;
+	__u32 size = span > PGSCOPE_USER_STACK_MAX ? PGSCOPE_USER_STACK_MAX : span;
+	if (size && bpf_copy_from_user_task(words, size, (void *)list->batch_start, task, 0) == 0)
+		list->batch_read = size;
+	bpf_task_release(task);
+	return list->batch_read > 0;
+}
+
+/* bpf_loop over the threads active in the last run, first of all: their snapshots, nearest the
+ * run's start. A busy backend changes state every few tens of microseconds, and the walk takes
+ * ~165 ns per thread of the host (on this VM, ~50 us before it reaches Postgres' threads, the
+ * newest): the run's perturbation (the thread it displaced may hold a lock the others then
+ * queue on) would have grown by then. Marked, so that the walk leaves them alone. Since the last run a thread's
+ * process may have left the targets (exec), or the thread exited and another took its pid:
+ * checked again. */
+static long snapshot_active(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
 	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
@@ -136,8 +198,41 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 				     : NULL;
 	if (state) {
 		state->visited_run = list->run;
-		visit_thread(list, task, tid);
+		snapshot_thread(task, state, list->run);
+		join_word_batch(list, task, state, tid);
 	}
+	bpf_task_release(task);
+	return 0;
+}
+
+/* bpf_loop over the threads active in the last run, after their snapshots: their wait-event
+ * words, before the walk. */
+static long read_active_words(__u64 index, struct list_ctx *ctx)
+{
+	struct wait_thread_list *list = ctx->list;
+	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
+	struct task_struct *task = bpf_task_from_pid(tid);
+	if (!task)
+		return 0;
+	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+	if (state && state->visited_run == list->run &&
+	    !(ctx->words && take_batched_word(task, state, ctx->words, list->batch_start, list->batch_read)))
+		read_snapshot_word(task, state);
+	bpf_task_release(task);
+	return 0;
+}
+
+/* bpf_loop over the threads active in the last run, after the walk: their visits. */
+static long visit_active(__u64 index, struct list_ctx *ctx)
+{
+	struct wait_thread_list *list = ctx->list;
+	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
+	struct task_struct *task = bpf_task_from_pid(tid);
+	if (!task)
+		return 0;
+	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+	if (state && state->visited_run == list->run)
+		visit_thread(list, task, tid);
 	bpf_task_release(task);
 	return 0;
 }
@@ -190,9 +285,18 @@ int target_waits(void *unused)
 	list->run += 1;
 	list->pending = 0;
 	list->next_active = 0;
+	list->batch_tid = 0;
 	struct list_ctx ctx = { .list = list };
-	bpf_loop(list->active, visit_active, &ctx, 0);
+	bpf_loop(list->active, snapshot_active, &ctx, 0);
+	/* The scratch record's stack buffer holds the batch: the second pass, which copies stacks
+	 * into it, runs after. */
+	struct pgscope_sample *scratch = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
+	if (scratch && read_word_batch(list, scratch->user_stack))
+		ctx.words = scratch->user_stack;
+	bpf_loop(list->active, read_active_words, &ctx, 0);
+	ctx.words = NULL;
 	walk_target_threads(list, *weight_ns);
+	bpf_loop(list->active, visit_active, &ctx, 0);
 	bpf_loop(list->count, visit_listed, &ctx, 0);
 	/* The next run reads the half this one wrote. */
 	list->active = list->next_active;

@@ -55,7 +55,8 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_OVER_BUDGET = 18,   /* degraded: sampled off CPU without a stack, over the tick's budget */
 	PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK = 19, /* degraded: sampled off CPU without a stack, it ran before the copy */
 	PGSCOPE_CNT_WAIT_THREADS_OVER = 20,   /* lost: a target thread the wait sampler's list had no room for */
-	PGSCOPE_CNT_MAX = 21,
+	PGSCOPE_CNT_WAIT_EVENT_UNKNOWN = 21,  /* degraded: sampled off CPU, it ran before its wait event was read */
+	PGSCOPE_CNT_MAX = 22,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -334,9 +335,25 @@ struct pgscope_wait_sample_task {
 	__u64 wait_event_ptr;
 	/* The kfunc passes' run that last visited it before their walk (bpf/wait_targets.bpf.c). */
 	__u64 visited_run;
+	/* The thread as a run's snapshot found it, its sampling instant (bpf/wait_sampler.bpf.h):
+	 * the run (0: taken at the visit), its switch count (nvcsw + nivcsw + 1), its wait-event word
+	 * (when read), its syscall and state, and enum pgscope_wait_snapshot_flag. */
+	__u64 snapshot_run;
+	__u64 snapshot_switches;
+	__u32 snapshot_wait_event;
+	__u32 snapshot_flags;
+	__s32 snapshot_syscall;
+	__u32 snapshot_task_state;
 };
 
-_Static_assert(sizeof(struct pgscope_wait_sample_task) == 80, "task storage: its size is the kernel's allocation per thread");
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 112, "task storage: its size is the kernel's allocation per thread");
+
+/* pgscope_wait_sample_task.snapshot_flags */
+enum pgscope_wait_snapshot_flag {
+	PGSCOPE_WAIT_SNAPSHOT_ON_CPU = 1, /* on a CPU, or displaced by the run: the perf-event sampler's */
+	PGSCOPE_WAIT_SNAPSHOT_WORD = 2,	  /* snapshot_wait_event was read before the thread ran again */
+	PGSCOPE_WAIT_SNAPSHOT_BATCH = 4,  /* its word is read with the run's batch (bpf/wait_targets.bpf.c) */
+};
 
 /* pgscope_wait_sample_task.kind */
 enum pgscope_wait_sample_kind {

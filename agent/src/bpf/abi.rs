@@ -80,6 +80,7 @@ pub enum Counter {
     WaitOverBudget = c::pgscope_counter::PGSCOPE_CNT_WAIT_OVER_BUDGET,
     WaitRanBeforeStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK,
     WaitThreadsOver = c::pgscope_counter::PGSCOPE_CNT_WAIT_THREADS_OVER,
+    WaitEventUnknown = c::pgscope_counter::PGSCOPE_CNT_WAIT_EVENT_UNKNOWN,
 }
 
 const _: () = assert!(covers_every_value(
@@ -88,7 +89,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 21] = [
+    pub const ALL: [Counter; 22] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -110,6 +111,7 @@ impl Counter {
         Counter::WaitOverBudget,
         Counter::WaitRanBeforeStack,
         Counter::WaitThreadsOver,
+        Counter::WaitEventUnknown,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -139,6 +141,7 @@ impl Counter {
             Counter::WaitOverBudget => "wait_sample_stack_over_budget",
             Counter::WaitRanBeforeStack => "wait_sample_ran_before_stack",
             Counter::WaitThreadsOver => "lost_wait_sample_threads_over",
+            Counter::WaitEventUnknown => "wait_sample_event_guessed",
         }
     }
 }

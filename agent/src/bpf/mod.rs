@@ -656,6 +656,7 @@ impl Counters {
             Counter::KernelStackFault,
             Counter::WaitOverBudget,
             Counter::WaitRanBeforeStack,
+            Counter::WaitEventUnknown,
         ]
         .into_iter()
         .map(|c| (c, self.get(c)))

@@ -444,6 +444,7 @@ fn loss_lines(
     // Off-CPU samples that sought a stack: sent with one, or left without.
     let off_cpu = counters.get(Counter::WaitSamples)
         + counters.get(Counter::WaitRanBeforeStack)
+        + counters.get(Counter::WaitEventUnknown)
         + counters.get(Counter::WaitOverBudget);
     let mut lines = Vec::new();
     if !lost.is_empty() {
