@@ -183,9 +183,9 @@ static __always_inline bool read_word_batch(struct wait_thread_list *list, __u8 
  * run's start. A busy backend changes state every few tens of microseconds, and the walk takes
  * ~165 ns per thread of the host (on this VM, ~50 us before it reaches Postgres' threads, the
  * newest): the run's perturbation (the thread it displaced may hold a lock the others then
- * queue on) would have grown by then. Marked, so that the walk leaves them alone. Since the last run a thread's
- * process may have left the targets (exec), or the thread exited and another took its pid:
- * checked again. */
+ * queue on) would have grown by then. Marked, so that the walk leaves them alone. Since the
+ * last run a thread's process may have left the targets (exec), or the thread exited and
+ * another took its pid: checked again. */
 static long snapshot_active(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
@@ -205,18 +205,32 @@ static long snapshot_active(__u64 index, struct list_ctx *ctx)
 	return 0;
 }
 
+/* The `index`th thread active in the last run (a reference the caller releases; NULL when
+ * gone) and, when this run took its snapshot, its state. */
+static __always_inline struct task_struct *snapshotted_active(struct wait_thread_list *list, __u64 index,
+							      struct pgscope_wait_sample_task **state)
+{
+	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
+	struct task_struct *task = bpf_task_from_pid(tid);
+	*state = NULL;
+	if (!task)
+		return NULL;
+	struct pgscope_wait_sample_task *found = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
+	if (found && found->visited_run == list->run)
+		*state = found;
+	return task;
+}
+
 /* bpf_loop over the threads active in the last run, after their snapshots: their wait-event
  * words, before the walk. */
 static long read_active_words(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
-	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
-	struct task_struct *task = bpf_task_from_pid(tid);
+	struct pgscope_wait_sample_task *state;
+	struct task_struct *task = snapshotted_active(list, index, &state);
 	if (!task)
 		return 0;
-	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
-	if (state && state->visited_run == list->run &&
-	    !(ctx->words && take_batched_word(task, state, ctx->words, list->batch_start, list->batch_read)))
+	if (state && !(ctx->words && take_batched_word(task, state, ctx->words, list->batch_start, list->batch_read)))
 		read_snapshot_word(task, state);
 	bpf_task_release(task);
 	return 0;
@@ -226,13 +240,12 @@ static long read_active_words(__u64 index, struct list_ctx *ctx)
 static long visit_active(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
-	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
-	struct task_struct *task = bpf_task_from_pid(tid);
+	struct pgscope_wait_sample_task *state;
+	struct task_struct *task = snapshotted_active(list, index, &state);
 	if (!task)
 		return 0;
-	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
-	if (state && state->visited_run == list->run)
-		visit_thread(list, task, tid);
+	if (state)
+		visit_thread(list, task, task->pid);
 	bpf_task_release(task);
 	return 0;
 }
