@@ -77,12 +77,14 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 				note_active(list, thread->pid);
 			continue;
 		}
-		/* Its snapshot. A thread never sampled has no storage yet: its visit takes it. */
+		/* Not run since its last sample (an idle backend): repeated, after a look at its
+		 * switch count alone. Else its snapshot; a thread never sampled has no storage yet,
+		 * its visit takes it. */
 		if (state) {
-			snapshot_thread(thread, state, list->run);
-			if (!(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) &&
-			    repeat_unchanged(thread, tgid, state, weight, true))
+			state->snapshot_switches = thread->nvcsw + thread->nivcsw + 1;
+			if (repeat_unchanged(thread, tgid, state, weight, true))
 				continue;
+			snapshot_thread(thread, state, list->run);
 		}
 		__u32 n = list->count;
 		if (n >= WAIT_THREADS_MAX) {
