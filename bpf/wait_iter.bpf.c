@@ -22,7 +22,7 @@ int sample_waits(struct bpf_iter__task *ctx)
 	__u32 tgid = task->tgid;
 	if (!profiled(tgid))
 		return 0;
-	visit_waiting_thread(task, tgid, 0);
+	visit_waiting_thread(task, tgid, 0, NULL);
 	return 0;
 }
 

@@ -31,7 +31,8 @@ extern void bpf_rcu_read_unlock(void) __ksym;
 
 struct list_ctx {
 	struct wait_thread_list *list;
-	__u8 *words; /* the run's batch of wait-event words, when read */
+	struct shared_copy words;  /* the run's batch of wait-event words, when read */
+	struct shared_copy status; /* and of status entries */
 };
 
 /* Notes a thread active in this run (visited, or on a CPU): the next run visits it first. */
@@ -101,9 +102,10 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 /* Visits a thread in the first pass, and notes what the run must: a thread active in it (not
  * found unchanged since its last sample) is visited first in the next run, one with a stack to
  * copy goes to the second pass. */
-static __always_inline void visit_thread(struct wait_thread_list *list, struct task_struct *task, __u32 tid)
+static __always_inline void visit_thread(struct wait_thread_list *list, struct task_struct *task, __u32 tid,
+					 const struct shared_copy *status)
 {
-	enum wait_visit visit = visit_waiting_thread(task, task->tgid, list->run);
+	enum wait_visit visit = visit_waiting_thread(task, task->tgid, list->run, status);
 	if (visit != WAIT_VISIT_REPEATED)
 		note_active(list, tid);
 	if (visit == WAIT_VISIT_PENDING) {
@@ -134,51 +136,70 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
  * pages, not copying): read one by one, the eviction storm's 16 backends' words were read up to
  * 80 us after their snapshots, about 1.4 of them a tick run since, their word then guessed
  * (0.4 with the batch, read ~8 us after).
- * The batch spans the words of the threads of one instance (the first met; the others' are read
- * one by one), up to the size of the scratch buffer; those past it are read one by one.
+ * So are the fields of their status entries a visit reads (state, queryid), side by side in
+ * the instance's BackendStatusArray: two reads a visit were most of a run's time (81 us a run
+ * on the storm, 39 with them batched), and a run is time a backend loses its CPU to the sampler
+ * (one holding a lock makes the others wait that much longer; the exact tracer counts it, the
+ * samples, taken before, cannot).
+ * A batch spans the threads of one instance (the first met; the others' are read one by one), up
+ * to the size of the scratch buffer; those past it are read one by one.
  */
-static __always_inline void join_word_batch(struct wait_thread_list *list, struct task_struct *task,
-					    struct pgscope_wait_sample_task *state, __u32 tid)
+static __always_inline void extend_span(__u64 *start, __u64 *end, __u64 from, __u64 to)
 {
-	__u64 word = state->wait_event_ptr;
-	if (!word || state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
-		return;
+	if (!*end) {
+		*start = from;
+		*end = to;
+	} else if (from < *start) {
+		*start = from;
+	} else if (to > *end) {
+		*end = to;
+	}
+}
+
+static __always_inline void join_batch(struct wait_thread_list *list, struct task_struct *task,
+				       struct pgscope_wait_sample_task *state, __u32 tid)
+{
 	__u32 postmaster = BPF_CORE_READ(task, real_parent, tgid);
 	if (!list->batch_tid) {
 		list->batch_tid = tid;
 		list->batch_postmaster = postmaster;
-		list->batch_start = word;
-		list->batch_end = word + 4;
 	} else if (postmaster != list->batch_postmaster) {
 		return;
-	} else if (word < list->batch_start) {
-		list->batch_start = word;
-	} else if (word + 4 > list->batch_end) {
-		list->batch_end = word + 4;
 	}
+	__u64 entry = state->status_entry;
+	__u32 tgid = task->tgid;
+	struct pgscope_pg_layout *layout = entry ? bpf_map_lookup_elem(&pg_layouts, &tgid) : NULL;
+	if (layout) {
+		__u32 first = layout->st_state_offset, last = layout->st_query_id_offset;
+		if (last < first)
+			last = first;
+		extend_span(&list->status_start, &list->status_end, entry + first, entry + last + 8);
+	}
+	__u64 word = state->wait_event_ptr;
+	if (!word || state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
+		return;
+	extend_span(&list->batch_start, &list->batch_end, word, word + 4);
 	state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_BATCH;
 }
 
-/* Reads the run's batch of wait-event words into the scratch buffer; false when there is none. */
-static __always_inline bool read_word_batch(struct wait_thread_list *list, __u8 *words)
+/* Reads `start`..`end` of the batch's instance into `buffer`, up to its size; the bytes read. */
+static __always_inline __u32 read_span(struct wait_thread_list *list, __u64 start, __u64 end, __u8 *buffer)
 {
-	list->batch_read = 0;
-	if (!list->batch_tid)
-		return false;
+	if (!list->batch_tid || end <= start)
+		return 0;
 	struct task_struct *task = bpf_task_from_pid(list->batch_tid);
 	if (!task)
-		return false;
+		return 0;
+	__u32 read = 0;
 	/* Exited since its snapshot, and its pid taken by a thread of another process. */
-	if (BPF_CORE_READ(task, real_parent, tgid) != list->batch_postmaster) {
-		bpf_task_release(task);
-		return false;
+	if (BPF_CORE_READ(task, real_parent, tgid) == list->batch_postmaster) {
+		__u64 span = end - start;
+		__u32 size = span > PGSCOPE_USER_STACK_MAX ? PGSCOPE_USER_STACK_MAX : span;
+		if (size && bpf_copy_from_user_task(buffer, size, (void *)start, task, 0) == 0)
+			read = size;
 	}
-	__u64 span = list->batch_end - list->batch_start;
-	__u32 size = span > PGSCOPE_USER_STACK_MAX ? PGSCOPE_USER_STACK_MAX : span;
-	if (size && bpf_copy_from_user_task(words, size, (void *)list->batch_start, task, 0) == 0)
-		list->batch_read = size;
 	bpf_task_release(task);
-	return list->batch_read > 0;
+	return read;
 }
 
 /* bpf_loop over the threads active in the last run, first of all: their snapshots, nearest the
@@ -201,7 +222,7 @@ static long snapshot_active(__u64 index, struct list_ctx *ctx)
 	if (state) {
 		state->visited_run = list->run;
 		snapshot_thread(task, state, list->run);
-		join_word_batch(list, task, state, tid);
+		join_batch(list, task, state, tid);
 	}
 	bpf_task_release(task);
 	return 0;
@@ -232,7 +253,7 @@ static long read_active_words(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = snapshotted_active(list, index, &state);
 	if (!task)
 		return 0;
-	if (state && !(ctx->words && take_batched_word(task, state, ctx->words, list->batch_start, list->batch_read)))
+	if (state && !take_batched_word(task, state, &ctx->words))
 		read_snapshot_word(task, state);
 	bpf_task_release(task);
 	return 0;
@@ -247,7 +268,7 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 	if (!task)
 		return 0;
 	if (state)
-		visit_thread(list, task, task->pid);
+		visit_thread(list, task, task->pid, &ctx->status);
 	bpf_task_release(task);
 	return 0;
 }
@@ -261,7 +282,7 @@ static long visit_listed(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = bpf_task_from_pid(tid);
 	if (!task)
 		return 0;
-	visit_thread(list, task, tid);
+	visit_thread(list, task, tid, &ctx->status);
 	bpf_task_release(task);
 	return 0;
 }
@@ -301,15 +322,28 @@ int target_waits(void *unused)
 	list->pending = 0;
 	list->next_active = 0;
 	list->batch_tid = 0;
+	list->batch_end = 0;
+	list->status_end = 0;
 	struct list_ctx ctx = { .list = list };
 	bpf_loop(list->active, snapshot_active, &ctx, 0);
-	/* The scratch record's stack buffer holds the batch: the second pass, which copies stacks
-	 * into it, runs after. */
+	/* The scratch record's stack buffer holds each batch in turn: the words, taken before the
+	 * status entries are read; then those, until the first pass ends. The second pass, which
+	 * copies stacks into it, runs after. */
 	struct pgscope_sample *scratch = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
-	if (scratch && read_word_batch(list, scratch->user_stack))
-		ctx.words = scratch->user_stack;
+	if (scratch) {
+		ctx.words.bytes = scratch->user_stack;
+		ctx.words.start = list->batch_start;
+		ctx.words.read = read_span(list, list->batch_start, list->batch_end, scratch->user_stack);
+	}
 	bpf_loop(list->active, read_active_words, &ctx, 0);
-	ctx.words = NULL;
+	list->batch_read = ctx.words.read;
+	ctx.words.read = 0;
+	if (scratch) {
+		ctx.status.bytes = scratch->user_stack;
+		ctx.status.start = list->status_start;
+		ctx.status.read = read_span(list, list->status_start, list->status_end, scratch->user_stack);
+	}
+	list->status_read = ctx.status.read;
 	walk_target_threads(list, *weight_ns);
 	bpf_loop(list->active, visit_active, &ctx, 0);
 	bpf_loop(list->count, visit_listed, &ctx, 0);
