@@ -361,6 +361,26 @@ impl TraceSummary {
             .context("the summary has no number `duration_seconds`")
     }
 
+    /// What the off-CPU sampler's runs cost, as `wait_sampler` gives it: "N runs of X µs, Y% of
+    /// a CPU"; None when it did not run.
+    pub fn wait_sampler_cost(&self) -> Result<Option<String>> {
+        let Some(sampler) = self.json.get("wait_sampler").filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let field = |name: &str| {
+            sampler
+                .get(name)
+                .and_then(Value::as_f64)
+                .with_context(|| format!("`wait_sampler.{name}` is not a number: {sampler}"))
+        };
+        Ok(Some(format!(
+            "{} runs of {:.0} µs, {:.2}% of a CPU",
+            field("runs")?,
+            field("mean_run_us")?,
+            field("cpu_pct")?
+        )))
+    }
+
     /// `samples.lost` as given: reason → count, only reasons that occurred.
     pub fn samples_lost_by_reason(&self) -> Result<BTreeMap<String, u64>> {
         let lost = self

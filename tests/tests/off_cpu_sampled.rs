@@ -294,6 +294,12 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
              sampled side"
         ),
     };
+    // A run's time is taken from the backend on its CPU; the exact tracer counts the waits
+    // that makes, the run's samples cannot (docs/architecture.md): said on failure.
+    let cost = summary
+        .wait_sampler_cost()?
+        .context("the summary has no `wait_sampler`, though the off-CPU sampler ran")?;
+    let lost_note = format!("{lost_note}\nthe off-CPU sampler's runs: {cost}");
     let disagreements = reported.disagreements();
     ensure!(
         disagreements.is_empty(),

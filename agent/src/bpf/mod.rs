@@ -12,7 +12,7 @@ mod wait_sampler;
 mod wait_targets;
 
 pub use open_waits::OpenWait;
-pub use wait_sampler::WaitSampling;
+pub use wait_sampler::{WaitSamplerTally, WaitSampling};
 
 use anyhow::{anyhow, Context, Result};
 use std::os::fd::AsFd;

@@ -85,7 +85,7 @@ pub async fn run<P: Policy>(
             }
             _ = second.tick() => {
                 if let Some(sampling) = &sampling {
-                    session.unsampled_off_cpu_ns = sampling.unsampled_ns();
+                    session.wait_sampler = sampling.tally();
                 }
                 session.forget_exited();
                 policy.each_second(session, probes);
@@ -103,7 +103,7 @@ pub async fn run<P: Policy>(
     }
     // Stopped first: its last run's records are in the ring buffer for the drain.
     if let Some(sampling) = sampling {
-        session.unsampled_off_cpu_ns = sampling.unsampled_ns();
+        session.wait_sampler = sampling.tally();
     }
     // Records already in the ring buffer belong to the session.
     drain(ring.get_mut(), session);

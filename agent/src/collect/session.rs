@@ -20,6 +20,7 @@ use crate::bpf::abi::{
     OFF_CPU_SAMPLED,
 };
 use crate::bpf::OpenWait;
+use crate::bpf::WaitSamplerTally;
 use crate::postgres::attribution::Attribution;
 use exporters::{Profile, ProfileMeta};
 use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
@@ -88,9 +89,10 @@ pub struct Session {
     last_waits: HashMap<u32, (u32, Option<LastWait>)>,
     /// Repeats of wait samples that did not arrive (counted as lost).
     pub orphan_repeats: u64,
-    /// Off-CPU time the wait sampler could not stand for (its thread held up between two
-    /// runs longer than a sample may weigh), in ns; kept current by the collection loop.
-    pub unsampled_off_cpu_ns: u64,
+    /// What the wait sampler's thread did: its runs, their time, and the off-CPU time it could
+    /// not stand for (held up between two runs longer than a sample may weigh); kept current
+    /// by the collection loop.
+    pub wait_sampler: WaitSamplerTally,
     /// `--queryid`: keep only samples of this query.
     query_filter: Option<i64>,
     /// On-CPU samples of other queries left out (`--queryid`).
@@ -128,7 +130,7 @@ impl Session {
             off_cpu,
             last_waits: HashMap::new(),
             orphan_repeats: 0,
-            unsampled_off_cpu_ns: 0,
+            wait_sampler: WaitSamplerTally::default(),
             query_filter,
             filtered_out: 0,
             filtered_out_waits: 0,

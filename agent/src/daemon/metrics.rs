@@ -26,6 +26,10 @@ pub struct Snapshot {
     pub off_cpu: bool,
     /// Off-CPU time the wait sampler could not stand for, in ns.
     pub off_cpu_unsampled_ns: u64,
+    /// The wait sampler's runs, and their time in ns (its CPU time, taken from the backend on
+    /// its CPU each tick).
+    pub wait_sampler_runs: u64,
+    pub wait_sampler_run_ns: u64,
     /// Profiles built and handed to the upload queue, per profile type.
     pub profiles_enqueued: BTreeMap<&'static str, u64>,
     /// Label sets cut because a series would exceed Pyroscope's limits.
@@ -99,6 +103,22 @@ pub fn render(snapshot: &Snapshot, own: &OwnUsage) -> String {
         "pgscope_off_cpu_unsampled_seconds_total",
         &[],
         snapshot.off_cpu_unsampled_ns as f64 / 1e9,
+    );
+    out.family(
+        "pgscope_wait_sampler_runs_total",
+        "counter",
+        "Runs of the off-CPU wait sampler (one a tick).",
+    );
+    out.value("pgscope_wait_sampler_runs_total", &[], snapshot.wait_sampler_runs);
+    out.family(
+        "pgscope_wait_sampler_run_seconds_total",
+        "counter",
+        "Time the off-CPU wait sampler's runs took: CPU taken, at real-time priority, from the process on its CPU.",
+    );
+    out.value(
+        "pgscope_wait_sampler_run_seconds_total",
+        &[],
+        snapshot.wait_sampler_run_ns as f64 / 1e9,
     );
     out.family(
         "pgscope_profiles_enqueued_total",
@@ -425,6 +445,8 @@ mod tests {
         };
         snapshot.instances.insert("15/\"main\"".to_string(), 12);
         snapshot.export.pushes_ok = 3;
+        snapshot.wait_sampler_runs = 990;
+        snapshot.wait_sampler_run_ns = 86_130_000;
         let text = render(
             &snapshot,
             &OwnUsage {
@@ -436,6 +458,8 @@ mod tests {
         assert!(text.contains("pgscope_instance_processes{instance=\"15/\\\"main\\\"\"} 12\n"));
         assert!(text.contains("pgscope_export_pushes_total{result=\"ok\"} 3\n"));
         assert!(text.contains("process_resident_memory_bytes 4096\n"));
+        assert!(text.contains("pgscope_wait_sampler_runs_total 990\n"));
+        assert!(text.contains("pgscope_wait_sampler_run_seconds_total 0.08613\n"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (_, value) = line.rsplit_once(' ').expect("name and value");
             assert!(value.parse::<f64>().is_ok(), "bad value in {line}");

@@ -11,7 +11,7 @@ use super::probes::{lock_mode_name, ProbeFigures, ProbeResults};
 use crate::aggregate::UnwindStats;
 use crate::bpf::abi::Counter;
 use crate::bpf::abi::Function;
-use crate::bpf::Counters;
+use crate::bpf::{Counters, WaitSamplerTally};
 use crate::collect::off_cpu::OffCpuMode;
 use crate::collect::probes::Extrapolation;
 use crate::findings::Finding;
@@ -54,6 +54,8 @@ pub struct Summary {
     pub spin_sites: Vec<SpinSiteJson>,
     /// Time off CPU; null when it was not measured (`--off-cpu=none`, or the kernel refused).
     pub off_cpu: Option<OffCpuJson>,
+    /// What the off-CPU sampler's runs cost; null when it did not run.
+    pub wait_sampler: Option<WaitSamplerJson>,
     /// With `--off-cpu=both`: the exact tracer's tables beside the sampled ones in `off_cpu`.
     pub off_cpu_exact: Option<OffCpuJson>,
     /// Per queryid, its wall-clock time (on and off CPU, the client's time left out) split
@@ -359,6 +361,16 @@ pub struct PlanNodeJson {
     pub share_pct: f64,
 }
 
+/// The off-CPU sampler's runs: each takes its CPU, at real-time priority, from the process
+/// there.
+#[derive(Serialize)]
+pub struct WaitSamplerJson {
+    pub runs: u64,
+    pub mean_run_us: f64,
+    /// The runs' time over the trace's, in percent of one CPU.
+    pub cpu_pct: f64,
+}
+
 #[derive(Serialize)]
 pub struct ProcessJson {
     pub pid: u32,
@@ -385,6 +397,8 @@ pub struct SummaryInputs<'a> {
     pub off_cpu: Option<(&'a WaitTables, OffCpuMode, u64)>,
     /// The exact tracer's tables when the sampler ran too.
     pub off_cpu_exact: Option<&'a WaitTables>,
+    /// What the off-CPU sampler's thread did (no runs when it did not run).
+    pub wait_sampler: &'a WaitSamplerTally,
     pub walls: &'a [StatementWall],
     pub findings: &'a [Finding],
 }
@@ -543,6 +557,13 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                 },
                 min_stack_ns,
             )
+        }),
+        wait_sampler: (inputs.wait_sampler.runs > 0).then(|| WaitSamplerJson {
+            runs: inputs.wait_sampler.runs,
+            mean_run_us: inputs.wait_sampler.mean_run_us(),
+            cpu_pct: inputs
+                .wait_sampler
+                .cpu_pct((inputs.duration_seconds * 1e9) as u64),
         }),
         off_cpu_exact: inputs.off_cpu_exact.map(|waits| {
             let min_stack_ns = inputs.off_cpu.map(|(_, _, ns)| ns);

@@ -10,7 +10,7 @@ use symbolizer::KernelSymbols;
 
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Counter;
-use crate::bpf::Counters;
+use crate::bpf::{Counters, WaitSamplerTally};
 use crate::collect::off_cpu::OffCpuMode;
 use crate::model::{
     shorten, Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu, WaitTables,
@@ -69,6 +69,9 @@ pub(super) fn finish(
         stats.complete_pct()
     );
     print_losses(&counters, &session);
+    if let Some(line) = sampler_cost_line(&session.wait_sampler, elapsed.as_nanos() as u64) {
+        out!("{line}");
+    }
     print_missing_symbols(&session);
     let off_cpu_profile = session.off_cpu_measured().then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
@@ -332,6 +335,7 @@ pub(super) fn finish(
                 )
             }),
             off_cpu_exact: exact_waits.as_ref(),
+            wait_sampler: &session.wait_sampler,
             walls: &analysis.walls,
             findings: &findings,
         });
@@ -405,10 +409,23 @@ fn print_losses(counters: &Counters, session: &Session) {
         counters,
         session.malformed,
         session.orphan_repeats,
-        session.unsampled_off_cpu_ns,
+        session.wait_sampler.unsampled_ns,
     ) {
         out!("{line}");
     }
+}
+
+/// What the off-CPU sampler's runs cost: each takes its CPU from the backend there (one
+/// holding a lock makes the others wait as long). None when it did not run.
+fn sampler_cost_line(tally: &WaitSamplerTally, elapsed_ns: u64) -> Option<String> {
+    (tally.runs > 0).then(|| {
+        format!(
+            "off-CPU sampler: {} runs of {:.0} µs on average, {:.2}% of a CPU at real-time priority",
+            tally.runs,
+            tally.mean_run_us(),
+            tally.cpu_pct(elapsed_ns)
+        )
+    })
 }
 
 /// What was lost, and apart from it what was kept with part of its stack missing (its time is
@@ -499,6 +516,23 @@ fn write_pprof(path: &Path, mode: OutputMode, profile: &Profile) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sampler_cost_line_gives_mean_run_and_cpu_share() {
+        let tally = WaitSamplerTally {
+            runs: 5946,
+            run_ns: 5946 * 87_000,
+            unsampled_ns: 0,
+        };
+        assert_eq!(
+            sampler_cost_line(&tally, 60_000_000_000).as_deref(),
+            Some("off-CPU sampler: 5946 runs of 87 µs on average, 0.86% of a CPU at real-time priority")
+        );
+        assert_eq!(
+            sampler_cost_line(&WaitSamplerTally::default(), 60_000_000_000),
+            None
+        );
+    }
 
     #[test]
     fn waits_left_without_a_stack_are_not_called_losses() {
