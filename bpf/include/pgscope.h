@@ -316,6 +316,14 @@ struct pgscope_wait_repeat {
 
 _Static_assert(sizeof(struct pgscope_wait_repeat) == 24, "read by agent/src/bpf/abi.rs");
 
+/* Sampled off CPU: what user space hands a run of the kfunc passes' first program (its
+ * BPF_PROG_RUN context), rather than a map update a tick. */
+struct pgscope_wait_run {
+	__u64 weight_ns; /* this run's samples' weight */
+};
+
+_Static_assert(sizeof(struct pgscope_wait_run) == 8, "written by agent/src/bpf/wait_targets.rs");
+
 /* Sampled off CPU: a thread's state between ticks (task storage wait_sample_tasks). */
 struct pgscope_wait_sample_task {
 	/* nvcsw + nivcsw + 1 at the last sample (0: never sampled): unchanged, the thread has not

@@ -271,6 +271,9 @@ pub const OFF_CPU_PENDING: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_PENDI
 /// is its tick's weight).
 pub const OFF_CPU_SAMPLED: u32 = c::pgscope_off_cpu_flags::PGSCOPE_OFF_CPU_SAMPLED;
 
+/// `struct pgscope_wait_run`: the context of a run of the wait sampler's first kfunc pass.
+pub type WaitRun = c::pgscope_wait_run;
+
 /// `struct pgscope_wait_repeat`: a thread still in the wait of its last sample with stacks.
 pub type WaitRepeat = c::pgscope_wait_repeat;
 

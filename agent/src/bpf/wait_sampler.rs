@@ -182,21 +182,22 @@ impl WaitSampler {
         }
     }
 
+    /// One run: the first pass, and the second when the first left it threads. The kfunc
+    /// passes take the weight in their context and return that count (two syscalls fewer a
+    /// tick, 18 of a run's 99 us here); the iterators use the config map.
     fn tick(&mut self, weight: Duration) -> Result<()> {
-        self.config
-            .set(0, weight.as_nanos() as u64, 0)
-            .context("setting the wait samples' weight")?;
-        match &self.passes {
-            Passes::Targets(passes) => passes.run_first(),
-            Passes::Iterators { first, .. } => first
-                .run()
-                .map(drop)
-                .context("running the wait sampler's task iterator"),
-        }?;
-        let pending = self
-            .config
-            .get(&PENDING_INDEX, 0)
-            .context("reading how many stacks the wait sampler's first pass left")?;
+        let pending = match &self.passes {
+            Passes::Targets(passes) => u64::from(passes.run_first(weight)?),
+            Passes::Iterators { first, .. } => {
+                self.config
+                    .set(0, weight.as_nanos() as u64, 0)
+                    .context("setting the wait samples' weight")?;
+                first.run().context("running the wait sampler's task iterator")?;
+                self.config
+                    .get(&PENDING_INDEX, 0)
+                    .context("reading how many stacks the wait sampler's first pass left")?
+            }
+        };
         if pending > 0 {
             match &self.passes {
                 Passes::Targets(passes) => passes.run_second(),

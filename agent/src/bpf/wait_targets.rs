@@ -6,11 +6,14 @@
 //! sampler runs its task iterators instead.
 
 use std::ffi::OsStr;
+use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use aya::Ebpf;
 use libbpf_rs::{Object, ObjectBuilder, PrintLevel, ProgramInput};
 use tracing::debug;
+
+use super::abi::WaitRun;
 
 static KFUNC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope-kfunc.bpf.o"));
 
@@ -54,32 +57,41 @@ impl TargetPasses {
         Ok(Self { object })
     }
 
-    /// Runs the first pass over every thread of the targets.
-    pub fn run_first(&self) -> Result<()> {
-        self.run(FIRST_PASS)
+    /// Runs the first pass over every thread of the targets, its samples weighing `weight`;
+    /// returns how many threads it left to the second.
+    pub fn run_first(&self, weight: Duration) -> Result<u32> {
+        // `struct pgscope_wait_run`, as the program reads it: one native-endian u64.
+        const _: () = assert!(std::mem::size_of::<WaitRun>() == 8);
+        let mut context = (weight.as_nanos() as u64).to_ne_bytes();
+        self.run_with(FIRST_PASS, Some(&mut context))
     }
 
     /// Runs the second pass over the threads the first left to it.
     pub fn run_second(&self) -> Result<()> {
-        self.run(SECOND_PASS)
+        self.run_with(SECOND_PASS, None).map(drop)
     }
 
     /// Adds every thread's deferred idle ticks to its total: run when the sampler stops, so
     /// that the totals read after hold them all.
     pub fn flush(&self) -> Result<()> {
-        self.run(FLUSH)
+        self.run_with(FLUSH, None).map(drop)
     }
 
-    fn run(&self, name: &str) -> Result<()> {
+    /// Runs the program `name` with `context` as its context; returns its return value.
+    fn run_with(&self, name: &str, context: Option<&mut [u8]>) -> Result<u32> {
         let program = self
             .object
             .progs_mut()
             .find(|program| program.name() == OsStr::new(name))
             .ok_or_else(|| anyhow!("the kfunc BPF object has no program `{name}`"))?;
-        program
-            .test_run(ProgramInput::default())
+        let input = ProgramInput {
+            context_in: context,
+            ..ProgramInput::default()
+        };
+        let output = program
+            .test_run(input)
             .with_context(|| format!("running `{name}`"))?;
-        Ok(())
+        Ok(output.return_value)
     }
 }
 
