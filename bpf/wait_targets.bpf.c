@@ -307,10 +307,13 @@ static __always_inline struct wait_thread_list *thread_list(void)
 	return list;
 }
 
-/* The first pass. Its weight comes in its context, and it returns how many threads it left
- * to the second pass: a map update and a map read from user space each tick cost 13 and 5 us
- * here (syscalls of the sampler's thread, at real-time priority: time a backend on its CPU
- * cannot run), against 62 us for the pass itself. */
+/* A run: the first pass, then the second over the threads it left, in one program. Its weight
+ * comes in its context: a map update from user space each tick cost 13 us here, and running the
+ * second pass as a program of its own another syscall (about 12 us, with a map read of 5 to tell
+ * whether it had work); syscalls of the sampler's thread, at real-time priority, are time a
+ * backend on its CPU cannot run, against 62 us for the first pass itself. And a thread that
+ * runs between its visit and its stack's copy has left the wait (its stack is lost): the
+ * nearer the copy, the fewer. */
 SEC("syscall")
 int target_waits(struct pgscope_wait_run *args)
 {
@@ -333,7 +336,7 @@ int target_waits(struct pgscope_wait_run *args)
 	bpf_loop(list->active, snapshot_active, &ctx, 0);
 	/* The scratch record's stack buffer holds each batch in turn: the words, taken before the
 	 * status entries are read; then those, until the first pass ends. The second pass, which
-	 * copies stacks into it, runs after. */
+	 * copies stacks into it, comes after. */
 	struct pgscope_sample *scratch = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
 	if (scratch) {
 		ctx.words.bytes = scratch->user_stack;
@@ -354,19 +357,8 @@ int target_waits(struct pgscope_wait_run *args)
 	bpf_loop(list->count, visit_listed, &ctx, 0);
 	/* The next run reads the half this one wrote. */
 	list->active = list->next_active;
-	return wait_config(WAIT_CONFIG_PENDING);
-}
-
-SEC("syscall")
-int target_wait_stacks(void *unused)
-{
 	start_stack_pass();
-	struct wait_thread_list *list = thread_list();
-	if (!list)
-		return 0;
-	struct list_ctx ctx = { .list = list };
-	__u32 pending = list->pending;
-	bpf_loop(pending, copy_listed, &ctx, 0);
+	bpf_loop(list->pending, copy_listed, &ctx, 0);
 	return 0;
 }
 

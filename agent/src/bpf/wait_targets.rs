@@ -1,6 +1,7 @@
-//! The wait sampler's passes over the targets' threads alone (`bpf/wait_targets.bpf.c`): two
-//! sleepable syscall programs that call kfuncs, run each tick with `BPF_PROG_RUN`. aya 0.14
-//! cannot load kfunc calls, so they are a second object, loaded with libbpf, that creates no
+//! The wait sampler's passes over the targets' threads alone (`bpf/wait_targets.bpf.c`): a
+//! sleepable syscall program that calls kfuncs, run each tick with `BPF_PROG_RUN` (both passes,
+//! its samples' weight in its context), and one run when the sampler stops. aya 0.14 cannot
+//! load kfunc calls, so they are a second object, loaded with libbpf, that creates no
 //! map of its own: each of its maps is the main object's (aya's), handed over by descriptor
 //! before the load. Kernels without the kfuncs (before Linux 6.7) refuse the object, and the
 //! sampler runs its task iterators instead.
@@ -17,10 +18,9 @@ use super::abi::WaitRun;
 
 static KFUNC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope-kfunc.bpf.o"));
 
-/// The first pass: decides each thread's sample.
-const FIRST_PASS: &str = "target_waits";
-/// The second pass: copies the stacks of the threads the first left to it.
-const SECOND_PASS: &str = "target_wait_stacks";
+/// A run: the first pass decides each thread's sample, the second copies the stacks of the
+/// threads the first left to it.
+const RUN: &str = "target_waits";
 /// Run once when the sampler stops: adds the idle ticks deferred in threads' storage to their
 /// totals.
 const FLUSH: &str = "target_waits_flush";
@@ -49,7 +49,7 @@ impl TargetPasses {
         let object = open.load().context(
             "the kernel refused the kfunc BPF object (bpf_task_from_pid and task iterators need Linux 6.7)",
         )?;
-        for name in [FIRST_PASS, SECOND_PASS, FLUSH] {
+        for name in [RUN, FLUSH] {
             if !object.progs().any(|program| program.name() == OsStr::new(name)) {
                 return Err(anyhow!("the kfunc BPF object has no program `{name}`"));
             }
@@ -57,28 +57,22 @@ impl TargetPasses {
         Ok(Self { object })
     }
 
-    /// Runs the first pass over every thread of the targets, its samples weighing `weight`;
-    /// returns how many threads it left to the second.
-    pub fn run_first(&self, weight: Duration) -> Result<u32> {
+    /// Runs both passes over every thread of the targets, its samples weighing `weight`.
+    pub fn run(&self, weight: Duration) -> Result<()> {
         // `struct pgscope_wait_run`, as the program reads it: one native-endian u64.
         const _: () = assert!(std::mem::size_of::<WaitRun>() == 8);
         let mut context = (weight.as_nanos() as u64).to_ne_bytes();
-        self.run_with(FIRST_PASS, Some(&mut context))
-    }
-
-    /// Runs the second pass over the threads the first left to it.
-    pub fn run_second(&self) -> Result<()> {
-        self.run_with(SECOND_PASS, None).map(drop)
+        self.run_with(RUN, Some(&mut context))
     }
 
     /// Adds every thread's deferred idle ticks to its total: run when the sampler stops, so
     /// that the totals read after hold them all.
     pub fn flush(&self) -> Result<()> {
-        self.run_with(FLUSH, None).map(drop)
+        self.run_with(FLUSH, None)
     }
 
-    /// Runs the program `name` with `context` as its context; returns its return value.
-    fn run_with(&self, name: &str, context: Option<&mut [u8]>) -> Result<u32> {
+    /// Runs the program `name` with `context` as its context.
+    fn run_with(&self, name: &str, context: Option<&mut [u8]>) -> Result<()> {
         let program = self
             .object
             .progs_mut()
@@ -88,10 +82,10 @@ impl TargetPasses {
             context_in: context,
             ..ProgramInput::default()
         };
-        let output = program
+        program
             .test_run(input)
             .with_context(|| format!("running `{name}`"))?;
-        Ok(output.return_value)
+        Ok(())
     }
 }
 
