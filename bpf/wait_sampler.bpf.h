@@ -92,17 +92,14 @@ struct wait_thread_list {
 	 * run wrote (run & 1) and notes its own in the other. */
 	__u32 active_tids[2][WAIT_THREADS_MAX];
 	/* The run's batches (bpf/wait_targets.bpf.c): of wait-event words, and of the status
-	 * entries' fields pg_stat_activity shows, the addresses each spans and how many bytes were
-	 * read (0: none); the Postgres instance (its postmaster's pid) and a thread of it to read
-	 * them through. */
+	 * entries' fields pg_stat_activity shows, the addresses each spans; the Postgres instance
+	 * (its postmaster's pid) and a thread of it to read them through. */
 	__u64 batch_start;
 	__u64 batch_end;
 	__u64 status_start;
 	__u64 status_end;
 	__u32 batch_postmaster;
 	__u32 batch_tid;
-	__u32 batch_read;
-	__u32 status_read;
 };
 
 /* A run's copy of a span of an instance's shared memory, the same at every address in each of

@@ -146,19 +146,18 @@ static __always_inline void visit_thread(struct wait_thread_list *list, struct t
  */
 static __always_inline void extend_span(__u64 *start, __u64 *end, __u64 from, __u64 to)
 {
-	if (!*end) {
+	if (!*end || from < *start)
 		*start = from;
+	if (!*end || to > *end)
 		*end = to;
-	} else if (from < *start) {
-		*start = from;
-	} else if (to > *end) {
-		*end = to;
-	}
 }
 
 static __always_inline void join_batch(struct wait_thread_list *list, struct task_struct *task,
 				       struct pgscope_wait_sample_task *state, __u32 tid)
 {
+	/* On a CPU: not visited, neither its word nor its status entry is read. */
+	if (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
+		return;
 	__u32 postmaster = BPF_CORE_READ(task, real_parent, tgid);
 	if (!list->batch_tid) {
 		list->batch_tid = tid;
@@ -176,7 +175,7 @@ static __always_inline void join_batch(struct wait_thread_list *list, struct tas
 		extend_span(&list->status_start, &list->status_end, entry + first, entry + last + 8);
 	}
 	__u64 word = state->wait_event_ptr;
-	if (!word || state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
+	if (!word)
 		return;
 	extend_span(&list->batch_start, &list->batch_end, word, word + 4);
 	state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_BATCH;
@@ -344,14 +343,12 @@ int target_waits(struct pgscope_wait_run *args)
 		ctx.words.read = read_span(list, list->batch_start, list->batch_end, scratch->user_stack);
 	}
 	bpf_loop(list->active, read_active_words, &ctx, 0);
-	list->batch_read = ctx.words.read;
 	ctx.words.read = 0;
 	if (scratch) {
 		ctx.status.bytes = scratch->user_stack;
 		ctx.status.start = list->status_start;
 		ctx.status.read = read_span(list, list->status_start, list->status_end, scratch->user_stack);
 	}
-	list->status_read = ctx.status.read;
 	walk_target_threads(list, *weight_ns);
 	bpf_loop(list->active, visit_active, &ctx, 0);
 	bpf_loop(list->count, visit_listed, &ctx, 0);
