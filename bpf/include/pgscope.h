@@ -352,9 +352,13 @@ struct pgscope_wait_sample_task {
 	__u32 snapshot_flags;
 	__s32 snapshot_syscall;
 	__u32 snapshot_task_state;
+	/* The last wait-event word it showed at one of its snapshots, by the class of the syscall
+	 * it was in (enum pgscope_off_cpu_class: futex, latch, io; 0 unused): what a guess takes
+	 * (bpf/wait_sampler.bpf.h, guess_wait_event). */
+	__u32 class_words[4];
 };
 
-_Static_assert(sizeof(struct pgscope_wait_sample_task) == 112, "task storage: its size is the kernel's allocation per thread");
+_Static_assert(sizeof(struct pgscope_wait_sample_task) == 128, "task storage: its size is the kernel's allocation per thread");
 
 /* pgscope_wait_sample_task.snapshot_flags */
 enum pgscope_wait_snapshot_flag {
