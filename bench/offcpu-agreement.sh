@@ -4,7 +4,9 @@
 # `sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm` (tests/tests/off_cpu_sampled.rs):
 # 16 clients running 128 distinct statements into 100 entries, traced with --off-cpu=both for
 # 200 s (PGSCOPE_STORM_SECONDS), each wait event's share (idle and client waits left out)
-# compared with the exact tracer's in the same trace. The bounds of issue 20 are 5 pp per share and 10% on the total.
+# compared with the exact tracer's in the same trace. The bounds of issue 20 are 5 pp per share
+# and 10% on the total; the storm's test allows 20% (STORM_TOTAL_TOLERANCE in
+# tests/tests/off_cpu_sampled.rs says why).
 #
 # Printed per run: the sampled total over the exact one and the largest share difference;
 # then how many runs met both bounds. Ends with one line:

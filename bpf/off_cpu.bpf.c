@@ -152,7 +152,8 @@ static __always_inline struct pgscope_off_cpu_task *measured_task(struct task_st
 
 /* prev is switched out, in its own context: remember when, why and in which wait, and take its
  * stacks now if the wait may be long. */
-static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool preempt, unsigned int prev_state)
+static __always_inline void switch_out(void *ctx, struct task_struct *prev, struct task_struct *next, bool preempt,
+				       unsigned int prev_state)
 {
 	/* An exiting task's last switch: it never comes back. */
 	if (prev_state & TASK_DEAD_STATE)
@@ -177,6 +178,10 @@ static __always_inline void switch_out(void *ctx, struct task_struct *prev, bool
 		task->attr.off_cpu_class = PGSCOPE_OFF_CPU_IDLE;
 	task->syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
 	task->stack_start_ns = 0;
+	/* Under --off-cpu=both: the wait sampler's runs tell their own doing from the waits they
+	 * sample (count_exact_at_run). */
+	__u64 sampler = wait_config(WAIT_CONFIG_SAMPLER_TID);
+	task->displaced = sampler && next->pid == sampler;
 	__u64 now = bpf_ktime_get_ns();
 	task->start_ns = now;
 
@@ -251,7 +256,7 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
 	     unsigned int prev_state)
 {
-	switch_out(ctx, prev, preempt, prev_state);
+	switch_out(ctx, prev, next, preempt, prev_state);
 	switch_in(next);
 	return 0;
 }

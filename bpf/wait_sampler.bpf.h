@@ -40,14 +40,16 @@
  * cost; threads over it are counted without a stack, marked so). Set by the passes of a run
  * (one run at a time): index 2, stacks sent in this run so far; index 3, the sampler thread's
  * wakeup and index 5 its CPU (start_run); index 4, threads the first pass left to the second
- * (user space runs it only then). */
+ * (user space runs it only then). Index 6, set by the sampler's thread under --off-cpu=both:
+ * its thread id (0 otherwise). */
 #define WAIT_CONFIG_SENT 2
 #define WAIT_CONFIG_WOKEN 3
 #define WAIT_CONFIG_PENDING 4
 #define WAIT_CONFIG_CPU 5
+#define WAIT_CONFIG_SAMPLER_TID 6
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 6);
+	__uint(max_entries, 7);
 	__type(key, __u32);
 	__type(value, __u64);
 } wait_sample_config SEC(".maps");
@@ -60,6 +62,15 @@ struct {
 	__type(key, struct pgscope_off_cpu_key);
 	__type(value, struct pgscope_off_cpu_total);
 } wait_sample_totals SEC(".maps");
+
+/* Under --off-cpu=both: where the exact tracer had each target thread as each run reached it,
+ * weighted like the run's samples (count_exact_at_run); the same layout again. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pgscope_off_cpu_key);
+	__type(value, struct pgscope_off_cpu_total);
+} exact_at_runs SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
@@ -397,6 +408,38 @@ static __always_inline __u64 wait_config(__u32 index)
 }
 
 /*
+ * Under --off-cpu=both: adds a run's weight to where the exact tracer has the thread as the run
+ * reaches it (its task storage, off_cpu.bpf.c), so that the samples can be judged against the
+ * exact state at their own instants, not only against its time average. That average also
+ * holds what the runs themselves do to the database (a run takes its CPU from the backend
+ * there, and one holding a lock makes the others queue) and where the runs fall, neither of
+ * which a sample can see, and how much they weigh is the machine's (docs/architecture.md).
+ * A wait begun as the sampler's thread took the CPU is the run's own doing: the thread was
+ * running at the run's instant (the sampler leaves it to the perf-event sampler too). Called
+ * once per target thread and run, beside its snapshot.
+ */
+static __always_inline void count_exact_at_run(struct task_struct *task, __u32 tgid, __u64 weight)
+{
+	if (!wait_config(WAIT_CONFIG_SAMPLER_TID))
+		return;
+	struct pgscope_off_cpu_task *exact = bpf_task_storage_get(&off_cpu_tasks, task, 0, 0);
+	if (!exact || !exact->measured || !exact->start_ns || exact->displaced)
+		return;
+	struct pgscope_off_cpu_key key = { .tgid = tgid, .attr = exact->attr };
+	/* Not what the tracer counts by: whether a stack was taken. */
+	key.attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&exact_at_runs, &key);
+	if (total) {
+		total->ns += weight;
+		total->waits += 1;
+		return;
+	}
+	struct pgscope_off_cpu_total first = { .ns = weight, .waits = 1 };
+	if (bpf_map_update_elem(&exact_at_runs, &key, &first, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+}
+
+/*
  * Whether the thread was running at `at` (a time of the run queues' clock) and left its CPU
  * since. When a thread leaves its CPU the scheduler stamps it (se.exec_start) in its run
  * queue's task clock, which lags the run queue's clock by that CPU's interrupt and steal time:
@@ -604,6 +647,12 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		count(PGSCOPE_CNT_WAIT_SKIPPED);
 		return WAIT_VISIT_DONE;
 	}
+	__u32 zero = 0;
+	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
+	/* The task iterators' visit is the run's look at the thread (the kfunc passes look at it
+	 * in their walk or first loop). */
+	if (!run && weight_ns)
+		count_exact_at_run(task, tgid, *weight_ns);
 	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
 	bool snapped = run && state && state->snapshot_run == run;
 	if (!snapped) {
@@ -614,8 +663,6 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		}
 		state = bpf_task_storage_get(&wait_sample_tasks, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	}
-	__u32 zero = 0;
-	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	if (!state || !weight_ns) {
 		count(PGSCOPE_CNT_NO_SCRATCH);
 		return WAIT_VISIT_DONE;

@@ -72,6 +72,8 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 		/* Snapshotted before the walk, as active in the last run. */
 		if (state && state->visited_run == list->run)
 			continue;
+		if (!thread->exit_state)
+			count_exact_at_run(thread, tgid, weight);
 		if (thread->exit_state || thread->on_cpu) {
 			count(PGSCOPE_CNT_WAIT_SKIPPED);
 			if (thread->on_cpu)
@@ -222,6 +224,7 @@ static long snapshot_active(__u64 index, struct list_ctx *ctx)
 		state->visited_run = list->run;
 		snapshot_thread(task, state, list->run);
 		join_batch(list, task, state, tid);
+		count_exact_at_run(task, task->tgid, wait_config(0));
 	}
 	bpf_task_release(task);
 	return 0;

@@ -256,9 +256,14 @@ struct pgscope_off_cpu_task {
 	 * 0 until then (no state or wait event is 0 and idle). */
 	__u32 state_idle;
 	__u32 wait_client_read;
+	/* Under --off-cpu=both: 1 when the current wait began as the wait sampler's thread took
+	 * the CPU (the run's own doing, left out of the exact state at its instants,
+	 * bpf/wait_sampler.bpf.h). */
+	__u32 displaced;
+	__u32 _pad;
 };
 
-_Static_assert(sizeof(struct pgscope_off_cpu_task) == 96, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_off_cpu_task) == 104, "read by agent/src/bpf/abi.rs");
 
 /* The end of an off-CPU wait whose stacks were sent when it began (a sample record with
  * PGSCOPE_OFF_CPU_PENDING): told apart from samples by its size. */

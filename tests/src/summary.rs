@@ -340,6 +340,18 @@ impl TraceSummary {
         by_wait_rows(rows)
     }
 
+    /// `off_cpu_exact_at_runs.by_wait[]`: where the context-switch tracer had each thread at
+    /// the off-CPU sampler's runs, weighted like its samples, under `--off-cpu=both`; an error
+    /// when it is not there.
+    pub fn off_cpu_exact_at_runs_by_wait(&self) -> Result<Vec<OffCpuWait>> {
+        let rows = self
+            .json
+            .pointer("/off_cpu_exact_at_runs/by_wait")
+            .and_then(Value::as_array)
+            .context("the summary has no array `off_cpu_exact_at_runs.by_wait` (not --off-cpu=both?)")?;
+        by_wait_rows(rows)
+    }
+
     /// `off_cpu.mode` (`sampled` or `exact`) and `off_cpu_exact.mode` (`exact` under
     /// `--off-cpu=both`, else `None`).
     pub fn off_cpu_modes(&self) -> Result<(String, Option<String>)> {

@@ -23,6 +23,28 @@ const SHARE_PP: f64 = 5.0;
 /// events Postgres reports (every compared row but [`NO_WAIT_EVENT`]).
 const TOTAL_TOLERANCE: f64 = 0.10;
 
+/// Largest relative difference allowed between the sampled time and the exact tracer's state
+/// at the sampler's runs ([`check_sampled_against_exact_at_runs`]), in reported wait events and
+/// outside them. Measured on the storm: 0.990 and 1.004 (kfunc passes), 0.998 and 1.000 (task
+/// iterators); a wait the sampler guesses or misreads shows here.
+const AT_RUNS_TOLERANCE: f64 = 0.05;
+
+/// [`TOTAL_TOLERANCE`] for the eviction storm, where the exact side counts what the sampler's
+/// own runs do to the storm and the samples cannot (docs/architecture.md, "The run's own cost").
+/// A run takes its CPU at real-time priority from the backend there; when that backend holds
+/// the extension's lock, the 15 others queue on it that much longer. The exact tracer counts
+/// those waits; the samples, taken at the run's start, cannot. How much that weighs grows with
+/// the run's length and with how hard the storm contends, both the machine's: here the lock's
+/// sampled time came out 1.017-1.079 of the exact over 200 s runs; on CI's machine (runs of
+/// 96 µs, and 2.6 times the lock time here for the same storm) 0.83, 0.887 and 0.898. A spin of
+/// 1 ms added to each run here took the ratio down by 0.09, the exact totals growing by a
+/// quarter and the sampled ones not at all. At the runs' own instants the samples agree with
+/// the exact tracer within 1% (0.990 where the time average gave 1.083 in the same run): the
+/// gap is where the runs fall and what they do, not how they read, which is judged tightly by
+/// [`check_sampled_against_exact_at_runs`]. A sampler that lost or doubled the lock's waits
+/// still fails here.
+const STORM_TOTAL_TOLERANCE: f64 = 0.20;
+
 /// The row of off-CPU time outside any reported wait event: preemptions, and blocking syscalls
 /// Postgres does not report. It is left out of the shares and of the total's bound, and judged
 /// by its own ratio ([`NO_WAIT_EVENT_RATIO`]). How much of it there is depends on what else the machine runs (two busy CPUs
@@ -221,8 +243,8 @@ fn rows_side_by_side(exact: &[OffCpuWait], sampled: &[OffCpuWait]) -> String {
 
 /// The sampled profile against the exact one of the same `--off-cpu=both` trace: each
 /// reported wait event's share of the reported waits within [`SHARE_PP`], their time within
-/// [`TOTAL_TOLERANCE`], and the time outside them within [`NO_WAIT_EVENT_RATIO`].
-fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result<()> {
+/// `tolerance` (a fraction), and the time outside them within [`NO_WAIT_EVENT_RATIO`].
+fn check_sampled_against_exact(summary: &TraceSummary, workload: &str, tolerance: f64) -> Result<()> {
     let (mode, exact_mode) = summary.off_cpu_modes()?;
     ensure!(
         mode == "sampled" && exact_mode.as_deref() == Some("exact"),
@@ -247,6 +269,7 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
         comparable_waits(&summary.off_cpu_by_wait()?),
     );
     let comparison = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &sampled_rows);
+    check_sampled_against_exact_at_runs(summary, workload, &sampled_rows)?;
     let reported_only = |rows: &BTreeMap<String, f64>| {
         let mut rows = rows.clone();
         rows.remove(NO_WAIT_EVENT);
@@ -321,14 +344,62 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
     }
     let off = (sampled - exact).abs() / exact;
     ensure!(
-        off <= TOTAL_TOLERANCE,
+        off <= tolerance,
         "{workload}: sampled time in reported wait events ({NO_WAIT_EVENT} left out), \
          {sampled:.1} ms, is {:.1}% away from the exact {exact:.1} ms (at most {:.0}% allowed)\n\
          {}{lost_note}",
         100.0 * off,
-        100.0 * TOTAL_TOLERANCE,
+        100.0 * tolerance,
         comparison.table()
     );
+    Ok(())
+}
+
+/// The sampled profile against where the exact tracer had each thread as the sampler's runs
+/// reached it (`off_cpu_exact_at_runs`): the time in reported wait events and the time outside
+/// them each within [`AT_RUNS_TOLERANCE`]. Both are read at the same instants, so neither
+/// sampling noise nor where the runs fall and what they do to the database (which the exact
+/// time average holds and the samples cannot) stands between them: only how well a run reads
+/// each thread's wait.
+fn check_sampled_against_exact_at_runs(
+    summary: &TraceSummary,
+    workload: &str,
+    sampled_rows: &BTreeMap<String, f64>,
+) -> Result<()> {
+    let at_runs_rows = comparable_waits(&summary.off_cpu_exact_at_runs_by_wait()?);
+    let at_runs = ShareComparison::new("exact at runs", ("ms", "ms"), &at_runs_rows, sampled_rows);
+    let split = |rows: &BTreeMap<String, f64>| {
+        let outside = rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
+        (rows.values().sum::<f64>() - outside, outside)
+    };
+    let ((exact_waits, exact_outside), (sampled_waits, sampled_outside)) =
+        (split(&at_runs_rows), split(sampled_rows));
+    eprintln!(
+        "{workload}: against the exact state at the sampler's runs\n{}\nagreement_at_runs: \
+         workload={} waits_ratio={:.3} no_wait_event_ratio={:.3}",
+        at_runs.table(),
+        workload.replace(' ', "-"),
+        sampled_waits / exact_waits,
+        sampled_outside / exact_outside,
+    );
+    for (what, exact, sampled) in [
+        ("time in reported wait events", exact_waits, sampled_waits),
+        (NO_WAIT_EVENT, exact_outside, sampled_outside),
+    ] {
+        ensure!(
+            exact > 0.0,
+            "{workload}: the exact tracer had no thread in {what} at the sampler's runs"
+        );
+        let off = (sampled - exact).abs() / exact;
+        ensure!(
+            off <= AT_RUNS_TOLERANCE,
+            "{workload}: sampled {what}, {sampled:.1} ms, is {:.1}% away from the exact state \
+             at the sampler's runs, {exact:.1} ms (at most {:.0}% allowed)\n{}",
+            100.0 * off,
+            100.0 * AT_RUNS_TOLERANCE,
+            at_runs.table()
+        );
+    }
     Ok(())
 }
 
@@ -352,12 +423,13 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
 /// - the total with the preempted time in it still failed CI once (2026-11-27, the reason cut
 ///   from its log), and five runs of 200 s the next day gave 1.025, 0.933, 1.048, 0.992 and
 ///   1.034 (standard deviation 0.045), the preempted time swinging 0.88-1.06 and the lock's
-///   0.96-1.07 (0.038). So the 10% bound is on the time in reported wait events, and the
+///   0.96-1.07 (0.038). So the bound is on the time in reported wait events, and the
 ///   preempted row, which two CPU hogs beside the test multiply, is judged by its own ratio
-///   ([`NO_WAIT_EVENT`]). The bound is 2.6 of those deviations away: about one run in 100
-///   would still fall outside it by the sampler's noise alone. Judging the sampler against
-///   the exact tracer's state at its own instants, not its time average, would take that
-///   noise out (`bench/offcpu-groundtruth.sh` does so with perf).
+///   ([`NO_WAIT_EVENT`]);
+/// - the bound itself is [`STORM_TOTAL_TOLERANCE`], not 10%: CI's machine failed the storm
+///   three times at 0.83-0.90, below what noise explains, from the sampler's own runs; the
+///   sampler is judged tightly against the exact tracer's state at its own instants instead
+///   ([`check_sampled_against_exact_at_runs`]), which takes that noise and the runs' doing out.
 ///
 /// `bench/offcpu-agreement.sh` runs it repeatedly and prints how often it meets the bounds.
 #[test]
@@ -379,7 +451,7 @@ fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()
     let (_, summary) = trace.finish()?;
     let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
     eprintln!("pg_stat_statements evictions: {dealloc}");
-    check_sampled_against_exact(&summary, "eviction storm")
+    check_sampled_against_exact(&summary, "eviction storm", STORM_TOTAL_TOLERANCE)
 }
 
 /// Nice value of the pgscope traces whose two off-CPU profiles are compared.
@@ -494,7 +566,7 @@ fn sampled_waits_agree_with_the_exact_tracer_and_pg_stat_activity_under_tpcb() -
     // Every check runs and prints its tables; the first failure fails the test.
     let failures: Vec<anyhow::Error> = [
         check_branch_update_wall_clock(&summary, branch_update.trim()).context("wall-clock split"),
-        check_sampled_against_exact(&summary, "TPC-B").context("sampled against exact"),
+        check_sampled_against_exact(&summary, "TPC-B", TOTAL_TOLERANCE).context("sampled against exact"),
         check_sampled_against_activity(&summary, &polled).context("sampled against pg_stat_activity"),
     ]
     .into_iter()

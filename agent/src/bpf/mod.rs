@@ -206,8 +206,21 @@ impl OnCpuProbes {
         config
             .set(1, WAIT_STACKS_PER_TICK, 0)
             .context("setting the wait samples' stack budget")?;
-        self.wait_sampler = Some(wait_sampler::WaitSampler { passes, config });
+        self.wait_sampler = Some(wait_sampler::WaitSampler {
+            passes,
+            config,
+            exact_beside: false,
+        });
         Ok(())
+    }
+
+    /// With the exact tracer attached too (`--off-cpu=both`): each run of the wait sampler also
+    /// adds where the tracer had every target thread at the run's start, read with
+    /// [`Self::exact_at_runs_totals`].
+    pub fn measure_exact_at_wait_runs(&mut self) {
+        if let Some(sampler) = self.wait_sampler.as_mut() {
+            sampler.exact_beside = true;
+        }
     }
 
     /// Loads and attaches the sleepable task iterator `name` of the wait sampler.
@@ -241,6 +254,12 @@ impl OnCpuProbes {
     /// class, wait event, queryid, state): ticks × their weight.
     pub fn wait_sample_totals(&self) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
         self.totals_of("wait_sample_totals")
+    }
+
+    /// Under `--off-cpu=both`: the exact tracer's state at the wait sampler's runs, per
+    /// (process, class, wait event, queryid, state), weighted like the samples.
+    pub fn exact_at_runs_totals(&self) -> Result<Vec<(OffCpuKey, OffCpuTotal)>> {
+        self.totals_of("exact_at_runs")
     }
 
     /// Drops sampled totals of processes that exited (read for the last time).

@@ -43,6 +43,11 @@ const MAX_WEIGHT: Duration = Duration::from_millis(500);
 /// `wait_sample_config` index of the threads the first pass left to the second.
 const PENDING_INDEX: u32 = 4;
 
+/// `wait_sample_config` index of the sampler thread's id, set under `--off-cpu=both`: the exact
+/// tracer then tells the waits a run causes (it takes the CPU from the backend there), and each
+/// run adds where the tracer has every thread, as it reaches it, to `exact_at_runs`.
+const SAMPLER_TID_INDEX: u32 = 6;
+
 /// `SCHED_FIFO` priority of the sampler's thread: the lowest, above every normal thread and
 /// below every other real-time one.
 const REALTIME_PRIORITY: i32 = 1;
@@ -64,6 +69,8 @@ pub struct WaitSampler {
     /// Index 0: the weight of the next run's samples (ns); index 4, after the first pass: how
     /// many threads it left to the second.
     pub(super) config: Array<MapData, u64>,
+    /// The exact tracer runs too: the runs measure its state at their instants.
+    pub(super) exact_beside: bool,
 }
 
 /// The sampler running at its frequency; dropping it stops the thread (after its current run).
@@ -139,6 +146,13 @@ impl WaitSampler {
                  the threads they sample, and short waits (lock convoys) are undercounted; \
                  give pgscope CAP_SYS_NICE, or use --off-cpu=exact"
             );
+        }
+        if self.exact_beside {
+            // SAFETY: gettid has no arguments and cannot fail.
+            let tid = unsafe { libc::gettid() };
+            if let Err(error) = self.config.set(SAMPLER_TID_INDEX, tid as u64, 0) {
+                warn!("the exact off-CPU state at the sampler's instants is not measured: {error}");
+            }
         }
         let mut last = Instant::now();
         let mut next = last + period;

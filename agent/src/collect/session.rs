@@ -34,12 +34,18 @@ pub struct InstanceStacks {
     pub off_cpu: StackAggregator,
     /// The tracer's waits when the sampler runs too (`--off-cpu=both`), kept apart.
     pub off_cpu_exact: StackAggregator,
+    /// With both: where the tracer had each thread at the sampler's runs, weighted like its
+    /// samples (no stacks).
+    pub off_cpu_exact_at_runs: StackAggregator,
 }
 
 impl InstanceStacks {
     /// Distinct stacks held, on and off CPU: what memory grows with.
     pub fn distinct(&self) -> usize {
-        self.on_cpu.distinct() + self.off_cpu.distinct() + self.off_cpu_exact.distinct()
+        self.on_cpu.distinct()
+            + self.off_cpu.distinct()
+            + self.off_cpu_exact.distinct()
+            + self.off_cpu_exact_at_runs.distinct()
     }
 }
 
@@ -50,6 +56,14 @@ pub enum WaitSource {
     Sampled,
     /// The context-switch tracer's totals and open waits.
     Traced,
+}
+
+/// Which stacks waits measured without a stack go to.
+#[derive(Clone, Copy)]
+enum WaitTarget {
+    Source(WaitSource),
+    /// The context-switch tracer's state at the wait sampler's runs (`--off-cpu=both`).
+    ExactAtRuns,
 }
 
 /// The last wait sample sent with stacks for a thread: repeats add to it.
@@ -231,6 +245,21 @@ impl Session {
         database_names: &HashMap<u32, String>,
     ) -> Profile {
         self.profile_of(|stacks| &stacks.off_cpu_exact, kernel, meta, database_names)
+    }
+
+    /// The tracer's state at the sampler's runs when both ran (`--off-cpu=both`).
+    pub fn exact_at_runs_off_cpu_profile(
+        &mut self,
+        kernel: Option<&KernelSymbols>,
+        meta: ProfileMeta,
+        database_names: &HashMap<u32, String>,
+    ) -> Profile {
+        self.profile_of(
+            |stacks| &stacks.off_cpu_exact_at_runs,
+            kernel,
+            meta,
+            database_names,
+        )
     }
 
     fn profile_of(
@@ -610,6 +639,16 @@ impl Session {
         waits: impl Iterator<Item = WaitWithoutStack>,
         source: WaitSource,
     ) {
+        self.add_waits_to(waits, WaitTarget::Source(source));
+    }
+
+    /// Adds where the context-switch tracer had each thread at the wait sampler's runs
+    /// (`--off-cpu=both`), apart from both profiles.
+    pub fn add_exact_at_runs(&mut self, waits: impl Iterator<Item = WaitWithoutStack>) {
+        self.add_waits_to(waits, WaitTarget::ExactAtRuns);
+    }
+
+    fn add_waits_to(&mut self, waits: impl Iterator<Item = WaitWithoutStack>, target: WaitTarget) {
         for wait in waits {
             let Some(root) = self.owner_of(wait.tgid) else {
                 self.unowned += 1;
@@ -625,9 +664,12 @@ impl Session {
             let Some(class) = class_of(wait.attr.off_cpu_class, postmaster, wait_event_type) else {
                 continue;
             };
-            let stacks = match source {
-                WaitSource::Sampled => &mut instance.stacks.off_cpu,
-                WaitSource::Traced => Self::traced_waits(self.off_cpu, &mut instance.stacks),
+            let stacks = match target {
+                WaitTarget::Source(WaitSource::Sampled) => &mut instance.stacks.off_cpu,
+                WaitTarget::Source(WaitSource::Traced) => {
+                    Self::traced_waits(self.off_cpu, &mut instance.stacks)
+                }
+                WaitTarget::ExactAtRuns => &mut instance.stacks.off_cpu_exact_at_runs,
             };
             stacks.add_without_stack(wait.tgid, attribution, Some(class), wait.frame(class), wait.ns);
         }

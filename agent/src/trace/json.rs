@@ -58,6 +58,10 @@ pub struct Summary {
     pub wait_sampler: Option<WaitSamplerJson>,
     /// With `--off-cpu=both`: the exact tracer's tables beside the sampled ones in `off_cpu`.
     pub off_cpu_exact: Option<OffCpuJson>,
+    /// With `--off-cpu=both`: where the exact tracer had each thread at the sampler's runs,
+    /// weighted like the samples (mode `exact_at_runs`): the sampled tables against the exact
+    /// state at their own instants, without the time the runs themselves cause.
+    pub off_cpu_exact_at_runs: Option<OffCpuJson>,
     /// Per queryid, its wall-clock time (on and off CPU, the client's time left out) split
     /// into CPU and each wait, largest first; empty without off-CPU time.
     pub wall_clock: Vec<WallClockJson>,
@@ -397,6 +401,8 @@ pub struct SummaryInputs<'a> {
     pub off_cpu: Option<(&'a WaitTables, OffCpuMode, u64)>,
     /// The exact tracer's tables when the sampler ran too.
     pub off_cpu_exact: Option<&'a WaitTables>,
+    /// The exact tracer's state at the sampler's runs, when both ran.
+    pub off_cpu_exact_at_runs: Option<&'a WaitTables>,
     /// What the off-CPU sampler's thread did (no runs when it did not run).
     pub wait_sampler: &'a WaitSamplerTally,
     pub walls: &'a [StatementWall],
@@ -569,6 +575,9 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             let min_stack_ns = inputs.off_cpu.map(|(_, _, ns)| ns);
             off_cpu_json(waits, "exact", min_stack_ns)
         }),
+        off_cpu_exact_at_runs: inputs
+            .off_cpu_exact_at_runs
+            .map(|waits| off_cpu_json(waits, "exact_at_runs", None)),
         wall_clock: inputs
             .walls
             .iter()

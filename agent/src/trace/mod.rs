@@ -221,6 +221,12 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         options.off_cpu_stack_rate,
         |what, error| note!("pgscope: {what}: {error:#}; on-CPU profiling goes on"),
     );
+    // A trace with both off-CPU profiles also sets the exact state at the sampler's instants
+    // beside them (`off_cpu_exact_at_runs`); the agent, which would have to bound that map too,
+    // does not.
+    if off_cpu_measured == collect::off_cpu::OffCpuMode::Both {
+        probes.measure_exact_at_wait_runs();
+    }
     // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
     let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
     let ring = probes.take_samples()?;
@@ -286,6 +292,14 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     } else {
         Vec::new()
     };
+    let exact_at_runs = if session.off_cpu == crate::collect::off_cpu::OffCpuMode::Both {
+        probes.exact_at_runs_totals().unwrap_or_else(|error| {
+            warn!("cannot read the exact off-CPU state at the sampler's runs: {error:#}");
+            Vec::new()
+        })
+    } else {
+        Vec::new()
+    };
     let (off_cpu_totals, open_waits) = if session.off_cpu.traces() {
         let totals = probes.off_cpu_totals().unwrap_or_else(|error| {
             warn!("cannot read the off-CPU totals: {error:#}");
@@ -333,6 +347,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         WaitWithoutStack::from_totals(&sampled_totals),
         WaitSource::Sampled,
     );
+    session.add_exact_at_runs(WaitWithoutStack::from_totals(&exact_at_runs));
     let measured = report::Measured {
         counters,
         probe_results,

@@ -83,6 +83,14 @@ pub(super) fn finish(
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
         WaitTables::from_profile(&session.exact_off_cpu_profile(kernel.as_ref(), meta, &database_names))
     });
+    let exact_at_runs_waits = (session.off_cpu == OffCpuMode::Both).then(|| {
+        let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
+        WaitTables::from_profile(&session.exact_at_runs_off_cpu_profile(
+            kernel.as_ref(),
+            meta,
+            &database_names,
+        ))
+    });
     let probe_rows: Vec<ProbeRow> = probe_results
         .by_query()
         .into_iter()
@@ -335,6 +343,7 @@ pub(super) fn finish(
                 )
             }),
             off_cpu_exact: exact_waits.as_ref(),
+            off_cpu_exact_at_runs: exact_at_runs_waits.as_ref(),
             wait_sampler: &session.wait_sampler,
             walls: &analysis.walls,
             findings: &findings,
