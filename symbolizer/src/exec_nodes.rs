@@ -68,7 +68,8 @@ const EXEC_SCAN: &str = "ExecScan";
 #[derive(Debug, Default)]
 pub(crate) struct ExecNodes {
     /// Start (stated address) of each installed function no symbol names, with its derived
-    /// name: `Exec<Node>`, or the scan access method's name (`SeqNext`).
+    /// name: `Exec<Node>`, or the scan access method's name (`SeqNext`); and the expression
+    /// interpreter's, `ExecInterpExpr` (crate::expr_interp).
     pub derived: HashMap<u64, Arc<str>>,
     /// Every function that runs a node of a type, by the name its frames get (`ExecSeqScan` →
     /// `SeqScan`): the installed ones and the scans' access methods (named by symbol, derived,
@@ -123,6 +124,12 @@ impl ExecNodes {
             if symbols.address_of(&multi).is_some() {
                 found.node_types.insert(Arc::from(multi), node_type);
             }
+        }
+        // Not a node's: the expression interpreter, which evaluates the nodes' quals and
+        // projections (crate::expr_interp).
+        if let Some(interpreter) = crate::expr_interp::interpreter(elf, symbols, functions) {
+            let name = Arc::from(crate::expr_interp::INTERPRETER);
+            found.derived.insert(interpreter, name);
         }
         found
     }
@@ -184,6 +191,13 @@ fn function_starts(addresses: BTreeSet<u64>, functions: &FunctionRanges) -> BTre
 /// [`EXEC_PROC_NODE_OFFSET`] of a structure, as `lea reg, [rip+X]` then `mov [base+0x18], reg`;
 /// None when an instruction cannot be decoded (wrong extent or bytes: better no answer).
 pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Option<BTreeSet<u64>> {
+    stored_at(code, function, EXEC_PROC_NODE_OFFSET)
+}
+
+/// The code addresses that `code` (the bytes of `function`) stores at offset `offset` of a
+/// structure, as `lea reg, [rip+X]` then `mov [base+offset], reg`; None when an instruction
+/// cannot be decoded.
+pub(crate) fn stored_at(code: &[u8], function: &Range<u64>, offset: u64) -> Option<BTreeSet<u64>> {
     let mut stored = BTreeSet::new();
     track_leas(code, function, |instruction, loaded| {
         if instruction.mnemonic() != Mnemonic::Mov || instruction.op0_kind() != OpKind::Memory {
@@ -191,7 +205,7 @@ pub(crate) fn stored_at_exec_proc_node(code: &[u8], function: &Range<u64>) -> Op
         }
         let to_field = is_gpr64(instruction.memory_base())
             && instruction.memory_index() == Register::None
-            && instruction.memory_displacement64() == EXEC_PROC_NODE_OFFSET
+            && instruction.memory_displacement64() == offset
             && instruction.op1_kind() == OpKind::Register;
         if let Some(targets) = loaded.get(&instruction.op1_register()).filter(|_| to_field) {
             stored.extend(targets);

@@ -58,6 +58,7 @@ mod eh_frame_hdr;
 mod elf;
 mod error;
 mod exec_nodes;
+mod expr_interp;
 mod functions;
 #[doc(hidden)]
 pub mod fuzzing;

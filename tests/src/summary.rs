@@ -352,6 +352,23 @@ impl TraceSummary {
         by_wait_rows(rows)
     }
 
+    /// `top_functions[].name`, in the summary's order (most samples first, by self time).
+    pub fn top_function_names(&self) -> Result<Vec<String>> {
+        let rows = self
+            .json
+            .get("top_functions")
+            .and_then(Value::as_array)
+            .context("the summary has no array `top_functions`")?;
+        rows.iter()
+            .map(|row| {
+                row.get("name")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+                    .with_context(|| format!("a `top_functions` row has no string `name`: {row}"))
+            })
+            .collect()
+    }
+
     /// `off_cpu.mode` (`sampled` or `exact`) and `off_cpu_exact.mode` (`exact` under
     /// `--off-cpu=both`, else `None`).
     pub fn off_cpu_modes(&self) -> Result<(String, Option<String>)> {

@@ -146,7 +146,8 @@ const MIN_SEQSCAN_PCT: f64 = 90.0;
 
 /// A sequential scan with a filter spends its time evaluating the filter in `ExecScan`, where
 /// neither the scan's own function (a tail call) nor its access method (`SeqNext`, done with the
-/// tuple by then) is on the stack: that time is the SeqScan's all the same.
+/// tuple by then) is on the stack: that time is the SeqScan's all the same. The evaluator,
+/// `ExecInterpExpr`, is named on the stripped build.
 #[test]
 fn a_filtered_scans_qual_counts_for_its_scan_node() -> Result<()> {
     require_root_and_bpf();
@@ -185,6 +186,13 @@ fn a_filtered_scans_qual_counts_for_its_scan_node() -> Result<()> {
         "the filtered scan's SeqScan node has {pct:.1}% of its {samples} samples (at least \
          {MIN_SEQSCAN_PCT}%): {by_node:?}"
     );
+    // The filter is evaluated by the expression interpreter, a static function of the stripped
+    // build: named, not `postgres+0x<start>`.
+    let functions = summary.top_function_names()?;
+    ensure!(
+        functions.iter().any(|name| name == "ExecInterpExpr"),
+        "the filtered scan's top functions do not name ExecInterpExpr: {functions:?}"
+    );
     Ok(())
 }
 
@@ -219,7 +227,8 @@ const MIN_NAMED_PER_MAJOR: usize = 30;
 
 /// The upstream builds have `.symtab`: stripped of it, the names pgscope derives from their
 /// machine code must be the ones their symbol table gives at the same addresses, in every
-/// major (13 to 18; 18 installs one of several `ExecSeqScan*` per case, which stays unnamed).
+/// major (13 to 18; 18 installs one of several `ExecSeqScan*` per case, which stays unnamed),
+/// the expression interpreter `ExecInterpExpr` among them.
 #[test]
 fn names_derived_from_stripped_upstream_builds_match_their_symbols() -> Result<()> {
     for &(major, _) in UPSTREAM_MAJORS {
@@ -261,6 +270,12 @@ fn names_derived_from_stripped_upstream_builds_match_their_symbols() -> Result<(
             derived.len()
         );
         ensure!(wrong.is_empty(), "{major}: wrong names: {wrong:?}");
+        // The expression interpreter, named from `ExecReadyInterpretedExpr` (checked against
+        // the symbol table with the rest, above).
+        ensure!(
+            derived.iter().any(|(_, name)| name == "ExecInterpExpr"),
+            "{major}: ExecInterpExpr not named in the stripped copy"
+        );
         ensure!(
             derived.len() >= MIN_NAMED_PER_MAJOR,
             "{major}: only {} named: {derived:?}",
