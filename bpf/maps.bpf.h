@@ -95,3 +95,19 @@ static __always_inline void count(__u32 counter)
 	if (value)
 		*value += 1;
 }
+
+/* Adds `ns` over `waits` waits to `key`'s row of a per-CPU hash map of off-CPU totals
+ * (off_cpu_totals, wait_sample_totals, exact_at_runs: one layout); a full map is counted. */
+static __always_inline void add_to_totals(void *totals, struct pgscope_off_cpu_key *key, __u64 ns, __u64 waits)
+{
+	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(totals, key);
+
+	if (total) {
+		total->ns += ns;
+		total->waits += waits;
+		return;
+	}
+	struct pgscope_off_cpu_total first = { .ns = ns, .waits = waits };
+	if (bpf_map_update_elem(totals, key, &first, BPF_NOEXIST) != 0)
+		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+}

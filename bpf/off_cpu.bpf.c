@@ -64,16 +64,7 @@ static __always_inline void add_off_cpu_total(__u32 tgid, struct pgscope_attribu
 		.tgid = tgid,
 		.attr = *attr,
 	};
-	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&off_cpu_totals, &key);
-
-	if (total) {
-		total->ns += ns;
-		total->waits += 1;
-		return;
-	}
-	struct pgscope_off_cpu_total first = { .ns = ns, .waits = 1 };
-	if (bpf_map_update_elem(&off_cpu_totals, &key, &first, BPF_NOEXIST) != 0)
-		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+	add_to_totals(&off_cpu_totals, &key, ns, 1);
 }
 
 static __always_inline __u64 off_cpu_setting(__u32 index)

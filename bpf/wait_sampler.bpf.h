@@ -253,16 +253,7 @@ static __always_inline void add_sampled_total(__u32 tgid, struct pgscope_attribu
 		.tgid = tgid,
 		.attr = *attr,
 	};
-	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&wait_sample_totals, &key);
-
-	if (total) {
-		total->ns += ns;
-		total->waits += ticks;
-		return;
-	}
-	struct pgscope_off_cpu_total first = { .ns = ns, .waits = ticks };
-	if (bpf_map_update_elem(&wait_sample_totals, &key, &first, BPF_NOEXIST) != 0)
-		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+	add_to_totals(&wait_sample_totals, &key, ns, ticks);
 }
 
 /* Counts one tick of the thread's wait without a stack, now. */
@@ -428,15 +419,7 @@ static __always_inline void count_exact_at_run(struct task_struct *task, __u32 t
 	struct pgscope_off_cpu_key key = { .tgid = tgid, .attr = exact->attr };
 	/* Not what the tracer counts by: whether a stack was taken. */
 	key.attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
-	struct pgscope_off_cpu_total *total = bpf_map_lookup_elem(&exact_at_runs, &key);
-	if (total) {
-		total->ns += weight;
-		total->waits += 1;
-		return;
-	}
-	struct pgscope_off_cpu_total first = { .ns = weight, .waits = 1 };
-	if (bpf_map_update_elem(&exact_at_runs, &key, &first, BPF_NOEXIST) != 0)
-		count(PGSCOPE_CNT_OFF_CPU_MAP_FULL);
+	add_to_totals(&exact_at_runs, &key, weight, 1);
 }
 
 /*

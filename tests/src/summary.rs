@@ -332,23 +332,23 @@ impl TraceSummary {
     /// `off_cpu_exact.by_wait[]`: the context-switch tracer's rows under `--off-cpu=both`; an
     /// error when it did not run.
     pub fn off_cpu_exact_by_wait(&self) -> Result<Vec<OffCpuWait>> {
-        let rows = self
-            .json
-            .pointer("/off_cpu_exact/by_wait")
-            .and_then(Value::as_array)
-            .context("the summary has no array `off_cpu_exact.by_wait` (not --off-cpu=both?)")?;
-        by_wait_rows(rows)
+        self.both_modes_by_wait("off_cpu_exact")
     }
 
     /// `off_cpu_exact_at_runs.by_wait[]`: where the context-switch tracer had each thread at
     /// the off-CPU sampler's runs, weighted like its samples, under `--off-cpu=both`; an error
     /// when it is not there.
     pub fn off_cpu_exact_at_runs_by_wait(&self) -> Result<Vec<OffCpuWait>> {
+        self.both_modes_by_wait("off_cpu_exact_at_runs")
+    }
+
+    /// `<table>.by_wait[]` of a table only `--off-cpu=both` writes.
+    fn both_modes_by_wait(&self, table: &str) -> Result<Vec<OffCpuWait>> {
         let rows = self
             .json
-            .pointer("/off_cpu_exact_at_runs/by_wait")
+            .pointer(&format!("/{table}/by_wait"))
             .and_then(Value::as_array)
-            .context("the summary has no array `off_cpu_exact_at_runs.by_wait` (not --off-cpu=both?)")?;
+            .with_context(|| format!("the summary has no array `{table}.by_wait` (not --off-cpu=both?)"))?;
         by_wait_rows(rows)
     }
 
