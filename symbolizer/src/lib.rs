@@ -63,6 +63,7 @@ mod functions;
 #[doc(hidden)]
 pub mod fuzzing;
 mod globals;
+mod gnu_hash;
 mod kernel;
 mod maps;
 mod module;

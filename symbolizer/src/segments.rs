@@ -9,7 +9,7 @@ use object::elf::{
     FileHeader64, ProgramHeader64, Sym64, DT_GNU_HASH, DT_HASH, DT_NULL, DT_STRSZ, DT_STRTAB, DT_SYMENT,
     DT_SYMTAB, ELF_NOTE_GNU, NT_GNU_BUILD_ID, PT_GNU_EH_FRAME, SHN_UNDEF,
 };
-use object::read::elf::{Dyn as _, GnuHashTable, HashTable, ProgramHeader as _, Sym as _};
+use object::read::elf::{Dyn as _, HashTable, ProgramHeader as _, Sym as _};
 use object::{LittleEndian, ReadRef};
 
 use crate::elf::{Section, Segment};
@@ -155,8 +155,7 @@ pub(crate) fn dynamic_symbols<'d>(
     };
     let count = gnu_hash
         .and_then(table_bytes)
-        .and_then(|bytes| GnuHashTable::<Header>::parse(LE, bytes).ok())
-        .and_then(|table| table.symbol_table_length(LE))
+        .and_then(crate::gnu_hash::symbol_count)
         .or_else(|| {
             let bytes = hash.and_then(table_bytes)?;
             Some(HashTable::<Header>::parse(LE, bytes).ok()?.symbol_table_length())
