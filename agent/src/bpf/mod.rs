@@ -215,7 +215,7 @@ impl OnCpuProbes {
     }
 
     /// With the exact tracer attached too (`--off-cpu=both`): each run of the wait sampler also
-    /// adds where the tracer had every target thread at the run's start, read with
+    /// adds where the tracer has every target thread as the run reaches it, read with
     /// [`Self::exact_at_runs_totals`].
     pub fn measure_exact_at_wait_runs(&mut self) {
         if let Some(sampler) = self.wait_sampler.as_mut() {
