@@ -68,17 +68,7 @@ impl PerfRecording {
     /// takes), perf names the static functions of the recorded binaries that have a debug file
     /// there; it is an error if none has.
     pub fn finish(mut self, debug_dir: Option<&Path>) -> Result<Profile> {
-        let status = wait_timeout(&mut self.child, self.duration + Duration::from_secs(60))?;
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        match status {
-            Some(s) if s.success() => {}
-            Some(s) => bail!("perf record failed ({s}): {}", log.trim()),
-            None => {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                bail!("perf record did not finish: {}", log.trim());
-            }
-        }
+        self.wait_recorded()?;
         if let Some(debug_dir) = debug_dir {
             self.cache.add_debug_files(&self.data, debug_dir)?;
         }
@@ -91,9 +81,27 @@ impl PerfRecording {
         )?;
         let profile = parse_perf_script(&script)?;
         if profile.total() == 0 {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             bail!("perf recorded no samples: {}", log.trim());
         }
         Ok(profile)
+    }
+
+    /// Waits for the recording to end (its `sleep` to exit), without reading it: to end another
+    /// profiler's window with perf's.
+    pub fn wait_recorded(&mut self) -> Result<()> {
+        let status = wait_timeout(&mut self.child, self.duration + Duration::from_secs(60))?;
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        match status {
+            Some(s) if s.success() => {}
+            Some(s) => bail!("perf record failed ({s}): {}", log.trim()),
+            None => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                bail!("perf record did not finish: {}", log.trim());
+            }
+        }
+        Ok(())
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Frames are stored root first, as in the folded format; kernel frames end with `_[k]`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -123,6 +123,28 @@ impl Profile {
         }
         SelfTable(pct)
     }
+
+    /// The stacks that satisfy `pred`, as a profile of their own.
+    pub fn only(&self, pred: impl Fn(&Stack) -> bool) -> Profile {
+        Profile {
+            stacks: self.stacks.iter().filter(|s| pred(s)).cloned().collect(),
+        }
+    }
+
+    /// Inclusive time per function in percent of all samples: the samples with the function
+    /// anywhere in their user frames (each sample counted once per function, however often it
+    /// recurses), renamed by `name`.
+    pub fn inclusive_table(&self, name: impl Fn(&str) -> String) -> SelfTable {
+        let total = self.total().max(1) as f64;
+        let mut pct = BTreeMap::new();
+        for s in &self.stacks {
+            let names: BTreeSet<String> = s.user_frames().iter().map(|f| name(f)).collect();
+            for function in names {
+                *pct.entry(function).or_insert(0.0) += s.count as f64 * 100.0 / total;
+            }
+        }
+        SelfTable(pct)
+    }
 }
 
 impl Stack {
@@ -207,6 +229,21 @@ postgres-43;PortalRun;ExecScan 1
         let table = p.self_table(|f| f.to_owned());
         assert_eq!(table.0["int4mod"], 70.0);
         assert_eq!(table.0["do_syscall_64"], 20.0);
+    }
+
+    #[test]
+    fn inclusive_time_counts_a_sample_once_per_function_and_no_kernel_frame() {
+        let p = Profile::parse_folded(
+            "postgres-42;main;PortalRun;ExecScan;ExecScan;int4mod 3\n\
+             postgres-42;main;PortalRun;entry_SYSCALL_64_[k] 1\n",
+        )
+        .unwrap();
+        let table = p.inclusive_table(|f| f.to_owned());
+        assert_eq!(table.0["main"], 100.0);
+        assert_eq!(table.0["ExecScan"], 75.0);
+        assert_eq!(table.0["int4mod"], 75.0);
+        assert!(!table.0.contains_key("entry_SYSCALL_64_[k]"));
+        assert!(!table.0.contains_key("postgres-42"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! A client session running one long query in the background.
 
 use std::io::Read;
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -26,6 +27,20 @@ impl PgCluster {
     /// 'active'` in `pg_stat_activity`. The backend is found by a unique `application_name`,
     /// since the query itself cannot return its pid before it finishes.
     pub fn spawn_session(&self, sql: &str) -> Result<Session<'_>> {
+        self.spawn_psql(&["-c", sql], sql)
+    }
+
+    /// Runs the SQL file `script` (readable by the cluster's user) in a background `psql`, one
+    /// command after the other, for commands that cannot share one query (`VACUUM`), and
+    /// returns once its backend first reports `state = 'active'`. Between two commands the
+    /// backend is briefly idle: ask [`Session::is_running`], not `is_active`, whether it still
+    /// runs.
+    pub fn spawn_script_session(&self, script: &Path) -> Result<Session<'_>> {
+        let path = script.to_str().context("the script's path is not UTF-8")?;
+        self.spawn_psql(&["-f", path], &format!("the commands of {path}"))
+    }
+
+    fn spawn_psql(&self, args: &[&str], what: &str) -> Result<Session<'_>> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let tag = format!(
             "pgscope-test-{}-{}",
@@ -34,8 +49,7 @@ impl PgCluster {
         );
         let mut cmd = self.psql_command();
         cmd.env("PGAPPNAME", &tag)
-            .arg("-c")
-            .arg(sql)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -48,7 +62,7 @@ impl PgCluster {
             backend_pid: 0,
             tag,
         };
-        session.backend_pid = session.wait_active(sql)?;
+        session.backend_pid = session.wait_active(what)?;
         Ok(session)
     }
 }
@@ -71,6 +85,12 @@ impl Session<'_> {
             self.backend_pid
         ))?;
         Ok(state == "active")
+    }
+
+    /// `true` while the session's `psql` has commands left to run (its backend may be between
+    /// two of them).
+    pub fn is_running(&mut self) -> Result<bool> {
+        Ok(self.child.try_wait()?.is_none())
     }
 
     /// Waits until the backend has finished its query (no longer active).

@@ -55,3 +55,34 @@ pub fn is_numeric_frame(frame: &str) -> bool {
 pub fn pgss_eviction_scripts(cluster: &crate::PgCluster) -> anyhow::Result<(tempfile::TempDir, Vec<String>)> {
     crate::app_database::distinct_selects_in(cluster, "postgres", 16, 8)
 }
+
+/// Tables [`large_catalog_vacuums`] creates: each VACUUM's `vac_update_datfrozenxid` then reads
+/// ~20000 `pg_class` rows (~1000 pages) through `systable_getnext`, about 10 ms a VACUUM here.
+pub const LARGE_CATALOG_TABLES: u32 = 20_000;
+
+/// The issue's VACUUM over a large catalog: [`LARGE_CATALOG_TABLES`] empty tables in
+/// `cluster`, and a SQL file (in a directory the cluster's OS user can read) of `vacuums`
+/// `VACUUM` commands of one of them, to run with [`crate::PgCluster::spawn_script_session`].
+/// Most of each VACUUM is the scan of `pg_class` at its end (perf, distro / nofp, inclusive:
+/// `vac_update_datfrozenxid` 94/95%, `systable_getnext` 83/85%, `heapgetpage` 50/50%).
+pub fn large_catalog_vacuums(
+    cluster: &crate::PgCluster,
+    vacuums: u32,
+) -> anyhow::Result<(tempfile::TempDir, std::path::PathBuf)> {
+    use std::os::unix::fs::PermissionsExt;
+    // One transaction per thousand tables: a table's creation holds a lock until commit, and
+    // the lock table has room for max_locks_per_transaction × max_connections.
+    for first in (1..=LARGE_CATALOG_TABLES).step_by(1000) {
+        let last = (first + 999).min(LARGE_CATALOG_TABLES);
+        cluster.psql(&format!(
+            "DO $$ BEGIN FOR i IN {first}..{last} LOOP \
+             EXECUTE format('CREATE TABLE catalog_filler_%s (a int)', i); END LOOP; END $$"
+        ))?;
+    }
+    let dir = tempfile::tempdir()?;
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
+    let script = dir.path().join("vacuums.sql");
+    std::fs::write(&script, "VACUUM catalog_filler_1;\n".repeat(vacuums as usize))?;
+    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
+    Ok((dir, script))
+}
