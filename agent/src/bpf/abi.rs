@@ -81,6 +81,7 @@ pub enum Counter {
     WaitRanBeforeStack = c::pgscope_counter::PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK,
     WaitThreadsOver = c::pgscope_counter::PGSCOPE_CNT_WAIT_THREADS_OVER,
     WaitEventUnknown = c::pgscope_counter::PGSCOPE_CNT_WAIT_EVENT_UNKNOWN,
+    WaitStackAfterRun = c::pgscope_counter::PGSCOPE_CNT_WAIT_STACK_AFTER_RUN,
 }
 
 const _: () = assert!(covers_every_value(
@@ -89,7 +90,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 22] = [
+    pub const ALL: [Counter; 23] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -112,6 +113,7 @@ impl Counter {
         Counter::WaitRanBeforeStack,
         Counter::WaitThreadsOver,
         Counter::WaitEventUnknown,
+        Counter::WaitStackAfterRun,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -142,6 +144,7 @@ impl Counter {
             Counter::WaitRanBeforeStack => "wait_sample_ran_before_stack",
             Counter::WaitThreadsOver => "lost_wait_sample_threads_over",
             Counter::WaitEventUnknown => "wait_sample_event_guessed",
+            Counter::WaitStackAfterRun => "wait_sample_stack_after_run",
         }
     }
 }

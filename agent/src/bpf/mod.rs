@@ -667,20 +667,30 @@ impl Counters {
         .collect()
     }
 
-    /// Samples kept with a degraded stack, by reason.
+    /// Samples kept with part of their stack or attribution missing, by reason.
     pub fn degradations(&self) -> Vec<(Counter, u64)> {
-        [
+        self.nonzero(&[
             Counter::UserStackFault,
             Counter::UserStackLost,
             Counter::KernelStackFault,
             Counter::WaitOverBudget,
             Counter::WaitRanBeforeStack,
             Counter::WaitEventUnknown,
-        ]
-        .into_iter()
-        .map(|c| (c, self.get(c)))
-        .filter(|&(_, n)| n > 0)
-        .collect()
+        ])
+    }
+
+    /// Off-CPU samples whose whole stack was copied after the thread ran and went back into the
+    /// wait the sample is of (same kind of syscall, wait event and statement).
+    pub fn late_stacks(&self) -> Vec<(Counter, u64)> {
+        self.nonzero(&[Counter::WaitStackAfterRun])
+    }
+
+    fn nonzero(&self, counters: &[Counter]) -> Vec<(Counter, u64)> {
+        counters
+            .iter()
+            .map(|&c| (c, self.get(c)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
     }
 }
 

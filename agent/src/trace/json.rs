@@ -313,6 +313,9 @@ pub struct SamplesJson {
     pub lost: BTreeMap<&'static str, u64>,
     /// Samples kept with a degraded part (e.g. partial user stack), by reason.
     pub degraded: BTreeMap<&'static str, u64>,
+    /// Off-CPU samples whose whole stack was copied after the thread ran and went back into the
+    /// same wait of the same statement, by reason.
+    pub late_stacks: BTreeMap<&'static str, u64>,
     /// Share of samples whose user stack unwound to the process root, in percent.
     pub user_stacks_complete_pct: f64,
     /// Samples of other queries left out by --queryid.
@@ -434,6 +437,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             taken_in_kernel: inputs.counters.get(Counter::Samples),
             lost: by_reason(inputs.counters.losses()),
             degraded: by_reason(inputs.counters.degradations()),
+            late_stacks: by_reason(inputs.counters.late_stacks()),
             user_stacks_complete_pct: inputs.stats.complete_pct(),
             filtered_out: inputs.filtered_out,
         },

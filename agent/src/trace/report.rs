@@ -487,6 +487,14 @@ fn loss_lines(
             degraded.join(", ")
         ));
     }
+    let late = named(counters.late_stacks());
+    if !late.is_empty() {
+        lines.push(format!(
+            "off-CPU stacks copied after the thread ran, back in the same wait of the same \
+             statement: {}",
+            late.join(", ")
+        ));
+    }
     lines
 }
 
@@ -555,6 +563,26 @@ mod tests {
             ["kept with part of their stack missing, their time counted: \
               wait_sample_ran_before_stack 457 (of 1290 on-CPU samples and 1564 off-CPU samples \
               that sought a stack)"]
+        );
+    }
+
+    #[test]
+    fn stacks_copied_after_a_run_are_said_apart_from_the_ones_missing() {
+        let counters = Counters::with(&[
+            (Counter::Samples, 33),
+            (Counter::WaitSamples, 925),
+            (Counter::WaitRanBeforeStack, 5),
+            (Counter::WaitStackAfterRun, 2),
+        ]);
+        assert_eq!(
+            loss_lines(&counters, 0, 0, 0),
+            [
+                "kept with part of their stack missing, their time counted: \
+                 wait_sample_ran_before_stack 5 (of 33 on-CPU samples and 930 off-CPU samples \
+                 that sought a stack)",
+                "off-CPU stacks copied after the thread ran, back in the same wait of the same \
+                 statement: wait_sample_stack_after_run 2",
+            ]
         );
     }
 
