@@ -56,7 +56,7 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK = 19, /* degraded: sampled off CPU without a stack, it ran before the copy */
 	PGSCOPE_CNT_WAIT_THREADS_OVER = 20,   /* lost: a target thread the wait sampler's list had no room for */
 	PGSCOPE_CNT_WAIT_EVENT_UNKNOWN = 21,  /* degraded: sampled off CPU, it ran before its wait event was read */
-	PGSCOPE_CNT_WAIT_STACK_AFTER_RUN = 22, /* degraded: sampled off CPU, its stack copied back in the same wait after it ran */
+	PGSCOPE_CNT_WAIT_STACK_AFTER_RUN = 22, /* sampled off CPU: its stack copied after it ran, back in the same wait */
 	PGSCOPE_CNT_MAX = 23,
 };
 

@@ -75,10 +75,10 @@ const TOP_INCLUSIVE: usize = 20;
 const VACUUMS: u32 = 100_000;
 
 /// Runs the VACUUMs in one backend of `install`, profiles it with both, and compares the
-/// top-[`TOP`] self and top-[`TOP_INCLUSIVE`] inclusive functions within [`VACUUM_MAX_PP`]. A name only one profiler
-/// prints (perf's inlined `__libc_start_main_impl`, pgscope's executor nodes on a stripped
-/// build) counts as `[unknown]` on both sides, and `[unknown]` has no inclusive share (it is
-/// many functions).
+/// top-[`TOP`] self and top-[`TOP_INCLUSIVE`] inclusive functions within [`VACUUM_MAX_PP`]. A
+/// name only one profiler prints (perf's inlined `__libc_start_main_impl`, pgscope's executor
+/// nodes on a stripped build) counts as `[unknown]` on both sides, and `[unknown]` has no
+/// inclusive share (it is many functions).
 fn compare_vacuum(install: &PgInstall) -> Result<()> {
     // As where the issue measured it: with pg_stat_statements, whose ProcessUtility hook is
     // then on every VACUUM's stack.
@@ -88,13 +88,8 @@ fn compare_vacuum(install: &PgInstall) -> Result<()> {
     let both = record_both(install, session.pid(), VACUUM_SECS, VACUUM_FREQUENCY)?;
     ensure!(session.is_running()?, "the VACUUMs ended during the trace");
 
-    let perf_names = both.perf_names(comparable_name);
-    let pgscope_names: HashSet<String> = both
-        .pgscope
-        .stacks
-        .iter()
-        .flat_map(|s| s.frames.iter().map(|f| comparable_name(f)))
-        .collect();
+    let perf_names = frame_names(&both.perf, comparable_name);
+    let pgscope_names = frame_names(&both.pgscope, comparable_name);
     let shared = |frame: &str| {
         let named = comparable_name(frame);
         if perf_names.contains(&named) && pgscope_names.contains(&named) {
@@ -194,7 +189,7 @@ fn compare_self_time(
     let both = record_both(install, session.pid(), DURATION_SECS, FREQUENCY)?;
     ensure!(session.is_active()?, "the workload ended during the trace");
 
-    let perf_names: HashSet<String> = both.perf_names(name);
+    let perf_names = frame_names(&both.perf, name);
     let pgscope_name = |frame: &str| {
         let named = name(frame);
         if merge == MergeNamesPerfLacks::Yes && !perf_names.contains(&named) {
@@ -224,16 +219,16 @@ struct BothProfiles {
     perf_rooted: f64,
 }
 
-impl BothProfiles {
-    /// Every frame name perf printed, as `name` gives it.
-    fn perf_names(&self, name: fn(&str) -> String) -> HashSet<String> {
-        self.perf
-            .stacks
-            .iter()
-            .flat_map(|s| s.frames.iter().map(|f| name(f)))
-            .collect()
-    }
+/// Every frame name `profile` holds, as `name` gives it.
+fn frame_names(profile: &Profile, name: fn(&str) -> String) -> HashSet<String> {
+    profile
+        .stacks
+        .iter()
+        .flat_map(|s| s.frames.iter().map(|f| name(f)))
+        .collect()
+}
 
+impl BothProfiles {
     fn describe(&self) -> String {
         format!(
             "pgscope ({} samples) vs perf ({} samples, {:.1}% reach the root)",
