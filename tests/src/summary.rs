@@ -226,6 +226,29 @@ impl TraceSummary {
             .with_context(|| format!("`attached_share` of {function} is not a number"))
     }
 
+    /// `probes[].measured_calls` of `function`: the calls seen while it was attached.
+    pub fn measured_calls(&self, function: &str) -> Result<u64> {
+        self.probe_field(function, "measured_calls")?
+            .as_u64()
+            .with_context(|| format!("`measured_calls` of {function} is not a number"))
+    }
+
+    /// `probe_ns_per_hit`: what one probed call costs, as pgscope calibrated it.
+    pub fn probe_ns_per_hit(&self) -> Result<f64> {
+        self.json
+            .get("probe_ns_per_hit")
+            .and_then(Value::as_f64)
+            .context("the summary has no number `probe_ns_per_hit`")
+    }
+
+    /// `frequency_hz`: the on-CPU sampling frequency.
+    pub fn frequency_hz(&self) -> Result<u64> {
+        self.json
+            .get("frequency_hz")
+            .and_then(Value::as_u64)
+            .context("the summary has no number `frequency_hz`")
+    }
+
     /// `probes[].extrapolated` of `function`: whether its counts are estimates.
     pub fn extrapolated(&self, function: &str) -> Result<bool> {
         self.probe_field(function, "extrapolated")?

@@ -174,7 +174,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             }
         }
     };
-    let mut probe_set = if let Some(table) = probe_table {
+    // Calibrated and found before the off-CPU programs and the probes are attached.
+    let ns_per_hit = probe_table.map(|_| {
         let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
             Ok(ns) => ns,
             Err(error) => {
@@ -193,8 +194,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
                 None => "none (every call measured)".to_string(),
             }
         );
-        ProbeSet::attach(
-            &mut probes,
+        ns_per_hit
+    });
+    let located = match (probe_table, ns_per_hit) {
+        (Some(table), Some(ns_per_hit)) => Some(ProbeSet::locate(
             &mut symbolizer,
             &functions,
             &options.explicit_probes,
@@ -202,17 +205,27 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             table,
             options.probe_budget,
             ns_per_hit,
-        )?
-    } else {
-        ProbeSet::empty()
+        )?),
+        _ => None,
     };
-    if let Some((layout, table)) = &version_table {
-        match statement_clock::CounterLayout::for_process(layout_source, layout, table) {
-            Ok(counter) => {
-                probe_set.count_statements(layout_source, counter, &traced_pids(&probes, layout_source))
-            }
-            Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
-        }
+    // The session's symbolizer names the stacks (the one above only locates the probes). Both
+    // parse files, which takes seconds in a debug build: done before anything that measures a
+    // period (the off-CPU programs, the probes, the sampler) is attached.
+    let mut stack_symbolizer = Symbolizer::new(SymbolizerOptions {
+        debug_dirs: options.debug_dirs.clone(),
+    });
+    if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut stack_symbolizer, root.pid) {
+        tracing::debug!(
+            offset,
+            "pgss_store named in stacks through pg_stat_statements' hooks"
+        );
+    }
+    if let Some((_, table)) = &version_table {
+        let named = crate::postgres::pointer_tables::name_in_stacks(&mut stack_symbolizer, root.pid, table);
+        tracing::debug!(
+            named,
+            "static functions named through tables of function pointers"
+        );
     }
     let off_cpu_measured = collect::off_cpu::attach(
         &mut probes,
@@ -229,6 +242,22 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     }
     // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
     let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
+    // The probes are attached last, just before sampling starts and the duty cycle governs
+    // them: attached before the off-CPU programs were loaded and the stacks' symbolizer set up,
+    // a probe took every trap of a busy neighbour for those seconds, outside the budget (a
+    // third to a half of a 10 s trace).
+    let mut probe_set = match located {
+        Some(located) => located.attach(&mut probes)?,
+        None => ProbeSet::empty(),
+    };
+    if let Some((layout, table)) = &version_table {
+        match statement_clock::CounterLayout::for_process(layout_source, layout, table) {
+            Ok(counter) => {
+                probe_set.count_statements(layout_source, counter, &traced_pids(&probes, layout_source))
+            }
+            Err(error) => warn!("duty-cycled probe counts will be scaled by time: {error:#}"),
+        }
+    }
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
@@ -238,29 +267,13 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     let mut session = Session::new(
-        Symbolizer::new(SymbolizerOptions {
-            debug_dirs: options.debug_dirs.clone(),
-        }),
+        stack_symbolizer,
         off_cpu_measured,
         options.query_id,
         Some(collect::live::LiveCounts::default()),
     );
     session.add_instance(attached.context);
     session.settings_seen = Some(collect::settings_seen::SettingsSeen::default());
-    // The session's symbolizer names the stacks (the one above only located the probes).
-    if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut session.symbolizer, root.pid) {
-        tracing::debug!(
-            offset,
-            "pgss_store named in stacks through pg_stat_statements' hooks"
-        );
-    }
-    if let Some((_, table)) = &version_table {
-        let named = crate::postgres::pointer_tables::name_in_stacks(&mut session.symbolizer, root.pid, table);
-        tracing::debug!(
-            named,
-            "static functions named through tables of function pointers"
-        );
-    }
     // Handlers first: a Ctrl-C once the user is told it works must end the trace cleanly.
     let signals = Signals::install()?;
     note!(
@@ -402,6 +415,7 @@ async fn collect(
         started,
         progress: progress::Progress::new(options.duration),
         instance_cpu_ns_per_s: 1e9,
+        cpu_rate_of_a_second: false,
         last_samples: 0,
         last_tick_samples: 0,
         target_pid: session.only().map_or(0, |instance| instance.context.root),
@@ -421,8 +435,10 @@ struct TraceLoop<'a> {
     frequency_hz: u64,
     started: Instant,
     progress: progress::Progress,
-    /// CPU the instance uses (ns per second), from its on-CPU samples; one CPU until measured.
+    /// CPU the instance uses (ns per second), from its on-CPU samples: over the last second,
+    /// or since the start until a whole second was measured.
     instance_cpu_ns_per_s: f64,
+    cpu_rate_of_a_second: bool,
     last_samples: u64,
     /// The kernel's sample counter at the last duty tick.
     last_tick_samples: u64,
@@ -468,6 +484,7 @@ impl Policy for TraceLoop<'_> {
                 if self.last_samples > 0 {
                     let per_second = samples.saturating_sub(self.last_samples) as f64;
                     self.instance_cpu_ns_per_s = per_second / self.frequency_hz as f64 * 1e9;
+                    self.cpu_rate_of_a_second = true;
                 }
                 self.last_samples = samples;
                 let mut table = session
@@ -496,6 +513,13 @@ impl Policy for TraceLoop<'_> {
             self.last_tick_samples = samples;
             self.probe_set
                 .account_cpu(since as f64 / self.frequency_hz as f64 * 1e9);
+            // The first plan comes a quarter second in: budgeted on an assumed CPU, a quiet
+            // instance's probes would take several times its budget until the second is
+            // measured.
+            let elapsed = self.started.elapsed().as_secs_f64();
+            if !self.cpu_rate_of_a_second && elapsed > 0.0 {
+                self.instance_cpu_ns_per_s = samples as f64 / self.frequency_hz as f64 * 1e9 / elapsed;
+            }
         }
         let pids = traced_pids(probes, self.target_pid);
         self.probe_set

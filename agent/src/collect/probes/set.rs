@@ -295,6 +295,69 @@ pub struct ProbeState {
     pub cycled: bool,
 }
 
+/// Functions found in their files and ready to attach: finding them parses the files, which
+/// takes seconds in a debug build, while attaching takes milliseconds. A trace finds them
+/// first and attaches them last, so that the duty cycle governs them from their first trap.
+pub struct LocatedProbes {
+    probes: Vec<LocatedProbe>,
+    budget: Option<f64>,
+    ns_per_hit: f64,
+}
+
+struct LocatedProbe {
+    function: Function,
+    args: ProbeArgs,
+    file: ProbedFile,
+    file_offset: u64,
+}
+
+impl LocatedProbes {
+    /// Attaches every located function; one that cannot be attached is said and left out.
+    pub fn attach(self, probes: &mut OnCpuProbes) -> Result<ProbeSet> {
+        let mut set = ProbeSet::new(self.budget, self.ns_per_hit);
+        if self.probes.is_empty() {
+            return Ok(set);
+        }
+        set.last_hits = probes.function_hits()?;
+        set.last_foreign_hits = probes.foreign_function_hits()?;
+        set.foreign_hits_at_attach = set.last_foreign_hits;
+        set.live_hits = set.last_hits;
+        for LocatedProbe {
+            function,
+            args,
+            file,
+            file_offset,
+        } in self.probes
+        {
+            match probes.attach_function(function, args, &file.attach_path(), file_offset) {
+                Ok(links) => set.probes.push(ActiveProbe {
+                    function,
+                    args,
+                    file,
+                    file_offset,
+                    links: Some(links),
+                    cycled: false,
+                    attached_total: Duration::ZERO,
+                    attached_since: Some(Instant::now()),
+                    hits_window: 0,
+                    attached_window: Duration::ZERO,
+                    statements_attached: 0,
+                    hits_attached: 0,
+                    cpu_attached_ns: 0.0,
+                    interval_attached: BTreeMap::new(),
+                    mark: Duration::ZERO,
+                    detached_run: BTreeMap::new(),
+                    unseen_at_mark: BTreeMap::new(),
+                    detached_since: None,
+                    unseen_time_at_mark: Duration::ZERO,
+                }),
+                Err(error) => note!("pgscope: probe {} not attached: {error:#}", function.name()),
+            }
+        }
+        Ok(set)
+    }
+}
+
 /// How often the duty cycle is re-planned from the measured hit rates.
 const REPLAN_EVERY: Duration = Duration::from_secs(1);
 /// The first plan: every probe is attached until then, at full cost, to measure its rate;
@@ -331,12 +394,8 @@ impl ProbeSet {
         }
     }
 
-    /// Attaches what can be attached and says, per function, what could not and why; the
-    /// trace goes on with the others. Each function's arguments are read where `table`, the
-    /// table of the major process `pid` runs, places them; a function it has no signature for
-    /// is not attached. Functions are found with the symbolizer's symbol tables, so static
-    /// functions of stripped files count when their debug file is installed; `pgss_store`
-    /// without one is found through pg_stat_statements' hook functions.
+    /// Finds and attaches what can be attached and says, per function, what could not and why;
+    /// the trace goes on with the others ([`ProbeSet::locate`], then [`LocatedProbes::attach`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attach(
         probes: &mut OnCpuProbes,
@@ -348,14 +407,33 @@ impl ProbeSet {
         budget: Option<f64>,
         ns_per_hit: f64,
     ) -> Result<ProbeSet> {
-        let mut set = Self::new(budget, ns_per_hit);
+        Self::locate(symbolizer, functions, explicit, pid, table, budget, ns_per_hit)?.attach(probes)
+    }
+
+    /// Finds the functions, without attaching anything, and says, per function, what cannot be
+    /// probed and why. Each function's arguments are read where `table`, the table of the
+    /// major process `pid` runs, places them; a function it has no signature for is not
+    /// probed. Functions are found with the symbolizer's symbol tables, so static functions of
+    /// stripped files count when their debug file is installed; `pgss_store` without one is
+    /// found through pg_stat_statements' hook functions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn locate(
+        symbolizer: &mut Symbolizer,
+        functions: &[Function],
+        explicit: &[ExplicitProbe],
+        pid: u32,
+        table: &VersionTable,
+        budget: Option<f64>,
+        ns_per_hit: f64,
+    ) -> Result<LocatedProbes> {
+        let mut located = LocatedProbes {
+            probes: Vec::new(),
+            budget,
+            ns_per_hit,
+        };
         if functions.is_empty() {
-            return Ok(set);
+            return Ok(located);
         }
-        set.last_hits = probes.function_hits()?;
-        set.last_foreign_hits = probes.foreign_function_hits()?;
-        set.foreign_hits_at_attach = set.last_foreign_hits;
-        set.live_hits = set.last_hits;
         let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
             .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
         let executable = exe
@@ -377,39 +455,17 @@ impl ProbeSet {
                     continue;
                 }
             };
-            let file = match ProbedFile::open(&location.path) {
-                Ok(file) => file,
-                Err(error) => {
-                    note!("pgscope: probe {} not attached: {error:#}", function.name());
-                    continue;
-                }
-            };
-            match probes.attach_function(function, args, &file.attach_path(), location.file_offset) {
-                Ok(links) => set.probes.push(ActiveProbe {
+            match ProbedFile::open(&location.path) {
+                Ok(file) => located.probes.push(LocatedProbe {
                     function,
                     args,
                     file,
                     file_offset: location.file_offset,
-                    links: Some(links),
-                    cycled: false,
-                    attached_total: Duration::ZERO,
-                    attached_since: Some(Instant::now()),
-                    hits_window: 0,
-                    attached_window: Duration::ZERO,
-                    statements_attached: 0,
-                    hits_attached: 0,
-                    cpu_attached_ns: 0.0,
-                    interval_attached: BTreeMap::new(),
-                    mark: Duration::ZERO,
-                    detached_run: BTreeMap::new(),
-                    unseen_at_mark: BTreeMap::new(),
-                    detached_since: None,
-                    unseen_time_at_mark: Duration::ZERO,
                 }),
                 Err(error) => note!("pgscope: probe {} not attached: {error:#}", function.name()),
             }
         }
-        Ok(set)
+        Ok(located)
     }
 
     /// Counts the statements of the instance rooted at `root` from now on (at every switch of
