@@ -617,7 +617,10 @@ static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgi
 		return true;
 	}
 	count(PGSCOPE_CNT_RINGBUF_FULL);
-	/* Lost with the record: the next tick sends the whole sample again. */
+	/* The tick's time is not lost with the record: it is counted without a stack, and the next
+	 * tick sends the whole sample again. */
+	state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+	count_sampled(tgid, &state->attr, weight);
 	state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 	return true;
 }
@@ -799,6 +802,11 @@ static __always_inline void copy_waiting_stack(struct task_struct *task)
 		*sent += 1;
 		state->kind = PGSCOPE_WAIT_SAMPLE_STACKS;
 	} else {
+		/* Not sent (the ring buffer full: user space behind): the time is not lost with the
+		 * stack, as the exact tracer keeps it. A storm traced beside a build lost 19% of its
+		 * sampled wait time with 5328 records. */
+		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+		count_sampled(tgid, &state->attr, *weight_ns);
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 	}
 }
