@@ -436,13 +436,7 @@ fn check_sampled_against_exact_at_runs(
 #[test]
 fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with_pg_stat_statements(
-        &PgInstall::distro()?,
-        &[("pg_stat_statements.max", "100")],
-    )?;
-    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
-    args.extend(["-n", "-c", "16", "-j", "2", "-T"].map(String::from));
-    args.push(storm_seconds()?.to_string());
+    let (cluster, _scripts, args) = eviction_storm(storm_seconds()?)?;
     let trace = Trace::instance(cluster.data_dir())
         .off_cpu_mode("both")
         .spawn_summarized()?;
@@ -453,6 +447,19 @@ fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()
     let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
     eprintln!("pg_stat_statements evictions: {dealloc}");
     check_sampled_against_exact(&summary, "eviction storm", STORM_TOTAL_TOLERANCE)
+}
+
+/// A cluster set up for the eviction storm, the directory of its pgbench scripts, and pgbench's
+/// arguments for 16 clients running them for `seconds`.
+fn eviction_storm(seconds: u64) -> Result<(PgCluster, tempfile::TempDir, Vec<String>)> {
+    let cluster = PgCluster::start_with_pg_stat_statements(
+        &PgInstall::distro()?,
+        &[("pg_stat_statements.max", "100")],
+    )?;
+    let (scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
+    args.extend(["-n", "-c", "16", "-j", "2", "-T"].map(String::from));
+    args.push(seconds.to_string());
+    Ok((cluster, scripts, args))
 }
 
 /// Nice value of the pgscope traces whose two off-CPU profiles are compared.
@@ -527,12 +534,7 @@ const MIN_RING_OVERFLOW: u64 = 2000;
 #[test]
 fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> {
     require_root_and_bpf();
-    let cluster = PgCluster::start_with_pg_stat_statements(
-        &PgInstall::distro()?,
-        &[("pg_stat_statements.max", "100")],
-    )?;
-    let (_scripts, mut args) = workload::pgss_eviction_scripts(&cluster)?;
-    args.extend(["-n", "-c", "16", "-j", "2", "-T", "600"].map(String::from));
+    let (cluster, _scripts, args) = eviction_storm(600)?;
     let trace = Trace::instance(cluster.data_dir())
         .off_cpu_mode("both")
         .spawn_summarized()?;
@@ -554,7 +556,7 @@ fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> 
     };
     let overflowed = overflowed.context("the storm did not fill the ring buffer")?;
     // And some of the storm with the reader back.
-    pgbench.run_for_cpu(Duration::from_secs(3), Duration::from_secs(120))?;
+    pgbench.run_for_cpu(Duration::from_secs(10), Duration::from_secs(120))?;
     pgbench.stop()?;
     let (_, summary) = trace.finish()?;
     eprintln!("records lost while the reader was stopped: {overflowed}");
