@@ -760,6 +760,14 @@ static __always_inline void start_stack_pass(void)
  * the user stack it is still blocked in. A thread that ran in between has left that wait, and
  * its stack with it: it is counted in the wait the first pass saw, without a stack, marked so.
  */
+/* Whether the thread ran since the wait its pending sample is of: its snapshot's, or the
+ * wait it was found back in (back_in_sampled_wait). */
+static __always_inline bool ran_since_sampled_wait(struct task_struct *task,
+						   struct pgscope_wait_sample_task *state)
+{
+	return task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches;
+}
+
 static __always_inline void copy_waiting_stack(struct task_struct *task)
 {
 	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
@@ -776,13 +784,14 @@ static __always_inline void copy_waiting_stack(struct task_struct *task)
 		return;
 	}
 	__u64 now_switches = 0;
-	if ((task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches) &&
-	    back_in_sampled_wait(task, state, &now_switches)) {
+	if (ran_since_sampled_wait(task, state) && back_in_sampled_wait(task, state, &now_switches)) {
 		/* The sample repeated next is of the wait the stack is copied in. */
 		state->switches = now_switches;
 		count(PGSCOPE_CNT_WAIT_STACK_AFTER_RUN);
 	}
-	if (task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches) {
+	/* Read again, not remembered: a thread that ran since it was found back in its wait
+	 * leaves no stack of that wait either. */
+	if (ran_since_sampled_wait(task, state)) {
 		count(PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK);
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
