@@ -23,6 +23,7 @@ const BPF_PARTS: &[&str] = &[
     // Program families.
     "on_cpu.bpf.c",
     "function_probes.bpf.c",
+    "triggers.bpf.c",
     "processes.bpf.c",
     "off_cpu.bpf.c",
     "wait_iter.bpf.c",

@@ -89,6 +89,15 @@ struct {
 	__type(value, struct pgss_storing);
 } pgss_storing SEC(".maps");
 
+/* The triggers each thread runs (see pgscope_trigger_stack): written by the trigger probes,
+ * read by on-CPU samples, dropped at thread exit. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32); /* tid */
+	__type(value, struct pgscope_trigger_stack);
+} trigger_stacks SEC(".maps");
+
 static __always_inline void count(__u32 counter)
 {
 	__u64 *value = bpf_map_lookup_elem(&counters, &counter);

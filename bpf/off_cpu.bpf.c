@@ -110,6 +110,8 @@ static __always_inline void send_wait_start(void *ctx, struct pgscope_off_cpu_ta
 	s->off_cpu_syscall = task->syscall;
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_PENDING;
 	s->statement_start = 0;
+	s->trigger_oid = 0;
+	s->trigger_constraint = 0;
 	if (send_stacks(ctx, s, bpf_get_current_pid_tgid(), false)) {
 		task->start_ns = s->time_ns;
 		task->stack_start_ns = s->time_ns;

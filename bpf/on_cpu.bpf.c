@@ -8,6 +8,24 @@
  * every program shares the maps. Not compiled on its own.
  */
 
+/* The trigger the thread runs for the sample's statement, innermost first: a frame left by a
+ * call that never ended (an error's longjmp out of the trigger) is of an earlier statement. */
+static __always_inline void innermost_trigger(__u32 tid, struct pgscope_sample *s)
+{
+	s->trigger_oid = 0;
+	s->trigger_constraint = 0;
+	struct pgscope_trigger_stack *stack = bpf_map_lookup_elem(&trigger_stacks, &tid);
+	if (!stack || !s->statement_start)
+		return;
+	for (int i = PGSCOPE_TRIGGER_NESTING_MAX - 1; i >= 0; i--) {
+		if ((__u32)i >= stack->depth || stack->frames[i].statement_start != s->statement_start)
+			continue;
+		s->trigger_oid = stack->frames[i].trigger_oid;
+		s->trigger_constraint = stack->frames[i].constraint_oid;
+		return;
+	}
+}
+
 SEC("perf_event")
 int on_cpu_sample(struct bpf_perf_event_data *ctx)
 {
@@ -35,6 +53,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		if (storing && storing->statement_start == s->statement_start)
 			s->attr.query_id = storing->query_id;
 	}
+	innermost_trigger((__u32)pid_tgid, s);
 	s->off_cpu_ns = 0;
 	s->off_cpu_syscall = 0;
 	s->off_cpu_flags = 0;

@@ -70,6 +70,7 @@ int on_process_exit(void *ctx)
 		flush_deferred(waits, tgid);
 	bpf_map_delete_elem(&probe_traps, &tid);
 	bpf_map_delete_elem(&pgss_storing, &tid);
+	bpf_map_delete_elem(&trigger_stacks, &tid);
 	if ((__u32)pid_tgid == tgid) {
 		bpf_map_delete_elem(&targets, &tgid);
 		bpf_map_delete_elem(&pg_layouts, &tgid);

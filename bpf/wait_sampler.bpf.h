@@ -308,6 +308,8 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 	s->off_cpu_syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
 	s->statement_start = 0;
+	s->trigger_oid = 0;
+	s->trigger_constraint = 0;
 
 	if (!output_sample(s, task, copy_task_stack(s, task)))
 		return false;

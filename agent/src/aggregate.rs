@@ -2,12 +2,12 @@
 //! expensive part (naming frames) runs once per distinct frame at the end, and still works after
 //! a backend has exited.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::bpf::abi::OffCpuClass;
 use crate::model::labels as label;
-use crate::postgres::attribution::Attribution;
+use crate::postgres::attribution::{Attribution, LabelNames};
 use crate::postgres::phase::Phase;
 use exporters::{Frame, FrameKind, Profile, ProfileMeta, StackSample};
 use symbolizer::{KernelSymbols, Location, ModuleId, Symbolizer, UnwindEnd, UnwoundStack};
@@ -208,6 +208,17 @@ impl StackAggregator {
             .collect()
     }
 
+    /// The triggers samples ran in, by database OID: what the trigger labels need named.
+    pub fn triggers_by_database(&self) -> BTreeMap<u32, BTreeSet<u32>> {
+        let mut triggers: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        for key in self.stacks.keys() {
+            if let (Some(trigger), Some(database)) = (key.attribution.trigger, key.attribution.database_oid) {
+                triggers.entry(database).or_default().insert(trigger.oid);
+            }
+        }
+        triggers
+    }
+
     /// Every module some sampled frame lies in.
     pub fn modules(&self) -> HashSet<ModuleId> {
         let mut modules = HashSet::new();
@@ -224,14 +235,14 @@ impl StackAggregator {
     /// Names every frame and builds the profile: frames root first (user root … user leaf,
     /// then kernel entry … kernel leaf), labelled with the process id, what the backend's
     /// status showed (backend type, database, state, queryid, wait event) and the statement
-    /// phase its stack runs under. Databases are named from `database_names` (by OID) where it
-    /// has them.
+    /// phase its stack runs under. Databases and triggers are named from `names` (by OID) where
+    /// it has them.
     pub fn to_profile(
         &self,
         symbolizer: &mut Symbolizer,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
-        database_names: &HashMap<u32, String>,
+        names: LabelNames<'_>,
     ) -> Profile {
         let incomplete: Arc<str> = Arc::from(INCOMPLETE_STACK_FRAME);
         let unknown_kernel: Arc<str> = Arc::from("[unknown]");
@@ -280,7 +291,7 @@ impl StackAggregator {
                 });
             }
             let mut labels = vec![(label::PID.to_string(), key.pid.to_string())];
-            key.attribution.push_labels(&mut labels, database_names);
+            key.attribution.push_labels(&mut labels, names);
             if let Some(class) = key.off_cpu {
                 labels.push((label::OFF_CPU.to_string(), class.name().to_string()));
             }

@@ -57,7 +57,9 @@ enum pgscope_counter {
 	PGSCOPE_CNT_WAIT_THREADS_OVER = 20,   /* lost: a target thread the wait sampler's list had no room for */
 	PGSCOPE_CNT_WAIT_EVENT_UNKNOWN = 21,  /* degraded: sampled off CPU, it ran before its wait event was read */
 	PGSCOPE_CNT_WAIT_STACK_AFTER_RUN = 22, /* sampled off CPU: its stack copied after it ran, back in the same wait */
-	PGSCOPE_CNT_MAX = 23,
+	PGSCOPE_CNT_TRIGGER_PROBE_HITS = 23,  /* traps of the trigger probes, by any process: their cost */
+	PGSCOPE_CNT_TRIGGER_NESTING_OVER = 24, /* a trigger call nested deeper than a thread's trigger stack */
+	PGSCOPE_CNT_MAX = 25,
 };
 
 /* Postgres functions that can be probed (uprobe + uretprobe); the value is the attach cookie. */
@@ -176,10 +178,39 @@ struct pgscope_pg_layout {
 	/* offsetof(PgBackendStatus, st_activity_start_timestamp): when the statement (or the
 	 * protocol message) began, the same before and after its queryid is known. */
 	__u32 st_activity_start_offset;
+	/* Which trigger a thread runs (bpf/triggers.bpf.c): T_TriggerData, the NodeTag of the
+	 * `context` a trigger function is called with (0: triggers are not read in this major),
+	 * and offsetof(FunctionCallInfoBaseData, context), offsetof(TriggerData, tg_trigger),
+	 * offsetof(Trigger, tgoid) and offsetof(Trigger, tgconstraint). */
+	__u32 trigger_data_tag;
+	__u8 fcinfo_context_offset;
+	__u8 tg_trigger_offset;
+	__u8 tgoid_offset;
+	__u8 tgconstraint_offset;
 	__u32 _pad;
 };
 
-_Static_assert(sizeof(struct pgscope_pg_layout) == 56, "read by agent/src/bpf/abi.rs");
+_Static_assert(sizeof(struct pgscope_pg_layout) == 64, "read by agent/src/bpf/abi.rs");
+
+/* The triggers a thread is running, outermost first: each from the call of its function
+ * (pgstat_init_function_usage, given the trigger data as its call's context) to the end of that
+ * call (pgstat_end_function_usage with the same usage record). */
+#define PGSCOPE_TRIGGER_NESTING_MAX 4
+
+struct pgscope_trigger_frame {
+	__u64 usage;		 /* the call's PgStat_FunctionCallUsage: on the caller's stack */
+	__u64 statement_start; /* the backend's st_activity_start_timestamp at the call */
+	__u32 trigger_oid;	 /* Trigger.tgoid: pg_trigger.oid */
+	__u32 constraint_oid;	 /* Trigger.tgconstraint: pg_constraint.oid, 0 if none */
+};
+
+struct pgscope_trigger_stack {
+	__u32 depth;
+	__u32 _pad;
+	struct pgscope_trigger_frame frames[PGSCOPE_TRIGGER_NESTING_MAX];
+};
+
+_Static_assert(sizeof(struct pgscope_trigger_stack) == 104, "read by agent/src/bpf/abi.rs");
 
 /* Why a process was off CPU, from the scheduler's and the syscall's point of view. Postgres'
  * own view (the wait event in force) comes with it. */
@@ -404,11 +435,15 @@ struct pgscope_sample {
 	 * space can give a sample taken before the queryid was reported (parsing, analysis) the
 	 * queryid the same statement reports later; else 0. */
 	__u64 statement_start;
+	/* On-CPU samples of a backend running a trigger of its statement: the innermost one's
+	 * pg_trigger.oid and pg_constraint.oid (0 if none); else both 0. */
+	__u32 trigger_oid;
+	__u32 trigger_constraint;
 	__u64 kernel_stack[PGSCOPE_KERNEL_FRAMES_MAX]; /* leaf first */
 	__u8 user_stack[PGSCOPE_USER_STACK_MAX];
 };
 
-#define PGSCOPE_SAMPLE_HEADER_SIZE 112
+#define PGSCOPE_SAMPLE_HEADER_SIZE 120
 #define PGSCOPE_SAMPLE_STACK_OFFSET (PGSCOPE_SAMPLE_HEADER_SIZE + 8 * PGSCOPE_KERNEL_FRAMES_MAX)
 
 _Static_assert(__builtin_offsetof(struct pgscope_sample, kernel_stack) == PGSCOPE_SAMPLE_HEADER_SIZE,

@@ -82,6 +82,8 @@ pub enum Counter {
     WaitThreadsOver = c::pgscope_counter::PGSCOPE_CNT_WAIT_THREADS_OVER,
     WaitEventUnknown = c::pgscope_counter::PGSCOPE_CNT_WAIT_EVENT_UNKNOWN,
     WaitStackAfterRun = c::pgscope_counter::PGSCOPE_CNT_WAIT_STACK_AFTER_RUN,
+    TriggerProbeHits = c::pgscope_counter::PGSCOPE_CNT_TRIGGER_PROBE_HITS,
+    TriggerNestingOver = c::pgscope_counter::PGSCOPE_CNT_TRIGGER_NESTING_OVER,
 }
 
 const _: () = assert!(covers_every_value(
@@ -90,7 +92,7 @@ const _: () = assert!(covers_every_value(
 ));
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 25] = [
         Counter::Samples,
         Counter::Sent,
         Counter::RingbufFull,
@@ -114,6 +116,8 @@ impl Counter {
         Counter::WaitThreadsOver,
         Counter::WaitEventUnknown,
         Counter::WaitStackAfterRun,
+        Counter::TriggerProbeHits,
+        Counter::TriggerNestingOver,
     ];
 
     /// The values of [`Self::ALL`], for the check against the header.
@@ -145,6 +149,8 @@ impl Counter {
             Counter::WaitThreadsOver => "lost_wait_sample_threads_over",
             Counter::WaitEventUnknown => "wait_sample_event_guessed",
             Counter::WaitStackAfterRun => "wait_sample_stack_after_run",
+            Counter::TriggerProbeHits => "trigger_probe_hits",
+            Counter::TriggerNestingOver => "trigger_nesting_over",
         }
     }
 }
@@ -178,6 +184,10 @@ pub struct SampleHeader {
     pub off_cpu_flags: u32,
     /// On-CPU samples of a backend: its statement's `st_activity_start_timestamp`; else 0.
     pub statement_start: u64,
+    /// On-CPU samples of a backend in a trigger of its statement: the innermost trigger's
+    /// `pg_trigger.oid` and `pg_constraint.oid` (0 if none); else both 0.
+    pub trigger_oid: u32,
+    pub trigger_constraint: u32,
     pub kernel_stack: [u64; KERNEL_FRAMES_MAX],
 }
 
@@ -195,7 +205,8 @@ macro_rules! at_sample_offset {
 
 at_sample_offset!(
     tgid, tid, time_ns, cpu, kernel_frames, user_ip, user_sp, user_bp, user_stack_len,
-    off_cpu_ns, off_cpu_syscall, off_cpu_flags, statement_start, kernel_stack;
+    off_cpu_ns, off_cpu_syscall, off_cpu_flags, statement_start, trigger_oid, trigger_constraint,
+    kernel_stack;
     query_id = query_id, wait_event_info = wait_event_info, backend_type = backend_type,
     database_id = database_id, backend_state = backend_state, attribution = flags,
     off_cpu_class = off_cpu_class
@@ -371,6 +382,8 @@ impl SampleHeader {
             off_cpu_syscall: 0,
             off_cpu_flags: 0,
             statement_start: 0,
+            trigger_oid: 0,
+            trigger_constraint: 0,
             kernel_stack: [0; KERNEL_FRAMES_MAX],
         }
     }
@@ -383,6 +396,12 @@ pub const ATTR_STATUS: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_STATUS;
 pub const ATTR_WAIT_EVENT: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_WAIT_EVENT;
 /// Off-CPU totals: long enough for a stack, but the stack rate limit left it without one.
 pub const ATTR_STACK_NOT_SAMPLED: u32 = c::pgscope_attribution_flags::PGSCOPE_ATTR_STACK_NOT_SAMPLED;
+
+/// `struct pgscope_trigger_stack`: the triggers one thread runs (only cleared from user space).
+pub type TriggerStack = c::pgscope_trigger_stack;
+
+// SAFETY: a repr(C) struct of integers, its size asserted by the header.
+unsafe impl aya::Pod for TriggerStack {}
 
 /// `struct pgscope_pg_layout`: where one Postgres process keeps its pg_stat_activity state.
 pub type PgLayout = c::pgscope_pg_layout;

@@ -29,7 +29,7 @@ use tracing::info;
 
 use abi::{
     CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, ProbeArgs, RelationLockKey,
-    SpinSiteKey, SpinSiteStats, PROBE_SLOTS,
+    SpinSiteKey, SpinSiteStats, TriggerStack, PROBE_SLOTS,
 };
 
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
@@ -49,6 +49,16 @@ const FUNCTION_PROGRAMS: [&str; 2] = ["on_function_entry", "on_function_return"]
 
 /// Entry and return programs that do nothing, for the floor cost of a probed call.
 const EMPTY_PROGRAMS: [&str; 2] = ["empty_entry", "empty_return"];
+
+/// The trigger probes (`bpf/triggers.bpf.c`): on the entries of the calls around a trigger
+/// function's call, and of the call that ends it.
+const TRIGGER_PROGRAMS: [&str; 2] = ["on_function_usage_start", "on_function_usage_end"];
+
+/// The attachments of the trigger probes.
+pub struct TriggerLinks {
+    start: UProbeLinkId,
+    end: UProbeLinkId,
+}
 
 /// A cookie outside `enum pgscope_function`: the programs run in full, their statistics land
 /// under a function user space ignores.
@@ -466,6 +476,46 @@ impl OnCpuProbes {
     pub fn detach_empty(&mut self, links: FunctionLinks) -> Result<()> {
         self.function_program(EMPTY_PROGRAMS[1])?.detach(links.exit)?;
         self.function_program(EMPTY_PROGRAMS[0])?.detach(links.entry)?;
+        Ok(())
+    }
+
+    /// Attaches the trigger probes to the functions at `start` and `end` (file offsets of their
+    /// first instructions) in `target`.
+    pub fn attach_trigger_probes(&mut self, target: &Path, start: u64, end: u64) -> Result<TriggerLinks> {
+        let mut attach = |name: &str, offset: u64| -> Result<UProbeLinkId> {
+            let program = self.function_program(name)?;
+            program
+                .attach(
+                    UProbeAttachLocation::AbsoluteOffset(offset),
+                    target,
+                    UProbeScope::AllProcesses,
+                )
+                .with_context(|| format!("attaching `{name}` in `{}`", target.display()))
+        };
+        let start = attach(TRIGGER_PROGRAMS[0], start)?;
+        match attach(TRIGGER_PROGRAMS[1], end) {
+            Ok(end) => Ok(TriggerLinks { start, end }),
+            Err(error) => {
+                // Leave nothing half attached.
+                let _ = self
+                    .function_program(TRIGGER_PROGRAMS[0])
+                    .and_then(|p| Ok(p.detach(start)?));
+                Err(error)
+            }
+        }
+    }
+
+    /// Detaches the trigger probes, then forgets every thread's triggers: calls that end
+    /// while they are detached are not seen ending, and a frame kept would name later samples.
+    pub fn detach_trigger_probes(&mut self, links: TriggerLinks) -> Result<()> {
+        self.function_program(TRIGGER_PROGRAMS[1])?.detach(links.end)?;
+        self.function_program(TRIGGER_PROGRAMS[0])?.detach(links.start)?;
+        let mut stacks: BpfHashMap<_, u32, TriggerStack> =
+            BpfHashMap::try_from(self.map_mut("trigger_stacks")?)?;
+        let threads: Vec<u32> = stacks.keys().filter_map(Result::ok).collect();
+        for tid in threads {
+            let _ = stacks.remove(&tid);
+        }
         Ok(())
     }
 

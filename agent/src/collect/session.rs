@@ -21,7 +21,7 @@ use crate::bpf::abi::{
 };
 use crate::bpf::OpenWait;
 use crate::bpf::WaitSamplerTally;
-use crate::postgres::attribution::Attribution;
+use crate::postgres::attribution::{Attribution, LabelNames};
 use exporters::{Profile, ProfileMeta};
 use symbolizer::{KernelSymbols, Symbolizer, UnwoundStack, UserRegs};
 
@@ -227,13 +227,13 @@ impl Session {
         off_cpu: bool,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
-        database_names: &HashMap<u32, String>,
+        names: LabelNames<'_>,
     ) -> Profile {
         self.profile_of(
             |stacks| if off_cpu { &stacks.off_cpu } else { &stacks.on_cpu },
             kernel,
             meta,
-            database_names,
+            names,
         )
     }
 
@@ -242,9 +242,9 @@ impl Session {
         &mut self,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
-        database_names: &HashMap<u32, String>,
+        names: LabelNames<'_>,
     ) -> Profile {
-        self.profile_of(|stacks| &stacks.off_cpu_exact, kernel, meta, database_names)
+        self.profile_of(|stacks| &stacks.off_cpu_exact, kernel, meta, names)
     }
 
     /// The tracer's state at the sampler's runs when both ran (`--off-cpu=both`).
@@ -252,14 +252,9 @@ impl Session {
         &mut self,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
-        database_names: &HashMap<u32, String>,
+        names: LabelNames<'_>,
     ) -> Profile {
-        self.profile_of(
-            |stacks| &stacks.off_cpu_exact_at_runs,
-            kernel,
-            meta,
-            database_names,
-        )
+        self.profile_of(|stacks| &stacks.off_cpu_exact_at_runs, kernel, meta, names)
     }
 
     fn profile_of(
@@ -267,7 +262,7 @@ impl Session {
         which: impl Fn(&InstanceStacks) -> &StackAggregator,
         kernel: Option<&KernelSymbols>,
         meta: ProfileMeta,
-        database_names: &HashMap<u32, String>,
+        names: LabelNames<'_>,
     ) -> Profile {
         let mut profile = Profile {
             meta: meta.clone(),
@@ -275,7 +270,7 @@ impl Session {
         };
         for instance in self.instances.values() {
             let stacks = which(&instance.stacks);
-            let part = stacks.to_profile(&mut self.symbolizer, kernel, meta.clone(), database_names);
+            let part = stacks.to_profile(&mut self.symbolizer, kernel, meta.clone(), names);
             profile.samples.extend(part.samples);
         }
         profile

@@ -19,6 +19,7 @@ use super::query_texts::QueryTexts;
 use crate::collect::instance::InstanceContext;
 use crate::collect::session::Instance;
 use crate::collect::{off_cpu, InstanceStacks, Session};
+use crate::postgres::attribution::LabelNames;
 use crate::postgres::sql;
 
 /// How often database names are looked up again for OIDs not known yet.
@@ -338,13 +339,19 @@ fn profiles_of(
 ) -> Vec<(&'static str, Profile)> {
     let duration = end.saturating_sub(start);
     let cpu_meta = ProfileMeta::cpu(config.collection.frequency, start, duration);
+    // The agent attaches no trigger probes: its samples carry no trigger.
+    let no_triggers = HashMap::new();
+    let names = LabelNames {
+        databases,
+        triggers: &no_triggers,
+    };
     let mut profiles = vec![(
         "process_cpu",
-        stacks.on_cpu.to_profile(symbolizer, kernel, cpu_meta, databases),
+        stacks.on_cpu.to_profile(symbolizer, kernel, cpu_meta, names),
     )];
     if stacks.off_cpu.distinct() > 0 {
         let meta = ProfileMeta::off_cpu(start, duration);
-        let profile = stacks.off_cpu.to_profile(symbolizer, kernel, meta, databases);
+        let profile = stacks.off_cpu.to_profile(symbolizer, kernel, meta, names);
         let profile = match config.collection.off_cpu_idle {
             true => profile,
             false => off_cpu::without_idle(&profile),

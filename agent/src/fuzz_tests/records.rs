@@ -107,12 +107,14 @@ fn check_parsers(bytes: &[u8]) {
             let frames = (u32_at(bytes, 20) as usize).min(KERNEL_FRAMES_MAX);
             assert_eq!(record.kernel_stack().len(), frames);
             for (i, &frame) in record.kernel_stack().iter().enumerate() {
-                assert_eq!(frame, u64_at(bytes, 112 + 8 * i));
+                assert_eq!(frame, u64_at(bytes, 120 + 8 * i));
             }
             assert_eq!(record.header.tgid, u32_at(bytes, 0));
             assert_eq!(record.header.off_cpu_ns, u64_at(bytes, 88));
             assert!(record.header.off_cpu_ns <= WAIT_NS_MAX);
             assert_eq!(record.header.statement_start, u64_at(bytes, 104));
+            assert_eq!(record.header.trigger_oid, u32_at(bytes, 112));
+            assert_eq!(record.header.trigger_constraint, u32_at(bytes, 116));
         }
     }
 }
@@ -192,7 +194,12 @@ fn collect(session: &mut Session, records: &[Vec<u8>], repeat: usize) {
             (&stacks.off_cpu, ProfileMeta::off_cpu(0, 1)),
             (&stacks.off_cpu_exact, ProfileMeta::off_cpu(0, 1)),
         ] {
-            let profile = aggregator.to_profile(symbolizer, None, meta, &HashMap::new());
+            let (databases, triggers) = (HashMap::new(), HashMap::new());
+            let names = crate::postgres::attribution::LabelNames {
+                databases: &databases,
+                triggers: &triggers,
+            };
+            let profile = aggregator.to_profile(symbolizer, None, meta, names);
             let _ = profile.total_count();
             // Found by this harness: weights of corrupt records added past u64 (a panic in
             // debug builds) or past pprof's int64 (the whole profile refused).
@@ -388,6 +395,7 @@ struct SampleFields {
     attr: (u64, u32, u32, u32, u32, u32, u32),
     off_cpu: (u64, u32, u32),
     statement_start: u64,
+    trigger: (u32, u32),
 }
 
 impl SampleFields {
@@ -414,6 +422,8 @@ impl SampleFields {
         out.extend(syscall.to_le_bytes());
         out.extend(off_flags.to_le_bytes());
         out.extend(self.statement_start.to_le_bytes());
+        out.extend(self.trigger.0.to_le_bytes());
+        out.extend(self.trigger.1.to_le_bytes());
         for slot in 0..KERNEL_FRAMES_MAX {
             out.extend(self.kernel.get(slot).copied().unwrap_or(0).to_le_bytes());
         }
@@ -433,9 +443,10 @@ fn sample_fields() -> impl Strategy<Value = SampleFields> {
         // Within what one record can carry; past it, a record is rejected (check_parsers).
         (0..=WAIT_NS_MAX, any::<u32>(), any::<u32>()),
         any::<u64>(),
+        any::<(u32, u32)>(),
     )
         .prop_map(
-            |(ids, kernel, regs, stack, attr, off_cpu, statement_start)| SampleFields {
+            |(ids, kernel, regs, stack, attr, off_cpu, statement_start, trigger)| SampleFields {
                 ids,
                 kernel,
                 regs,
@@ -443,6 +454,7 @@ fn sample_fields() -> impl Strategy<Value = SampleFields> {
                 attr,
                 off_cpu,
                 statement_start,
+                trigger,
             },
         )
 }
@@ -469,6 +481,8 @@ fn a_sample_in_the_c_layout_reads_back_as_written() {
             );
             prop_assert_eq!(attr, fields.attr);
             prop_assert_eq!((h.off_cpu_ns, h.off_cpu_syscall, h.off_cpu_flags), fields.off_cpu);
+            prop_assert_eq!(h.statement_start, fields.statement_start);
+            prop_assert_eq!((h.trigger_oid, h.trigger_constraint), fields.trigger);
             prop_assert!(WaitEnd::parse(&bytes).is_none() && LongWaitEnd::parse(&bytes).is_none());
             Ok(())
         })

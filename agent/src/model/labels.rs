@@ -19,6 +19,9 @@ pub const WAIT_EVENT: &str = "wait_event";
 pub const OFF_CPU: &str = "off_cpu";
 /// The statement phase the stack runs under ([`Phase`]).
 pub const PHASE: &str = "phase";
+/// On-CPU samples in a trigger of their statement: the innermost trigger, `constraint <name>`
+/// for a constraint's (a foreign key's checks), else `trigger <name>`.
+pub const TRIGGER: &str = "trigger";
 
 /// What a sample's labels say, typed.
 pub trait SampleLabels {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use exporters::{FrameKind, Profile, StackSample};
 
-use super::labels::SampleLabels;
+use super::labels::{self, SampleLabels};
 use super::QueryId;
 
 /// Per-node function name (`ExecHashJoin`) → its plan node type (`HashJoin`).
@@ -52,9 +52,15 @@ const BEFORE_TRIGGER_FIRING: &[&str] = &[
 /// The plan node a stack (user frames, root first) is in, named as the statement sees it:
 /// the innermost node of its own plan (`SeqScan`), or, for a node of a statement nested in it,
 /// that node with what nests it (`SeqScan (in an AFTER trigger)`, `… (in a BEFORE trigger)`,
-/// `… (in a function)`). A DELETE whose foreign key's trigger scans the referencing table is
-/// then not shown as that scan, which its own plan does not have.
-fn node_of_stack(user_root_first: &[&str], nodes: &[Option<Arc<str>>]) -> Option<Arc<str>> {
+/// `… (in a function)`), and the trigger by name when the sample's `trigger` label has it
+/// (`SeqScan (in the AFTER trigger for constraint fk_child_parent_id_fkey)`). A DELETE whose
+/// foreign key's trigger scans the referencing table is then not shown as that scan, which its
+/// own plan does not have.
+fn node_of_stack(
+    user_root_first: &[&str],
+    nodes: &[Option<Arc<str>>],
+    trigger: Option<&str>,
+) -> Option<Arc<str>> {
     let mut seen_own_call = false;
     let mut in_entry_call = false;
     let mut nested_at = None;
@@ -79,12 +85,20 @@ fn node_of_stack(user_root_first: &[&str], nodes: &[Option<Arc<str>>]) -> Option
         return innermost(&nodes[..nested_at]);
     };
     let nesting = &user_root_first[..nested_at];
-    let nester = if nesting.iter().any(|f| AFTER_TRIGGER_FIRING.contains(f)) {
-        "an AFTER trigger"
+    let kind = if nesting.iter().any(|f| AFTER_TRIGGER_FIRING.contains(f)) {
+        Some("AFTER")
     } else if nesting.iter().any(|f| BEFORE_TRIGGER_FIRING.contains(f)) {
-        "a BEFORE trigger"
+        Some("BEFORE")
     } else {
-        "a function"
+        None
+    };
+    let nester = match (kind, trigger) {
+        (Some(kind), Some(trigger)) => match trigger.strip_prefix("trigger ") {
+            Some(name) => format!("the {kind} trigger {name}"),
+            None => format!("the {kind} trigger for {trigger}"),
+        },
+        (Some(kind), None) => format!("{} {kind} trigger", if kind == "AFTER" { "an" } else { "a" }),
+        (None, _) => "a function".to_string(),
     };
     Some(Arc::from(format!("{node} (in {nester})")))
 }
@@ -197,7 +211,7 @@ pub fn plan_nodes(profile: &Profile, functions: &NodeFunctions) -> Vec<Statement
             .get(&query_id)
             .map(|sites| sites.nodes_of(&user, functions))
             .unwrap_or_default();
-        if let Some(node) = node_of_stack(&user, &frame_nodes) {
+        if let Some(node) = node_of_stack(&user, &frame_nodes, sample.label(labels::TRIGGER)) {
             *nodes.entry(node).or_insert(0) += sample.count;
         }
     }
@@ -304,7 +318,16 @@ mod tests {
         .map(|(f, n)| (Arc::from(f), Arc::from(n)))
         .collect();
         let node = |stack: &[&str]| {
-            node_of_stack(stack, &ScanSites::default().nodes_of(stack, &functions)).map(|n| n.to_string())
+            node_of_stack(stack, &ScanSites::default().nodes_of(stack, &functions), None)
+                .map(|n| n.to_string())
+        };
+        let named = |stack: &[&str], trigger: &str| {
+            node_of_stack(
+                stack,
+                &ScanSites::default().nodes_of(stack, &functions),
+                Some(trigger),
+            )
+            .map(|n| n.to_string())
         };
         // A DELETE's foreign-key check, fired when the statement finishes.
         let trigger = [
@@ -323,6 +346,14 @@ mod tests {
             "heapgettup",
         ];
         assert_eq!(node(&trigger).as_deref(), Some("SeqScan (in an AFTER trigger)"));
+        assert_eq!(
+            named(&trigger, "constraint fk_child_parent_id_fkey").as_deref(),
+            Some("SeqScan (in the AFTER trigger for constraint fk_child_parent_id_fkey)")
+        );
+        assert_eq!(
+            named(&trigger, "trigger audit").as_deref(),
+            Some("SeqScan (in the AFTER trigger audit)")
+        );
         // The DELETE's own plan, with pg_stat_statements' hook between the two entries.
         let own = [
             "PortalRun",

@@ -1,5 +1,6 @@
 //! Decoding what a sample read from the backend's memory into the labels `pg_stat_activity`
-//! would show: backend type, database, state, queryid and wait event.
+//! would show: backend type, database, state, queryid and wait event; and the trigger the
+//! backend ran, which no view shows.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -23,6 +24,37 @@ pub struct Attribution {
     pub query_id: Option<i64>,
     /// `(wait_event_type, wait_event)`.
     pub wait_event: Option<(&'static str, Cow<'static, str>)>,
+    /// On-CPU samples in a trigger of the statement: the innermost one.
+    pub trigger: Option<TriggerRef>,
+}
+
+/// A trigger a backend ran, as its memory holds it: OIDs in its database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TriggerRef {
+    /// `pg_trigger.oid`.
+    pub oid: u32,
+    /// `pg_trigger.tgconstraint`: the constraint the trigger enforces (a foreign key's), 0 if
+    /// none.
+    pub constraint_oid: u32,
+}
+
+/// What only the server knows the names of, by OID, for the labels.
+#[derive(Clone, Copy, Debug)]
+pub struct LabelNames<'a> {
+    /// `pg_database.datname`.
+    pub databases: &'a HashMap<u32, String>,
+    /// (database, `pg_trigger.oid`) → how the trigger label names it ([`trigger_label`]).
+    pub triggers: &'a HashMap<(u32, u32), String>,
+}
+
+/// The `trigger` label of a trigger named `trigger` enforcing `constraint` (if any): a
+/// constraint's trigger is named by its constraint, as EXPLAIN ANALYZE names it ("Trigger for
+/// constraint …"), since its own name is generated (`RI_ConstraintTrigger_a_16410`).
+pub fn trigger_label(trigger: &str, constraint: Option<&str>) -> String {
+    match constraint {
+        Some(constraint) => format!("constraint {constraint}"),
+        None => format!("trigger {trigger}"),
+    }
 }
 
 impl Attribution {
@@ -52,18 +84,23 @@ impl Attribution {
             wait_event: has(ATTR_WAIT_EVENT)
                 .then(|| names.wait_event(table, header.wait_event_info))
                 .flatten(),
+            trigger: (header.trigger_oid != 0).then_some(TriggerRef {
+                oid: header.trigger_oid,
+                constraint_oid: header.trigger_constraint,
+            }),
         }
     }
 
     /// The sample labels, with the names used in every output (pprof, Pyroscope). The database
-    /// is named as `pg_stat_activity.datname` when `database_names` has its OID, and by the OID
-    /// otherwise.
-    pub fn push_labels(&self, labels: &mut Vec<(String, String)>, database_names: &HashMap<u32, String>) {
+    /// is named as `pg_stat_activity.datname` when `names` has its OID, and by the OID
+    /// otherwise; a trigger likewise (`trigger 16410` until named).
+    pub fn push_labels(&self, labels: &mut Vec<(String, String)>, names: LabelNames<'_>) {
         if let Some(backend_type) = &self.backend_type {
             labels.push((label::BACKEND_TYPE.into(), backend_type.to_string()));
         }
         if let Some(oid) = self.database_oid.filter(|&oid| oid != 0) {
-            let name = database_names
+            let name = names
+                .databases
                 .get(&oid)
                 .cloned()
                 .unwrap_or_else(|| oid.to_string());
@@ -77,6 +114,15 @@ impl Attribution {
         }
         if let Some((kind, name)) = &self.wait_event {
             labels.push((label::WAIT_EVENT.into(), format!("{kind}:{name}")));
+        }
+        if let Some(trigger) = self.trigger {
+            let database = self.database_oid.unwrap_or(0);
+            let name = names
+                .triggers
+                .get(&(database, trigger.oid))
+                .cloned()
+                .unwrap_or_else(|| format!("trigger {}", trigger.oid));
+            labels.push((label::TRIGGER.into(), name));
         }
     }
 }
@@ -108,7 +154,11 @@ mod tests {
 
     fn labels(attribution: &Attribution, database_names: &HashMap<u32, String>) -> Vec<(String, String)> {
         let mut labels = Vec::new();
-        attribution.push_labels(&mut labels, database_names);
+        let names = LabelNames {
+            databases: database_names,
+            triggers: &HashMap::new(),
+        };
+        attribution.push_labels(&mut labels, names);
         labels
     }
 

@@ -174,13 +174,37 @@ fn table_values(table: &VersionTable) -> Vec<(&'static str, &'static str, u32)> 
             "offsetof(NamedLWLockTranche, trancheName)",
             table.tranche_name_offset,
         ),
+        ("T_TriggerData", "T_TriggerData", table.triggers.trigger_data_tag),
+        (
+            "FunctionCallInfoBaseData.context",
+            "offsetof(FunctionCallInfoBaseData, context)",
+            table.triggers.fcinfo_context_offset.into(),
+        ),
+        (
+            "TriggerData.tg_trigger",
+            "offsetof(TriggerData, tg_trigger)",
+            table.triggers.tg_trigger_offset.into(),
+        ),
+        (
+            "Trigger.tgoid",
+            "offsetof(Trigger, tgoid)",
+            table.triggers.tgoid_offset.into(),
+        ),
+        (
+            "Trigger.tgconstraint",
+            "offsetof(Trigger, tgconstraint)",
+            table.triggers.tgconstraint_offset.into(),
+        ),
     ]
 }
 
 /// Headers declaring what the table's values and globals name.
 fn headers(table: &VersionTable) -> Vec<&'static str> {
     let mut headers = vec![
+        "commands/trigger.h",
+        "fmgr.h",
         "jit/jit.h",
+        "pgstat.h",
         "miscadmin.h",
         "postmaster/bgworker.h",
         "storage/lwlock.h",
@@ -259,6 +283,13 @@ fn declarations_unit(table: &VersionTable, replace: Option<(Function, &str)>) ->
         declarations.push_str(&format!("extern {prototype};\n"));
     }
     all_headers.extend(headers(table));
+    // The functions the trigger probes are attached to, as bpf/triggers.bpf.c reads them.
+    declarations.push_str(&format!(
+        "extern void {}(FunctionCallInfo fcinfo, PgStat_FunctionCallUsage *fcu);\n\
+         extern void {}(PgStat_FunctionCallUsage *fcu, bool finalize);\n",
+        super::TRIGGER_CALL_START,
+        super::TRIGGER_CALL_END
+    ));
     let sample = table.sample_globals;
     let mut globals = vec![
         sample.my_be_entry,

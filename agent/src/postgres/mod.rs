@@ -93,6 +93,8 @@ pub struct VersionTable {
     /// The tables of function pointers that name static functions of a stripped build
     /// (`pointer_tables`), generated into `vNN/pointer_tables.rs`.
     pub pointer_tables: &'static [symbolizer::PointerTable],
+    /// Where a trigger function's call holds its trigger (`bpf/triggers.bpf.c`).
+    pub triggers: TriggerLayout,
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,
@@ -141,6 +143,43 @@ pub(crate) const SAMPLE_GLOBALS_SINCE_14: SampleGlobals = SampleGlobals {
     my_backend_type: "MyBackendType",
     my_database_id: "MyDatabaseId",
 };
+
+/// Where the trigger probes find the trigger a function is called for: the call's
+/// `FunctionCallInfoBaseData.context` is a `TriggerData` (`commands/trigger.h`), whose
+/// `tg_trigger` is the `Trigger` (`utils/reltrigger.h`) with its `pg_trigger` and
+/// `pg_constraint` OIDs.
+#[derive(Clone, Copy, Debug)]
+pub struct TriggerLayout {
+    /// `T_TriggerData`: the context's NodeTag (renumbered by most majors).
+    pub trigger_data_tag: u32,
+    /// `offsetof(FunctionCallInfoBaseData, context)`.
+    pub fcinfo_context_offset: u8,
+    /// `offsetof(TriggerData, tg_trigger)`.
+    pub tg_trigger_offset: u8,
+    /// `offsetof(Trigger, tgoid)`.
+    pub tgoid_offset: u8,
+    /// `offsetof(Trigger, tgconstraint)`.
+    pub tgconstraint_offset: u8,
+}
+
+impl TriggerLayout {
+    /// The offsets, unchanged from 14 to 18, with a major's `T_TriggerData`.
+    pub(crate) const fn since_14(trigger_data_tag: u32) -> Self {
+        TriggerLayout {
+            trigger_data_tag,
+            fcinfo_context_offset: 8,
+            tg_trigger_offset: 32,
+            tgoid_offset: 0,
+            tgconstraint_offset: 36,
+        }
+    }
+}
+
+/// The exported functions around every trigger function's call (`ExecCallTriggerFunc`), which
+/// the trigger probes are attached to: called with the call's `FunctionCallInfo` and usage
+/// record, and with the same record when the call ends.
+pub const TRIGGER_CALL_START: &str = "pgstat_init_function_usage";
+pub const TRIGGER_CALL_END: &str = "pgstat_end_function_usage";
 
 /// Names of the exported globals `instance_names` reads: the named LWLock tranches extensions
 /// requested, and a background worker's own entry.
@@ -276,6 +315,11 @@ pub fn resolve_layout(pid: u32) -> Result<(PgLayout, &'static VersionTable)> {
         state_idle: table.state_idle,
         wait_client_read: table.wait_event_client_read,
         st_activity_start_offset: table.st_activity_start_offset,
+        trigger_data_tag: table.triggers.trigger_data_tag,
+        fcinfo_context_offset: table.triggers.fcinfo_context_offset,
+        tg_trigger_offset: table.triggers.tg_trigger_offset,
+        tgoid_offset: table.triggers.tgoid_offset,
+        tgconstraint_offset: table.triggers.tgconstraint_offset,
         _pad: 0,
     };
     Ok((layout, table))

@@ -5,6 +5,7 @@
 //! otherwise. Texts are normalized by Postgres (`$1` for constants): parameters never leave the
 //! server.
 
+use super::attribution::trigger_label;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -368,6 +369,27 @@ pub async fn database_names(client: &Client) -> Result<HashMap<u32, String>> {
         let oid: u32 = row.try_get(0).context("pg_database.oid")?;
         let name: String = row.try_get(1).context("pg_database.datname")?;
         names.insert(oid, name);
+    }
+    Ok(names)
+}
+
+/// The trigger labels of `oids` (`pg_trigger.oid`), read in the database they belong to:
+/// a constraint's trigger by its constraint's name ([`trigger_label`]).
+pub async fn trigger_names(client: &Client, oids: &[u32]) -> Result<HashMap<u32, String>> {
+    let rows = client
+        .query(
+            "SELECT t.oid, t.tgname::text, c.conname::text FROM pg_trigger t \
+             LEFT JOIN pg_constraint c ON c.oid = t.tgconstraint WHERE t.oid = ANY($1)",
+            &[&oids],
+        )
+        .await
+        .context("reading pg_trigger")?;
+    let mut names = HashMap::new();
+    for row in rows {
+        let oid: u32 = row.try_get(0).context("pg_trigger.oid")?;
+        let trigger: String = row.try_get(1).context("pg_trigger.tgname")?;
+        let constraint: Option<String> = row.try_get(2).context("pg_constraint.conname")?;
+        names.insert(oid, trigger_label(&trigger, constraint.as_deref()));
     }
     Ok(names)
 }

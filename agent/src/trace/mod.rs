@@ -27,7 +27,9 @@ use crate::bpf::OnCpuProbes;
 use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
 use crate::collect::off_cpu::WaitWithoutStack;
-use crate::collect::probes::{self as probing, calibrate, statement_clock, PidsByRoot, ProbeSet};
+use crate::collect::probes::{
+    self as probing, calibrate, statement_clock, LocatedTriggerProbes, PidsByRoot, ProbeSet, TriggerProbes,
+};
 use crate::collect::session::WaitSource;
 use crate::collect::{self, Session};
 use crate::output_file::{self, OutputMode, Planned};
@@ -174,8 +176,19 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             }
         }
     };
+    // Samples in triggers name them (bpf/triggers.bpf.c), in every major with a table.
+    let triggers_located = match &version_table {
+        Some((_, table)) => match LocatedTriggerProbes::locate(&mut symbolizer, layout_source, table) {
+            Ok(located) => Some(located),
+            Err(error) => {
+                note!("pgscope: triggers will not be named: {error:#}");
+                None
+            }
+        },
+        None => None,
+    };
     // Calibrated and found before the off-CPU programs and the probes are attached.
-    let ns_per_hit = probe_table.map(|_| {
+    let ns_per_hit = (probe_table.is_some() || triggers_located.is_some()).then(|| {
         let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
             Ok(ns) => ns,
             Err(error) => {
@@ -186,17 +199,19 @@ pub async fn run(options: TraceOptions) -> Result<()> {
                 calibrate::FALLBACK_NS_PER_HIT
             }
         };
-        note!(
-            "pgscope: one probe hit costs {:.0} ns here; probe budget {}",
-            ns_per_hit,
-            match options.probe_budget {
-                Some(fraction) => format!("{:.1}% of the instance's CPU", fraction * 100.0),
-                None => "none (every call measured)".to_string(),
-            }
-        );
+        if probe_table.is_some() {
+            note!(
+                "pgscope: one probe hit costs {:.0} ns here; probe budget {}",
+                ns_per_hit,
+                match options.probe_budget {
+                    Some(fraction) => format!("{:.1}% of the instance's CPU", fraction * 100.0),
+                    None => "none (every call measured)".to_string(),
+                }
+            );
+        }
         ns_per_hit
     });
-    let located = match (probe_table, ns_per_hit) {
+    let located = match (probe_table, ns_per_hit.filter(|_| probe_table.is_some())) {
         (Some(table), Some(ns_per_hit)) => Some(ProbeSet::locate(
             &mut symbolizer,
             &functions,
@@ -250,6 +265,17 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         Some(located) => located.attach(&mut probes)?,
         None => ProbeSet::empty(),
     };
+    let mut trigger_probes = match (triggers_located, ns_per_hit) {
+        (Some(located), Some(ns_per_hit)) => {
+            TriggerProbes::attach(located, &mut probes, options.probe_budget, ns_per_hit).unwrap_or_else(
+                |error| {
+                    note!("pgscope: triggers will not be named: {error:#}");
+                    TriggerProbes::none()
+                },
+            )
+        }
+        _ => TriggerProbes::none(),
+    };
     if let Some((layout, table)) = &version_table {
         match statement_clock::CounterLayout::for_process(layout_source, layout, table) {
             Ok(counter) => {
@@ -285,7 +311,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let ended_early = collect(
         &mut session,
         &mut probes,
-        &mut probe_set,
+        (&mut probe_set, &mut trigger_probes),
         ring,
         &options,
         started,
@@ -329,6 +355,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
     let pids = traced_pids(&probes, layout_source);
     probe_set.detach_all(&mut probes, &pids)?;
+    trigger_probes.detach(&mut probes);
+    if let Some(because) = trigger_probes.detached_because() {
+        note!("pgscope: triggers were named only until the trigger probes were detached: {because}");
+    }
     // Kernel symbols while pgscope's own BPF programs are still loaded: they name its frames.
     let kernel = match KernelSymbols::load() {
         Ok(symbols) => Some(symbols),
@@ -398,19 +428,22 @@ pub fn calibrate() -> Result<()> {
 /// Queries and wait events the live view shows.
 const LIVE_ROWS: usize = 5;
 
-/// Collects until the duration passes or a signal arrives. Returns whether the session ended
-/// before its duration.
+/// Collects until the duration passes or a signal arrives, keeping the function probes and the
+/// trigger probes (`budgeted`) within their budget. Returns whether the session ended before
+/// its duration.
 async fn collect(
     session: &mut Session,
     probes: &mut OnCpuProbes,
-    probe_set: &mut ProbeSet,
+    budgeted: (&mut ProbeSet, &mut TriggerProbes),
     ring: RingBuf<MapData>,
     options: &TraceOptions,
     started: Instant,
     signals: Signals,
 ) -> Result<bool> {
+    let (probe_set, trigger_probes) = budgeted;
     let mut policy = TraceLoop {
         probe_set,
+        trigger_probes,
         frequency_hz: options.frequency_hz,
         started,
         progress: progress::Progress::new(options.duration),
@@ -432,6 +465,7 @@ async fn collect(
 /// instance's CPU, and the end (its duration, or a signal).
 struct TraceLoop<'a> {
     probe_set: &'a mut ProbeSet,
+    trigger_probes: &'a mut TriggerProbes,
     frequency_hz: u64,
     started: Instant,
     progress: progress::Progress,
@@ -521,6 +555,8 @@ impl Policy for TraceLoop<'_> {
                 self.instance_cpu_ns_per_s = samples as f64 / self.frequency_hz as f64 * 1e9 / elapsed;
             }
         }
+        self.trigger_probes
+            .tick(probes, DUTY_TICK, self.instance_cpu_ns_per_s);
         let pids = traced_pids(probes, self.target_pid);
         self.probe_set
             .tick(probes, DUTY_TICK, self.instance_cpu_ns_per_s, &pids)

@@ -16,6 +16,7 @@ use crate::model::{
     shorten, Analysis, Measurements, PgssEvidence, ProbeRow, QueryId, SpinSiteRow, StatementCpu, WaitTables,
 };
 use crate::output_file::{self, OutputMode};
+use crate::postgres::attribution::LabelNames;
 use crate::report::{RecordedProbe, Recording};
 use crate::target::Target;
 
@@ -50,11 +51,16 @@ pub(super) fn finish(
     let super::sql_facts::SqlFacts {
         query_texts,
         database_names,
+        trigger_names,
         pgss_end,
         instance,
     } = sql_facts;
+    let names = LabelNames {
+        databases: &database_names,
+        triggers: &trigger_names,
+    };
     let meta = ProfileMeta::cpu(options.frequency_hz, start_unix_nanos, elapsed.as_nanos() as u64);
-    let profile = session.profile(false, kernel.as_ref(), meta, &database_names);
+    let profile = session.profile(false, kernel.as_ref(), meta, names);
     let stats = session.on_cpu().map(|stacks| stacks.stats()).unwrap_or_default();
     let root_labels = match target {
         Target::Backend(_) => Vec::new(),
@@ -75,21 +81,17 @@ pub(super) fn finish(
     print_missing_symbols(&session);
     let off_cpu_profile = session.off_cpu_measured().then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
-        session.profile(true, kernel.as_ref(), meta, &database_names)
+        session.profile(true, kernel.as_ref(), meta, names)
     });
     // `--off-cpu=both`: the tracer's waits, to set beside the sampled ones.
     let session_off_cpu = session.off_cpu;
     let exact_waits = (session.off_cpu == OffCpuMode::Both).then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
-        WaitTables::from_profile(&session.exact_off_cpu_profile(kernel.as_ref(), meta, &database_names))
+        WaitTables::from_profile(&session.exact_off_cpu_profile(kernel.as_ref(), meta, names))
     });
     let exact_at_runs_waits = (session.off_cpu == OffCpuMode::Both).then(|| {
         let meta = ProfileMeta::off_cpu(start_unix_nanos, elapsed.as_nanos() as u64);
-        WaitTables::from_profile(&session.exact_at_runs_off_cpu_profile(
-            kernel.as_ref(),
-            meta,
-            &database_names,
-        ))
+        WaitTables::from_profile(&session.exact_at_runs_off_cpu_profile(kernel.as_ref(), meta, names))
     });
     let probe_rows: Vec<ProbeRow> = probe_results
         .by_query()

@@ -17,6 +17,8 @@ use crate::redact::{self, Secret};
 pub struct SqlFacts {
     pub query_texts: HashMap<i64, String>,
     pub database_names: HashMap<u32, String>,
+    /// (database OID, `pg_trigger.oid`) → the trigger label of the triggers samples ran in.
+    pub trigger_names: HashMap<(u32, u32), String>,
     /// pg_stat_statements' counters at the end, when they were read at the start too.
     pub pgss_end: Option<sql::PgssInfo>,
     /// Settings and sizes the findings quote.
@@ -118,6 +120,9 @@ pub async fn fetch(
                 shown(&error)
             ),
         }
+    }
+    if databases {
+        facts.trigger_names = trigger_names(&target, session, &facts.database_names).await;
     }
     match sql::instance_facts(&client).await {
         Ok(mut instance) => {
@@ -253,6 +258,38 @@ async fn catalogs_where_sampled(
             Err(error) => tracing::debug!(database, "no pg_class size: {}", shown(&error)),
         }
     }
+}
+
+/// The names of the triggers samples ran in, read in their databases (the busiest
+/// [`MAX_CATALOG_DATABASES`]; a trigger of another stays labelled by its OID).
+async fn trigger_names(
+    target: &sql::Connect,
+    session: &Session,
+    databases: &HashMap<u32, String>,
+) -> HashMap<(u32, u32), String> {
+    let mut names = HashMap::new();
+    let Some(stacks) = session.on_cpu() else {
+        return names;
+    };
+    for (database, oids) in stacks
+        .triggers_by_database()
+        .into_iter()
+        .take(MAX_CATALOG_DATABASES)
+    {
+        let Some(name) = databases.get(&database) else {
+            continue;
+        };
+        let oids: Vec<u32> = oids.into_iter().collect();
+        let read = async { sql::trigger_names(&sql::connect_db(target, Some(name)).await?, &oids).await };
+        match read.await {
+            Ok(read) => names.extend(read.into_iter().map(|(oid, label)| ((database, oid), label))),
+            Err(error) => note!(
+                "pgscope: no trigger names in database {name} (trigger labels stay OIDs): {}",
+                shown(&error)
+            ),
+        }
+    }
+    names
 }
 
 /// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a

@@ -8,6 +8,7 @@ mod duty;
 pub mod nested;
 mod set;
 pub mod statement_clock;
+mod triggers;
 
 use std::path::PathBuf;
 
@@ -17,6 +18,7 @@ use crate::bpf::abi::Function;
 #[cfg(test)]
 pub use set::StatementShare;
 pub use set::{IntervalShare, IntervalShares, PidsByRoot, ProbeSet, ProbeState};
+pub use triggers::{LocatedTriggerProbes, TriggerProbes};
 
 /// Parses one `--probes` item: a function name, or `all`.
 pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {

@@ -179,18 +179,18 @@ struct ActiveProbe {
 /// long after, when the instance it was found through may have restarted, so attaching goes
 /// through the agent's own descriptor instead (the kernel resolves `/proc/self/fd/N` to the
 /// same file, whichever namespace it was opened in).
-struct ProbedFile {
+pub(super) struct ProbedFile {
     file: std::fs::File,
 }
 
 impl ProbedFile {
-    fn open(path: &std::path::Path) -> Result<Self> {
+    pub(super) fn open(path: &std::path::Path) -> Result<Self> {
         let file = std::fs::File::open(path)
             .with_context(|| format!("cannot open `{}` to probe it", path.display()))?;
         Ok(Self { file })
     }
 
-    fn attach_path(&self) -> PathBuf {
+    pub(super) fn attach_path(&self) -> PathBuf {
         use std::os::fd::AsRawFd;
         PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
     }

@@ -11,8 +11,8 @@ mod pointer_tables;
 
 use super::signatures::{unchanged_since_14, BT_GETROOT_UNTIL_15, PGSS_STORE_14};
 use super::{
-    ProbeSignature, StatusSlots, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14, PLAN_CACHE_MODES_SINCE_12,
-    SAMPLE_GLOBALS_SINCE_14,
+    ProbeSignature, StatusSlots, TriggerLayout, VersionTable, INSTANCE_NAME_GLOBALS_SINCE_14,
+    PLAN_CACHE_MODES_SINCE_12, SAMPLE_GLOBALS_SINCE_14,
 };
 use crate::bpf::abi::Function;
 
@@ -59,6 +59,7 @@ pub static TABLE: VersionTable = VersionTable {
     tranche_name_offset: 8,
     plan_cache_modes: PLAN_CACHE_MODES_SINCE_12,
     pointer_tables: pointer_tables::POINTER_TABLES,
+    triggers: TriggerLayout::since_14(415),
     backend_type_name: names::backend_type,
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
