@@ -56,7 +56,18 @@ fn traps_of_other_instances_are_counted_and_budgeted() -> Result<()> {
         .duration_secs(600)
         .json(&json)
         .spawn()?;
-    quiet.pgbench(&["-n", "-S", "-M", "prepared", "-c", "1", "-R", "300", "-T", WORKLOAD_SECONDS])?;
+    quiet.pgbench(&[
+        "-n",
+        "-S",
+        "-M",
+        "prepared",
+        "-c",
+        "1",
+        "-R",
+        "300",
+        "-T",
+        WORKLOAD_SECONDS,
+    ])?;
     let output = trace.interrupt()?;
     let summary = TraceSummary::read(&json)?;
 
