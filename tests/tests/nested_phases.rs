@@ -65,7 +65,7 @@ fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
             501 + i % 500
         ))?;
     }
-    trace.interrupt()?;
+    let output = trace.interrupt()?;
     let constraint = cluster
         .psql("SELECT conname FROM pg_constraint WHERE conrelid = 'fk_child'::regclass AND contype = 'f'")?;
     let constraint = constraint.trim();
@@ -119,6 +119,13 @@ fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
     ensure!(
         by_node.keys().any(|node| node.ends_with(&in_after_trigger)),
         "no node of the trigger's query is marked{in_after_trigger}: {by_node:?}"
+    );
+    // The finding that the DELETE spends its time finishing names the trigger it ran.
+    let finding_line = format!("in triggers: {trigger_label} ");
+    ensure!(
+        output.stdout.contains(&finding_line),
+        "no finding names the trigger the DELETE ran (`{finding_line}`):\n{}",
+        output.stdout
     );
     // Every sample that fires the trigger runs it: the calls the probes saw end are its own.
     ensure!(

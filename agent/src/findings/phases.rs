@@ -71,6 +71,22 @@ const UNUSUAL: [Unusual; 3] = [
     },
 ];
 
+/// Triggers named in a finding, most samples first.
+const TRIGGERS_NAMED: usize = 3;
+
+/// The triggers a statement's samples ran in, as a finding quotes them: `constraint
+/// fk_child_parent_id_fkey 98.9%, trigger audit 0.4%`; None when no sample was in one.
+fn triggers_sampled(q: &StatementCpu) -> Option<String> {
+    let mut by_samples: Vec<(&String, &u64)> = q.triggers.iter().collect();
+    by_samples.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    let named: Vec<String> = by_samples
+        .iter()
+        .take(TRIGGERS_NAMED)
+        .map(|(name, &n)| format!("{name} {}", percent(n as f64 / q.samples as f64)))
+        .collect();
+    (!named.is_empty()).then(|| named.join(", "))
+}
+
 /// Statements dominated by executor start, finish or commit.
 pub fn unusual_phase(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
     let mut findings = Vec::new();
@@ -81,6 +97,29 @@ pub fn unusual_phase(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
             if share < DOMINANT {
                 continue;
             }
+            let mut numbers = vec![
+                (format!("in {}", unusual.phase.label()), percent(share)),
+                (
+                    "in run".into(),
+                    percent(q.phase(Phase::Run) as f64 / q.samples as f64),
+                ),
+                ("samples".into(), q.samples.to_string()),
+                ("what the phase does".into(), unusual.what.into()),
+            ];
+            // The triggers its samples ran in, by name: what to look at first.
+            let triggers = triggers_sampled(q);
+            if let Some(triggers) = &triggers {
+                numbers.push(("in triggers".into(), triggers.clone()));
+            }
+            let action = match &triggers {
+                Some(triggers) if unusual.phase != Phase::ExecutorStart => {
+                    format!(
+                        "its samples ran in these triggers: {triggers}; {}",
+                        unusual.action
+                    )
+                }
+                _ => unusual.action.to_string(),
+            };
             findings.push(Finding {
                 kind: "phase_dominance",
                 severity: if share >= CRITICAL {
@@ -94,18 +133,10 @@ pub fn unusual_phase(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
                     percent(share),
                     unusual.phase.label()
                 ),
-                numbers: vec![
-                    (format!("in {}", unusual.phase.label()), percent(share)),
-                    (
-                        "in run".into(),
-                        percent(q.phase(Phase::Run) as f64 / q.samples as f64),
-                    ),
-                    ("samples".into(), q.samples.to_string()),
-                    ("what the phase does".into(), unusual.what.into()),
-                ],
+                numbers,
                 query_ids: vec![q.query_id],
                 frames: unusual.frames.iter().map(|f| f.to_string()).collect(),
-                action: unusual.action.into(),
+                action,
                 cause: Some(StatementCause {
                     cause: format!(
                         "spend most of their CPU in {}, not running the statement",
@@ -157,6 +188,37 @@ mod tests {
             "{found:?}"
         );
         assert!(found[0].title.contains("in commit"), "{}", found[0].title);
+    }
+
+    #[test]
+    fn the_triggers_a_finishing_statement_ran_in_are_named() {
+        let mut trigger = sample(
+            7,
+            "finish",
+            &["PortalRun", "standard_ExecutorFinish", "AfterTriggerEndQuery"],
+            90,
+        );
+        trigger
+            .labels
+            .push(("trigger".into(), "constraint fk_child_parent_id_fkey".into()));
+        let p = profile(vec![trigger, sample(7, "run", &["PortalRun"], 10)]);
+        let found = unusual_phase(&table(&p), 1);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].numbers.contains(&(
+                "in triggers".into(),
+                "constraint fk_child_parent_id_fkey 90.0%".into()
+            )),
+            "{:?}",
+            found[0].numbers
+        );
+        assert!(
+            found[0]
+                .action
+                .starts_with("its samples ran in these triggers: constraint fk_child_parent_id_fkey 90.0%"),
+            "{}",
+            found[0].action
+        );
     }
 
     #[test]

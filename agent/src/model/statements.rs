@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use exporters::{Frame, FrameKind, Profile, StackSample};
 
-use super::labels::SampleLabels;
+use super::labels::{self, SampleLabels};
 use super::QueryId;
 use crate::postgres::phase::Phase;
 
@@ -42,6 +42,9 @@ pub struct StatementCpu {
     /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
     /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
     pub deferred_to_commit: u64,
+    /// Samples in each trigger of the statement, by its `trigger` label (`constraint <name>`,
+    /// `trigger <name>`): the triggers the samples were taken in, not a list of the table's.
+    pub triggers: BTreeMap<String, u64>,
     /// Samples taken while the CPU handled one of pgscope's own probes in this statement (the
     /// breakpoint's exception, the return trampoline, the BPF program): pgscope's cost, not
     /// the statement's, so left out of every other figure here, [`Self::samples`] included.
@@ -180,6 +183,9 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
             continue;
         }
         statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
+        if let Some(trigger) = sample.label(labels::TRIGGER) {
+            *statement.triggers.entry(trigger.to_string()).or_insert(0) += sample.count;
+        }
     }
     let mut out: Vec<StatementCpu> = queries
         .into_values()
