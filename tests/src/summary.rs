@@ -142,22 +142,32 @@ impl TraceSummary {
 
     /// Samples per phase of one statement (`queries[].phases` of `queryid`).
     pub fn phases_of_query(&self, queryid: &str) -> Result<BTreeMap<String, u64>> {
+        self.counts_of_query(queryid, "phases")
+    }
+
+    /// `queries[].triggers` of `queryid`: samples per trigger label (`constraint <name>`).
+    pub fn triggers_of_query(&self, queryid: &str) -> Result<BTreeMap<String, u64>> {
+        self.counts_of_query(queryid, "triggers")
+    }
+
+    /// An object of sample counts in the `queries[]` entry of `queryid`.
+    fn counts_of_query(&self, queryid: &str, key: &str) -> Result<BTreeMap<String, u64>> {
         let query = self
             .array("queries")?
             .iter()
             .find(|q| q.get("queryid").and_then(Value::as_str) == Some(queryid))
             .with_context(|| format!("no entry for queryid {queryid} in `queries`"))?;
-        let phases = query
-            .get("phases")
+        let counts = query
+            .get(key)
             .and_then(Value::as_object)
-            .with_context(|| format!("no object `phases` in {query}"))?;
-        phases
+            .with_context(|| format!("no object `{key}` in {query}"))?;
+        counts
             .iter()
-            .map(|(phase, n)| {
+            .map(|(name, n)| {
                 let n = n
                     .as_u64()
-                    .with_context(|| format!("phase `{phase}` has `{n}` samples, not a count"))?;
-                Ok((phase.clone(), n))
+                    .with_context(|| format!("`{key}.{name}` has `{n}` samples, not a count"))?;
+                Ok((name.clone(), n))
             })
             .collect()
     }

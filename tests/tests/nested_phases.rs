@@ -120,6 +120,14 @@ fn time_in_an_after_trigger_is_the_statements_finish_phase() -> Result<()> {
         by_node.keys().any(|node| node.ends_with(&in_after_trigger)),
         "no node of the trigger's query is marked{in_after_trigger}: {by_node:?}"
     );
+    // The JSON's per-query entry counts the same samples under the constraint.
+    let triggers = summary.triggers_of_query(queryid)?;
+    let in_json = pct(triggers.get(&trigger_label).copied().unwrap_or(0));
+    ensure!(
+        (in_json - named).abs() < 1.0,
+        "queries[].triggers {triggers:?} puts {in_json:.1}% of the DELETE under `{trigger_label}`, \
+         its pprof labels {named:.1}%"
+    );
     // The finding that the DELETE spends its time finishing names the trigger it ran.
     let finding_line = format!("in triggers: {trigger_label} ");
     ensure!(

@@ -346,6 +346,9 @@ pub struct QueryJson {
     /// Samples per statement phase; `other` is outside every phase function.
     pub phases: BTreeMap<&'static str, u64>,
     pub hottest_function: Option<String>,
+    /// Samples in each trigger of the statement, by its `trigger` label (`constraint <name>`,
+    /// `trigger <name>`).
+    pub triggers: BTreeMap<String, u64>,
 }
 
 #[derive(Serialize)]
@@ -473,6 +476,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     query: inputs.query_texts.get(&q.query_id.0).cloned(),
                     phases,
                     hottest_function: q.hottest_function.clone(),
+                    triggers: q.triggers.clone(),
                 }
             })
             .collect(),
