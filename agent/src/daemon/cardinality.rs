@@ -272,12 +272,19 @@ fn sorted_labels(labels: &[(String, String)]) -> LabelSet {
 /// backend type and the off-CPU class (a handful of values each) always stay.
 const CAP_STEPS: [&[&str]; 3] = [
     &[labels::QUERY_ID],
-    &[labels::QUERY_ID, labels::STATE, labels::WAIT_EVENT, labels::PHASE],
     &[
         labels::QUERY_ID,
         labels::STATE,
         labels::WAIT_EVENT,
         labels::PHASE,
+        labels::TRIGGER,
+    ],
+    &[
+        labels::QUERY_ID,
+        labels::STATE,
+        labels::WAIT_EVENT,
+        labels::PHASE,
+        labels::TRIGGER,
         labels::DATABASE,
         labels::PID,
     ],

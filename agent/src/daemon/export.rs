@@ -44,6 +44,9 @@ pub struct Exporter {
     stacks_dropped: u64,
     /// Per instance (root PID): database OID → name, and when they were last looked up.
     database_names: HashMap<u32, (HashMap<u32, String>, Option<Instant>)>,
+    /// Per instance (root PID): (database OID, `pg_trigger.oid`) → trigger label, and when
+    /// they were last looked up.
+    trigger_names: HashMap<u32, (TriggerNames, Option<Instant>)>,
     /// Per instance (root PID): the queryids labelled in its last push.
     rankings: HashMap<u32, QueryIdRanking>,
     /// Series folded to bound the cardinality, per reason.
@@ -51,6 +54,9 @@ pub struct Exporter {
     /// The `query` label's texts, per instance.
     query_texts: QueryTexts,
 }
+
+/// (database OID, `pg_trigger.oid`) → trigger label.
+type TriggerNames = HashMap<(u32, u32), String>;
 
 impl Exporter {
     pub fn start(config: &AgentConfig, pods: Arc<RwLock<PodIndex>>) -> Result<Self> {
@@ -66,6 +72,7 @@ impl Exporter {
             labels_dropped: 0,
             stacks_dropped: 0,
             database_names: HashMap::new(),
+            trigger_names: HashMap::new(),
             rankings: HashMap::new(),
             series_folded: BTreeMap::new(),
             query_texts: QueryTexts::default(),
@@ -129,6 +136,8 @@ impl Exporter {
             let root = instance.context.root;
             let oids = instance.stacks.on_cpu.database_oids();
             self.refresh_database_names(root, &oids).await;
+            let triggers = instance.stacks.on_cpu.triggers_by_database();
+            self.refresh_trigger_names(root, &triggers).await;
             // Read as the stacks are taken, so that the counter spans the same interval.
             if let Some(evidence) = findings.read_pgss(root).await {
                 pgss.insert(root, evidence);
@@ -147,7 +156,16 @@ impl Exporter {
                 .get(&root)
                 .map(|(names, _)| names.clone())
                 .unwrap_or_default();
-            let mut profiles = profiles_of(&stacks, symbolizer, kernel, &databases, config, start, end);
+            let triggers = self
+                .trigger_names
+                .get(&root)
+                .map(|(names, _)| names.clone())
+                .unwrap_or_default();
+            let names = LabelNames {
+                databases: &databases,
+                triggers: &triggers,
+            };
+            let mut profiles = profiles_of(&stacks, symbolizer, kernel, names, config, start, end);
             // What the interval shows, diagnosed from the profiles about to be sent.
             findings.evaluate(
                 name,
@@ -191,13 +209,22 @@ impl Exporter {
             .remove(&gone.context.root)
             .map(|(names, _)| names)
             .unwrap_or_default();
+        let triggers = self
+            .trigger_names
+            .remove(&gone.context.root)
+            .map(|(names, _)| names)
+            .unwrap_or_default();
+        let names = LabelNames {
+            databases: &databases,
+            triggers: &triggers,
+        };
         // The interval it belonged to is not known here: it ends now.
         let start = end.saturating_sub(config.collection.upload_interval.as_nanos() as u64);
         let mut profiles = profiles_of(
             &gone.stacks,
             &mut session.symbolizer,
             kernel,
-            &databases,
+            names,
             config,
             start,
             end,
@@ -301,6 +328,69 @@ impl Exporter {
         }
     }
 
+    /// Names the triggers the instance's samples ran in (`triggers`, by database OID) that
+    /// are not named yet, in their databases, at most once a minute per instance like the
+    /// databases' names.
+    async fn refresh_trigger_names(
+        &mut self,
+        root: u32,
+        triggers: &std::collections::BTreeMap<u32, std::collections::BTreeSet<u32>>,
+    ) {
+        let entry = self
+            .trigger_names
+            .entry(root)
+            .or_insert_with(|| (HashMap::new(), None));
+        let unknown: Vec<(u32, Vec<u32>)> = triggers
+            .iter()
+            .map(|(&database, oids)| {
+                let oids = oids
+                    .iter()
+                    .copied()
+                    .filter(|&oid| !entry.0.contains_key(&(database, oid)))
+                    .collect::<Vec<u32>>();
+                (database, oids)
+            })
+            .filter(|(_, oids)| !oids.is_empty())
+            .collect();
+        let due = entry.1.is_none_or(|last| last.elapsed() >= DATABASE_NAMES_RETRY);
+        if unknown.is_empty() || !due {
+            return;
+        }
+        entry.1 = Some(Instant::now());
+        let databases = self
+            .database_names
+            .get(&root)
+            .map(|(names, _)| names.clone())
+            .unwrap_or_default();
+        for (database, oids) in unknown {
+            let Some(name) = databases.get(&database) else {
+                continue;
+            };
+            let lookup = async {
+                let target = sql::Connect::for_process(root)?;
+                let client = sql::connect_db(&target, Some(name)).await?;
+                sql::trigger_names(&client, &oids).await
+            };
+            match tokio::time::timeout(SQL_TIMEOUT, lookup).await {
+                Ok(Ok(found)) => {
+                    if let Some(entry) = self.trigger_names.get_mut(&root) {
+                        entry
+                            .0
+                            .extend(found.into_iter().map(|(oid, label)| ((database, oid), label)));
+                    }
+                }
+                Ok(Err(error)) => {
+                    debug!(postmaster = root, database = %name, "trigger labels stay OIDs: {error:#}")
+                }
+                Err(_) => debug!(
+                    postmaster = root,
+                    database = %name,
+                    "trigger labels stay OIDs: the lookup timed out"
+                ),
+            }
+        }
+    }
+
     /// The kernel's symbols, read again every few minutes (modules load and unload; reading
     /// /proc/kallsyms costs tens of milliseconds), taken out of the cache for the caller to put
     /// back.
@@ -332,19 +422,13 @@ fn profiles_of(
     stacks: &InstanceStacks,
     symbolizer: &mut symbolizer::Symbolizer,
     kernel: Option<&KernelSymbols>,
-    databases: &HashMap<u32, String>,
+    names: LabelNames<'_>,
     config: &AgentConfig,
     start: u64,
     end: u64,
 ) -> Vec<(&'static str, Profile)> {
     let duration = end.saturating_sub(start);
     let cpu_meta = ProfileMeta::cpu(config.collection.frequency, start, duration);
-    // The agent attaches no trigger probes: its samples carry no trigger.
-    let no_triggers = HashMap::new();
-    let names = LabelNames {
-        databases,
-        triggers: &no_triggers,
-    };
     let mut profiles = vec![(
         "process_cpu",
         stacks.on_cpu.to_profile(symbolizer, kernel, cpu_meta, names),

@@ -14,6 +14,7 @@ pub(crate) mod pods;
 mod probe_estimates;
 mod probes;
 mod query_texts;
+mod trigger_probes;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;

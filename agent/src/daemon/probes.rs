@@ -12,6 +12,7 @@ use tracing::{info, warn};
 
 use super::config::AgentConfig;
 use super::probe_estimates::{delta, estimate_interval, Estimate, EstimateKey};
+use super::trigger_probes::AgentTriggerProbes;
 use crate::bpf::abi::{CallKey, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::nested::corrected_total_ns;
@@ -80,6 +81,8 @@ pub struct AgentProbes {
     /// When /proc was last scanned for children (see [`CHILDREN_SCAN_EVERY`]).
     children_scanned: Option<Instant>,
     placed: Placements,
+    /// The trigger probes, attached whether or not functions are probed.
+    triggers: AgentTriggerProbes,
 }
 
 /// The instance of every process the session placed, as of the last duty tick. The session
@@ -111,9 +114,10 @@ impl AgentProbes {
     pub fn new(config: &AgentConfig) -> Self {
         // Validated with the configuration: an unknown name never gets here.
         let functions = parse_probe_list(&config.probes.functions).unwrap_or_default();
+        let budget = Some(config.probes.budget).filter(|&b| b > 0.0);
         Self {
             functions,
-            budget: Some(config.probes.budget).filter(|&b| b > 0.0),
+            budget,
             ns_per_hit: None,
             groups: Vec::new(),
             last: HashMap::new(),
@@ -123,6 +127,7 @@ impl AgentProbes {
             frequency_hz: config.collection.frequency,
             children_scanned: None,
             placed: Placements::default(),
+            triggers: AgentTriggerProbes::new(budget),
         }
     }
 
@@ -140,6 +145,7 @@ impl AgentProbes {
         root: u32,
         layout: Option<CounterLayout>,
     ) {
+        self.triggers.add_instance(probes, session, root);
         if !self.enabled() {
             return;
         }
@@ -230,6 +236,7 @@ impl AgentProbes {
     /// The instance is gone: its statements stop counting; the last instance of an
     /// executable takes its probes with it.
     pub fn remove_instance(&mut self, probes: &mut OnCpuProbes, session: &Session, root: u32) {
+        self.triggers.remove_instance(probes, root);
         self.cpu.remove(&root);
         let Some(index) = self.groups.iter().position(|g| g.roots.contains(&root)) else {
             return;
@@ -249,7 +256,12 @@ impl AgentProbes {
     pub fn measure_cpu(&mut self, session: &Session, elapsed: Duration) {
         for instance in session.instances() {
             let root = instance.context.root;
-            let entry = self.cpu.entry(root).or_insert((instance.on_cpu_samples, 1e9));
+            // A new instance is taken to use one CPU until a whole second is measured: its
+            // first call would measure no time at all, and budget nothing.
+            let Some(entry) = self.cpu.get_mut(&root) else {
+                self.cpu.insert(root, (instance.on_cpu_samples, 1e9));
+                continue;
+            };
             let samples = instance.on_cpu_samples.saturating_sub(entry.0);
             entry.0 = instance.on_cpu_samples;
             let seconds = elapsed.as_secs_f64().max(1e-3);
@@ -277,8 +289,11 @@ impl AgentProbes {
         pids
     }
 
-    /// Advances every group's duty cycle.
+    /// Advances every group's duty cycle, and judges the trigger probes' cost.
     pub fn tick(&mut self, probes: &mut OnCpuProbes, session: &Session, elapsed: Duration) {
+        let cpu = &self.cpu;
+        self.triggers
+            .tick(probes, elapsed, |root| cpu.get(&root).map_or(1e9, |c| c.1));
         if self.groups.is_empty() {
             return;
         }
@@ -400,6 +415,7 @@ impl AgentProbes {
 
     /// Detaches everything (the agent stops).
     pub fn detach_all(&mut self, probes: &mut OnCpuProbes, session: &Session) {
+        self.triggers.detach_all(probes);
         let pids = session.pids_by_root();
         for mut group in self.groups.drain(..) {
             if let Err(error) = group.set.detach_all(probes, &pids) {

@@ -60,8 +60,10 @@ impl LocatedTriggerProbes {
     }
 }
 
-/// The trigger probes while a trace runs.
+/// The trigger probes of a trace or of the agent's instances of one executable.
 pub struct TriggerProbes {
+    /// Where they attach, kept for attaching again (the agent retries after a detach).
+    located: Option<LocatedTriggerProbes>,
     links: Option<TriggerLinks>,
     /// Budget as a fraction of the instance's CPU time; None: never detached for cost.
     budget: Option<f64>,
@@ -78,6 +80,7 @@ impl TriggerProbes {
     /// No trigger probes (the major has no layout, or they could not be found).
     pub fn none() -> Self {
         Self {
+            located: None,
             links: None,
             budget: None,
             ns_per_trap: 0.0,
@@ -94,16 +97,34 @@ impl TriggerProbes {
         budget: Option<f64>,
         ns_per_hit: f64,
     ) -> Result<Self> {
-        let traps_at_window = probes.counters()?.get(Counter::TriggerProbeHits);
-        let links = probes.attach_trigger_probes(&located.file.attach_path(), located.start, located.end)?;
-        Ok(Self {
-            links: Some(links),
+        let mut attached = Self {
+            located: Some(located),
+            links: None,
             budget,
             ns_per_trap: ns_per_hit / 2.0,
-            traps_at_window,
+            traps_at_window: 0,
             window: Duration::ZERO,
             detached_because: None,
-        })
+        };
+        attached.attach_again(probes)?;
+        Ok(attached)
+    }
+
+    /// Attaches them again where they were located (after a detach over the budget), with a
+    /// new window to judge.
+    pub fn attach_again(&mut self, probes: &mut OnCpuProbes) -> Result<()> {
+        let Some(located) = &self.located else {
+            return Ok(());
+        };
+        if self.links.is_some() {
+            return Ok(());
+        }
+        self.traps_at_window = probes.counters()?.get(Counter::TriggerProbeHits);
+        self.window = Duration::ZERO;
+        self.links =
+            Some(probes.attach_trigger_probes(&located.file.attach_path(), located.start, located.end)?);
+        self.detached_because = None;
+        Ok(())
     }
 
     /// Why they were detached before the trace ended, if they were.
