@@ -64,13 +64,14 @@ unit-test: deps pg-majors
 # maps, kallsyms, debuginfod), the agent's (agent/src/fuzz_tests: BPF records, /proc text, pod
 # JSON; config and recording parsers; redaction) and the exporters' (Pyroscope responses,
 # URL redaction). `make unit-test` runs a few hundred cases of each; PGSCOPE_FUZZ_CASES=N sets
-# the cases per property. A debug build: integer overflow panics there, and is found.
+# the cases per property. The `fuzz` profile (Cargo.toml): optimized, with the debug build's
+# checks, so integer overflow still panics and is found.
 PGSCOPE_FUZZ_CASES ?= 100000
 fuzz: deps
-	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p symbolizer --test 'fuzz_*'
-	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p pgscope-agent -- fuzz redact
-	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p exporters --test pyroscope_responses
-	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked -p exporters --lib -- redact
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked --profile fuzz -p symbolizer --test 'fuzz_*'
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked --profile fuzz -p pgscope-agent -- fuzz redact
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked --profile fuzz -p exporters --test pyroscope_responses
+	PGSCOPE_FUZZ_CASES=$(PGSCOPE_FUZZ_CASES) $(CARGO) test --locked --profile fuzz -p exporters --lib -- redact
 
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test). Every test file runs even after one fails, so that a CI run reports all
