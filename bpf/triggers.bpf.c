@@ -47,6 +47,17 @@ static __always_inline bool read_trigger(struct pgscope_pg_layout *layout, __u64
 	return frame->trigger_oid != 0;
 }
 
+/* Counts a trap of either probe, whoever takes it (their cost); true for a profiled process's,
+ * which a function probe's call around it then has in its time (see probe_traps). */
+static __always_inline bool trigger_probe_trap(__u32 tgid, __u32 tid)
+{
+	count(PGSCOPE_CNT_TRIGGER_PROBE_HITS);
+	if (!profiled(tgid))
+		return false;
+	count_trap(tid);
+	return true;
+}
+
 /* pgstat_init_function_usage(FunctionCallInfo fcinfo, PgStat_FunctionCallUsage *fcu) */
 SEC("uprobe")
 int on_function_usage_start(struct pt_regs *ctx)
@@ -54,11 +65,8 @@ int on_function_usage_start(struct pt_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
 
-	count(PGSCOPE_CNT_TRIGGER_PROBE_HITS);
-	if (!profiled(tgid))
+	if (!trigger_probe_trap(tgid, tid))
 		return 0;
-	/* A function probe's call around this one has this trap in its time (see probe_traps). */
-	count_trap(tid);
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
 	if (!layout || !layout->trigger_data_tag || !layout->my_be_entry || !layout->st_activity_start_offset)
 		return 0;
@@ -98,10 +106,8 @@ int on_function_usage_end(struct pt_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
 
-	count(PGSCOPE_CNT_TRIGGER_PROBE_HITS);
-	if (!profiled(tgid))
+	if (!trigger_probe_trap(tgid, tid))
 		return 0;
-	count_trap(tid);
 	struct pgscope_trigger_stack *stack = bpf_map_lookup_elem(&trigger_stacks, &tid);
 	if (stack)
 		end_trigger_calls(stack, PT_REGS_PARM1(ctx));

@@ -4,7 +4,6 @@
 //! scaled up when the duty cycle left the probe detached part of the interval.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,9 @@ use crate::bpf::abi::{CallKey, Function, ProbedCall};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::nested::corrected_total_ns;
 use crate::collect::probes::statement_clock::CounterLayout;
-use crate::collect::probes::{calibrate, parse_probe_list, IntervalShares, PidsByRoot, ProbeSet, ProbeState};
+use crate::collect::probes::{
+    calibrate, executable_file, parse_probe_list, IntervalShares, PidsByRoot, ProbeSet, ProbeState,
+};
 use crate::collect::Session;
 use crate::model::QueryId;
 use crate::postgres;
@@ -162,8 +163,8 @@ impl AgentProbes {
             }
         };
         let exe = format!("/proc/{root}/exe");
-        let file = match std::fs::metadata(&exe) {
-            Ok(meta) => (meta.dev(), meta.ino()),
+        let file = match executable_file(root) {
+            Ok(file) => file,
             Err(error) => {
                 warn!(
                     postmaster = root,

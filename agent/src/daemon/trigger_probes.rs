@@ -5,13 +5,12 @@
 //! changed.
 
 use std::collections::HashSet;
-use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
 use crate::bpf::OnCpuProbes;
-use crate::collect::probes::{calibrate, LocatedTriggerProbes, TriggerProbes};
+use crate::collect::probes::{calibrate, executable_file, LocatedTriggerProbes, TriggerProbes};
 use crate::collect::Session;
 use crate::postgres;
 
@@ -50,13 +49,12 @@ impl AgentTriggerProbes {
     /// already attached there. An instance whose triggers cannot be named is still profiled;
     /// the reason is logged.
     pub fn add_instance(&mut self, probes: &mut OnCpuProbes, session: &mut Session, root: u32) {
-        let exe = format!("/proc/{root}/exe");
-        let file = match std::fs::metadata(&exe) {
-            Ok(meta) => (meta.dev(), meta.ino()),
+        let file = match executable_file(root) {
+            Ok(file) => file,
             Err(error) => {
                 warn!(
                     postmaster = root,
-                    "triggers will not be named: cannot stat {exe}: {error}"
+                    "triggers will not be named: cannot stat its executable: {error}"
                 );
                 return;
             }
@@ -86,6 +84,7 @@ impl AgentTriggerProbes {
                 return;
             }
         };
+        let exe = format!("/proc/{root}/exe");
         let executable = std::fs::read_link(&exe)
             .map(|p| p.display().to_string())
             .unwrap_or(exe);

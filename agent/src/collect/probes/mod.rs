@@ -41,6 +41,24 @@ pub fn parse_probe_list(items: &[String]) -> Result<Vec<Function>> {
     Ok(functions)
 }
 
+/// The file name of process `pid`'s executable (`postgres`), the module its functions are
+/// looked up in.
+fn executable_name(pid: u32) -> Result<String> {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+        .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
+    Ok(exe
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default())
+}
+
+/// The device and inode of process `pid`'s executable: the same file seen through different
+/// paths (a container's root) is one, and one uprobe serves every process running it.
+pub fn executable_file(pid: u32) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/exe")).map(|meta| (meta.dev(), meta.ino()))
+}
+
 /// `--probe FUNCTION=PATH:OFFSET`: where a function is, given by the user (e.g. from `nm` on a
 /// debug file kept elsewhere, or a disassembly), for files pgscope cannot name it in.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -434,12 +434,7 @@ impl ProbeSet {
         if functions.is_empty() {
             return Ok(located);
         }
-        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
-            .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
-        let executable = exe
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let executable = super::executable_name(pid)?;
         for &function in functions {
             let args = match table.probe_args(function) {
                 Ok(args) => args,

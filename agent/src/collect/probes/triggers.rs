@@ -35,12 +35,7 @@ impl LocatedTriggerProbes {
             "pgscope does not know where PostgreSQL {} keeps a trigger call's trigger",
             table.major
         );
-        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
-            .with_context(|| format!("cannot resolve the executable of PID {pid}"))?;
-        let executable = exe
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let executable = super::executable_name(pid)?;
         let mut find = |name: &str| {
             symbolizer
                 .find_function(pid, &executable, name)
