@@ -146,7 +146,8 @@ impl AgentProbes {
         root: u32,
         layout: Option<CounterLayout>,
     ) {
-        self.triggers.add_instance(probes, session, root);
+        let ns_per_hit = self.calibrated(probes, session);
+        self.triggers.add_instance(probes, session, root, ns_per_hit);
         if !self.enabled() {
             return;
         }
@@ -188,15 +189,6 @@ impl AgentProbes {
             info!(postmaster = root, executable = %group.executable, "function probes shared with the instances of the same executable");
             return;
         }
-        let ns_per_hit = *self.ns_per_hit.get_or_insert_with(|| {
-            calibrate::measure_ns_per_hit(probes, &mut session.symbolizer).unwrap_or_else(|error| {
-                warn!(
-                    "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
-                    calibrate::FALLBACK_NS_PER_HIT
-                );
-                calibrate::FALLBACK_NS_PER_HIT
-            })
-        });
         let set = match ProbeSet::attach(
             probes,
             &mut session.symbolizer,
@@ -232,6 +224,19 @@ impl AgentProbes {
             group.set.count_statements(root, layout, &pids);
         }
         self.groups.push(group);
+    }
+
+    /// What one probed call costs, measured once for the function and the trigger probes.
+    fn calibrated(&mut self, probes: &mut OnCpuProbes, session: &mut Session) -> f64 {
+        *self.ns_per_hit.get_or_insert_with(|| {
+            calibrate::measure_ns_per_hit(probes, &mut session.symbolizer).unwrap_or_else(|error| {
+                warn!(
+                    "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
+                    calibrate::FALLBACK_NS_PER_HIT
+                );
+                calibrate::FALLBACK_NS_PER_HIT
+            })
+        })
     }
 
     /// The instance is gone: its statements stop counting; the last instance of an

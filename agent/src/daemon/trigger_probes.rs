@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::bpf::OnCpuProbes;
-use crate::collect::probes::{calibrate, executable_file, LocatedTriggerProbes, TriggerProbes};
+use crate::collect::probes::{executable_file, LocatedTriggerProbes, TriggerProbes};
 use crate::collect::Session;
 use crate::postgres;
 
@@ -31,8 +31,6 @@ struct Group {
 pub struct AgentTriggerProbes {
     /// None: never detached for their cost.
     budget: Option<f64>,
-    /// What one probed call costs, measured when the first group is attached.
-    ns_per_hit: Option<f64>,
     groups: Vec<Group>,
 }
 
@@ -40,7 +38,6 @@ impl AgentTriggerProbes {
     pub fn new(budget: Option<f64>) -> Self {
         Self {
             budget,
-            ns_per_hit: None,
             groups: Vec::new(),
         }
     }
@@ -48,7 +45,14 @@ impl AgentTriggerProbes {
     /// Attaches the trigger probes to a new instance's executable, or counts it in the group
     /// already attached there. An instance whose triggers cannot be named is still profiled;
     /// the reason is logged.
-    pub fn add_instance(&mut self, probes: &mut OnCpuProbes, session: &mut Session, root: u32) {
+    /// `ns_per_hit` is a probed call's calibrated cost (the function probes' calibration).
+    pub fn add_instance(
+        &mut self,
+        probes: &mut OnCpuProbes,
+        session: &mut Session,
+        root: u32,
+        ns_per_hit: f64,
+    ) {
         let file = match executable_file(root) {
             Ok(file) => file,
             Err(error) => {
@@ -63,15 +67,6 @@ impl AgentTriggerProbes {
             group.roots.insert(root);
             return;
         }
-        let ns_per_hit = *self.ns_per_hit.get_or_insert_with(|| {
-            calibrate::measure_ns_per_hit(probes, &mut session.symbolizer).unwrap_or_else(|error| {
-                warn!(
-                    "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
-                    calibrate::FALLBACK_NS_PER_HIT
-                );
-                calibrate::FALLBACK_NS_PER_HIT
-            })
-        });
         let located = postgres::detect_major(root)
             .and_then(postgres::table_for)
             .and_then(|table| LocatedTriggerProbes::locate(&mut session.symbolizer, root, table));
