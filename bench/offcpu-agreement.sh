@@ -3,13 +3,15 @@
 # the pg_stat_statements eviction storm, run after run. Each run is the test
 # `sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm` (tests/tests/off_cpu_sampled.rs):
 # 16 clients running 128 distinct statements into 100 entries, traced with --off-cpu=both for
-# 200 s (PGSCOPE_STORM_SECONDS), each wait event's share (idle and client waits left out)
+# 120 s (PGSCOPE_STORM_SECONDS), each wait event's share (idle and client waits left out)
 # compared with the exact tracer's in the same trace. The bounds of issue 20 are 5 pp per share
-# and 10% on the total; the storm's test allows 20% (STORM_TOTAL_TOLERANCE in
+# and 10% on the total; the storm's test judges the sampler at its own runs instead and the
+# exact state at the runs against the exact average within 0.5-1.5 (INSTANTS_OVER_AVERAGE in
 # tests/tests/off_cpu_sampled.rs says why).
 #
-# Printed per run: the sampled total over the exact one and the largest share difference;
-# then how many runs met both bounds. Ends with one line:
+# Printed per run: the sampled total over the exact one, the largest share difference, and the
+# exact state at the runs over the exact average (lock waits, time outside wait events: the
+# runs' own disturbance); then how many runs passed the test. Ends with one line:
 #   offcpu-agreement: runs=… within_bounds=… total_ratio_min=… total_ratio_median=… total_ratio_max=… max_share_pp=…
 # A benchmark, not a test: it asserts nothing (the comparison's own verdict is only counted).
 #
@@ -41,10 +43,11 @@ for run in $(seq 1 "$runs"); do
     fi
     ratio=$(sed -E 's/.*total_ratio=([0-9.]+).*/\1/' <<<"$line")
     share=$(sed -E 's/.*max_share_pp=([0-9.]+).*/\1/' <<<"$line")
+    instants=$(sed -E 's/.*instants_waits_ratio=([0-9.]+) instants_no_wait_event_ratio=([0-9.]+).*/\1 and \2/' <<<"$line")
     ratios+=("$ratio")
     shares+=("$share")
-    printf 'run %d: sampled/exact total %s, largest share difference %s pp (%s the bounds)\n' \
-        "$run" "$ratio" "$share" "$verdict"
+    printf 'run %d: sampled/exact total %s, largest share difference %s pp, at the runs/average %s (%s the bounds)\n' \
+        "$run" "$ratio" "$share" "$instants" "$verdict"
     rm -f "$log"
 done
 

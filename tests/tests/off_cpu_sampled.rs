@@ -30,21 +30,25 @@ const TOTAL_TOLERANCE: f64 = 0.10;
 /// iterators); a wait the sampler guesses or misreads shows here.
 const AT_RUNS_TOLERANCE: f64 = 0.05;
 
-/// [`TOTAL_TOLERANCE`] for the eviction storm, where the exact side counts what the sampler's
-/// own runs do to the storm and the samples cannot (docs/architecture.md, "The run's own cost").
-/// A run takes its CPU at real-time priority from the backend there; when that backend holds
-/// the extension's lock, the 15 others queue on it that much longer. The exact tracer counts
-/// those waits; the samples, taken at the run's start, cannot. How much that weighs grows with
-/// the run's length and with how hard the storm contends, both the machine's: here the lock's
-/// sampled time came out 1.017-1.079 of the exact over 200 s runs; on CI's machine (runs of
-/// 96 µs, and 2.6 times the lock time here for the same storm) 0.83, 0.887 and 0.898. A spin of
-/// 1 ms added to each run here took the ratio down by 0.09, the exact totals growing by a
-/// quarter and the sampled ones not at all. At the runs' own instants the samples agree with
-/// the exact tracer within 1% (0.990 where the time average gave 1.083 in the same run): the
-/// gap is where the runs fall and what they do, not how they read, which is judged tightly by
-/// [`check_sampled_against_exact_at_runs`]. A sampler that lost or doubled the lock's waits
-/// still fails here.
-const STORM_TOTAL_TOLERANCE: f64 = 0.20;
+/// On the eviction storm, the exact tracer's state at the sampler's runs over its time
+/// average, at least and at most, for the time in reported wait events and the time outside
+/// them. What stands between the two is not how a run reads a thread (judged within
+/// [`AT_RUNS_TOLERANCE`]) but where the runs fall and what they do to the storm
+/// (docs/architecture.md, "The run's own cost"): a run takes a CPU at real-time priority for
+/// 90-140 µs, the backend there (often the one holding the extension's lock, the 15 others
+/// queued behind it) waits meanwhile, and the exact tracer counts those waits while the
+/// instants cannot; the threads a run visits late have queued behind the run itself. Both grow
+/// with the runs' length, which is the machine's: over 40-200 s runs the lock's time came out
+/// 0.76-1.08 of the average (0.83-0.90 on CI's machine), the time outside wait events
+/// 0.65-1.18 (1.18 on CI's, with runs of 140 µs). A sampler whose runs halved or doubled what
+/// they measure still fails; how close a given machine comes is `bench/offcpu-agreement.sh`'s.
+const INSTANTS_OVER_AVERAGE: (f64, f64) = (0.5, 1.5);
+
+/// The logical replication launcher, asleep for the whole storm, sampled off CPU for this share
+/// of the trace at least and at most: every run reached every thread, and the ticks it
+/// deferred were all counted (40091 ms of a 40093 ms trace). The sampler starts a moment after
+/// the trace's clock does, 0.3-0.6 s on a busy machine.
+const LAUNCHER_COVERAGE: (f64, f64) = (0.97, 1.01);
 
 /// The row of off-CPU time outside any reported wait event: preemptions, and blocking syscalls
 /// Postgres does not report. It is left out of the shares and of the total's bound, and judged
@@ -57,7 +61,8 @@ const STORM_TOTAL_TOLERANCE: f64 = 0.20;
 /// `LWLock:pg_stat_statements` held at 0.985, 0.963, 1.008 and 0.992.
 const NO_WAIT_EVENT: &str = "(no wait event)";
 
-/// The sampled time of [`NO_WAIT_EVENT`] over the exact, at least and at most: the sampler's
+/// The sampled time of [`NO_WAIT_EVENT`] over the exact, at least and at most, on TPC-B (the
+/// storm judges it at the sampler's runs instead): the sampler's
 /// known error on preemption (0.63-0.90 of perf's ground truth in
 /// `bench/offcpu-groundtruth.sh`'s runs, docs/architecture.md), which two CPU hogs beside the
 /// storm make most of its off-CPU time: there it came out 0.75 while the lock's time held at
@@ -84,6 +89,8 @@ struct ShareRow {
 /// their own totals over the rows given.
 struct ShareComparison {
     reference_name: &'static str,
+    /// What the other side is: "sampled" unless [`ShareComparison::compared_as`] says.
+    compared_name: &'static str,
     /// Units of the reference's and the sampled amounts.
     units: (&'static str, &'static str),
     rows: Vec<ShareRow>,
@@ -108,9 +115,16 @@ impl ShareComparison {
         rows.sort_by(|a, b| b.reference.total_cmp(&a.reference));
         Self {
             reference_name,
+            compared_name: "sampled",
             units,
             rows,
         }
+    }
+
+    /// Names the compared side `name` in the table, where it is not the sampled profile.
+    fn compared_as(mut self, name: &'static str) -> Self {
+        self.compared_name = name;
+        self
     }
 
     fn reference_total(&self) -> f64 {
@@ -138,7 +152,7 @@ impl ShareComparison {
             "wait event",
             format!("{} {}", self.reference_name, self.units.0),
             "share",
-            format!("sampled {}", self.units.1),
+            format!("{} {}", self.compared_name, self.units.1),
             "share",
             "diff pp"
         );
@@ -242,29 +256,47 @@ fn rows_side_by_side(exact: &[OffCpuWait], sampled: &[OffCpuWait]) -> String {
     out
 }
 
-/// The sampled profile against the exact one of the same `--off-cpu=both` trace: each
-/// reported wait event's share of the reported waits within [`SHARE_PP`], their time within
-/// `tolerance` (a fraction), and the time outside them within [`NO_WAIT_EVENT_RATIO`].
-fn check_sampled_against_exact(summary: &TraceSummary, workload: &str, tolerance: f64) -> Result<()> {
+/// That the trace measured off-CPU time both ways (`--off-cpu=both`).
+fn check_both_modes(summary: &TraceSummary) -> Result<()> {
     let (mode, exact_mode) = summary.off_cpu_modes()?;
     ensure!(
         mode == "sampled" && exact_mode.as_deref() == Some("exact"),
         "--off-cpu=both measured off_cpu.mode {mode} and off_cpu_exact.mode {exact_mode:?}"
     );
-    // One process asleep for the whole trace: its sampled time is how much of the trace the
-    // sampler's ticks covered (said, not checked: it tells a share gone wrong from time lost).
+    Ok(())
+}
+
+/// The sampled off-CPU time of the logical replication launcher, asleep for the whole trace,
+/// over the trace's duration: how much of the trace the sampler's runs covered.
+fn launcher_coverage(summary: &TraceSummary) -> Result<f64> {
     let launcher_ms: f64 = summary
         .off_cpu_by_wait()?
         .iter()
         .filter(|w| w.backend_type == "logical replication launcher")
         .map(|w| w.ns as f64 / 1e6)
         .sum();
+    Ok(launcher_ms / (1e3 * summary.duration_seconds()?))
+}
+
+/// Says how much of the trace the sampler covered and what it lost: what tells a share gone
+/// wrong from time lost.
+fn say_coverage(summary: &TraceSummary, workload: &str) -> Result<()> {
     eprintln!(
         "{workload}: the logical replication launcher, asleep throughout, sampled off CPU for \
-         {launcher_ms:.0} ms of the trace's {:.0} ms; samples lost: {:?}",
+         {:.4} of the trace's {:.0} ms; samples lost: {:?}",
+        launcher_coverage(summary)?,
         1e3 * summary.duration_seconds()?,
         summary.samples_lost_by_reason()?
     );
+    Ok(())
+}
+
+/// The sampled profile against the exact one of the same `--off-cpu=both` trace: each
+/// reported wait event's share of the reported waits within [`SHARE_PP`], their time within
+/// [`TOTAL_TOLERANCE`], and the time outside them within [`NO_WAIT_EVENT_RATIO`].
+fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result<()> {
+    check_both_modes(summary)?;
+    say_coverage(summary, workload)?;
     let (exact_rows, sampled_rows) = (
         comparable_waits(&summary.off_cpu_exact_by_wait()?),
         comparable_waits(&summary.off_cpu_by_wait()?),
@@ -345,12 +377,12 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str, tolerance
     }
     let off = (sampled - exact).abs() / exact;
     ensure!(
-        off <= tolerance,
+        off <= TOTAL_TOLERANCE,
         "{workload}: sampled time in reported wait events ({NO_WAIT_EVENT} left out), \
          {sampled:.1} ms, is {:.1}% away from the exact {exact:.1} ms (at most {:.0}% allowed)\n\
          {}{lost_note}",
         100.0 * off,
-        100.0 * tolerance,
+        100.0 * TOTAL_TOLERANCE,
         comparison.table()
     );
     Ok(())
@@ -405,34 +437,29 @@ fn check_sampled_against_exact_at_runs(
 }
 
 /// The pg_stat_statements eviction storm: 16 clients running 128 distinct statements into 100
-/// entries queue on the extension's LWLock (futex waits, short and many), for
-/// [`storm_seconds`] (200 by default).
+/// entries queue on the extension's LWLock (futex waits of microseconds, in convoys), for
+/// [`storm_seconds`] (120 by default). Judged three ways ([`check_storm_against_exact`]):
+/// - how each run reads each thread: the sampled time against the exact tracer's state at the
+///   sampler's own runs, within [`AT_RUNS_TOLERANCE`], in reported waits and outside them;
+/// - that the runs covered the trace ([`LAUNCHER_COVERAGE`]);
+/// - where the runs fall and what they do: the exact state at the runs against the exact time
+///   average ([`INSTANTS_OVER_AVERAGE`]).
 ///
-/// Why 200 s (docs/architecture.md, "Off-CPU time"):
-/// - sampling error: the LWLock waits come in convoys (one backend evicting, the others queued
-///   behind it), so few ticks see one and each sees many backends at once; over 20 s at 99 Hz
-///   even a perfect sampler (perf's record of every switch read at as many random instants,
-///   `bench/offcpu-groundtruth.sh`) lands within 10% of the true lock-wait time in only 45-60%
-///   of draws, and within 10% of the compared total in 62-86%;
-/// - runs of 100 s met both bounds in 18 of 18 runs (2026-11-27), but spread widely:
-///   sampled/exact 0.905-1.096, mean 1.018, standard deviation 0.052, so about one run in 15
-///   would fall outside 10%. Runs of 200 s: 1.012-1.061 over 6 runs, mean 1.034, standard
-///   deviation 0.019;
-/// - what is left is the sampler's own: a backend that changes state between the run's instant
-///   and its visit is sampled in its new state (preempted time 0.83-0.89 of perf's truth at the
-///   sampler's instants, lock waits 1.02-1.07), a lean of +2-3.5% on the total;
-/// - the total with the preempted time in it still failed CI once (2026-11-27, the reason cut
-///   from its log), and five runs of 200 s the next day gave 1.025, 0.933, 1.048, 0.992 and
-///   1.034 (standard deviation 0.045), the preempted time swinging 0.88-1.06 and the lock's
-///   0.96-1.07 (0.038). So the bound is on the time in reported wait events, and the
-///   preempted row, which two CPU hogs beside the test multiply, is judged by its own ratio
-///   ([`NO_WAIT_EVENT`]);
-/// - the bound itself is [`STORM_TOTAL_TOLERANCE`], not 10%: CI's machine failed the storm
-///   three times at 0.83-0.90, below what noise explains, from the sampler's own runs; the
-///   sampler is judged tightly against the exact tracer's state at its own instants instead
-///   ([`check_sampled_against_exact_at_runs`]), which takes that noise and the runs' doing out.
+/// Not the sampled time against the exact average within 10-20%, as this test did until
+/// 2026-11-29: that ratio is the product of the first and the third, and the third is the
+/// machine's (the runs' length), not the sampler's reading. It failed CI at 0.83-0.90 on the
+/// lock's time and at 1.18 on the time outside wait events, each time with the first within 1%.
 ///
-/// `bench/offcpu-agreement.sh` runs it repeatedly and prints how often it meets the bounds.
+/// Why 120 s: the lock waits come in convoys (one backend evicting, the others queued behind
+/// it), so few ticks see one and each sees many backends at once. Over 20 s at 99 Hz even a
+/// perfect sampler (perf's record of every switch read at as many random instants,
+/// `bench/offcpu-groundtruth.sh`) lands within 10% of the true lock-wait time in only 45-60%
+/// of draws; runs of 100 s spread 0.905-1.096 (standard deviation 0.052), runs of 200 s with a
+/// standard deviation of 0.019-0.045.
+/// At 120 s the third check's bounds are over 3 standard deviations from the farthest ratio
+/// measured (0.65).
+///
+/// `bench/offcpu-agreement.sh` runs it repeatedly and prints the ratios.
 #[test]
 fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()> {
     require_root_and_bpf();
@@ -446,7 +473,84 @@ fn sampled_waits_agree_with_the_exact_tracer_in_an_eviction_storm() -> Result<()
     let (_, summary) = trace.finish()?;
     let dealloc = cluster.psql("SELECT dealloc FROM pg_stat_statements_info")?;
     eprintln!("pg_stat_statements evictions: {dealloc}");
-    check_sampled_against_exact(&summary, "eviction storm", STORM_TOTAL_TOLERANCE)
+    check_storm_against_exact(&summary, "eviction storm")
+}
+
+/// The storm's three checks (see the test): the sampler's reading at its runs, the runs'
+/// coverage of the trace, and the exact state at the runs against the exact time average.
+fn check_storm_against_exact(summary: &TraceSummary, workload: &str) -> Result<()> {
+    check_both_modes(summary)?;
+    say_coverage(summary, workload)?;
+    let exact_rows = comparable_waits(&summary.off_cpu_exact_by_wait()?);
+    let at_runs_rows = comparable_waits(&summary.off_cpu_exact_at_runs_by_wait()?);
+    let sampled_rows = comparable_waits(&summary.off_cpu_by_wait()?);
+    let cost = summary
+        .wait_sampler_cost()?
+        .context("the summary has no `wait_sampler`, though the off-CPU sampler ran")?;
+    let lost = summary.samples_lost_by_reason()?;
+    let average = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &sampled_rows);
+    let instants = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &at_runs_rows)
+        .compared_as("at runs");
+    eprintln!(
+        "{workload}: off-CPU time by wait event, idle and Client:* rows left out\n{}\n\
+         {workload}: the exact state at the runs against the exact average\n{}\n\
+         {workload}: every row by backend type, wait event and class, in ms (not compared)\n{}",
+        average.table(),
+        instants.table(),
+        rows_side_by_side(&summary.off_cpu_exact_by_wait()?, &summary.off_cpu_by_wait()?)
+    );
+    let split = |rows: &BTreeMap<String, f64>| {
+        let outside = rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
+        (rows.values().sum::<f64>() - outside, outside)
+    };
+    let ((exact_waits, exact_outside), (at_runs_waits, at_runs_outside)) =
+        (split(&exact_rows), split(&at_runs_rows));
+    let (sampled_waits, sampled_outside) = split(&sampled_rows);
+    // One line for bench/offcpu-agreement.sh.
+    eprintln!(
+        "agreement: workload={} total_ratio={:.3} waits_ratio={:.3} no_wait_event_ratio={:.3} \
+         max_share_pp={:.1} instants_waits_ratio={:.3} instants_no_wait_event_ratio={:.3}",
+        workload.replace(' ', "-"),
+        average.sampled_total() / average.reference_total(),
+        sampled_waits / exact_waits,
+        sampled_outside / exact_outside,
+        average.max_share_difference(),
+        at_runs_waits / exact_waits,
+        at_runs_outside / exact_outside,
+    );
+    check_sampled_against_exact_at_runs(summary, workload, &sampled_rows)?;
+
+    let coverage = launcher_coverage(summary)?;
+    let (least, most) = LAUNCHER_COVERAGE;
+    ensure!(
+        (least..=most).contains(&coverage),
+        "{workload}: the logical replication launcher, asleep throughout, was sampled off CPU for \
+         {coverage:.4} of the trace (between {least} and {most} expected): the sampler's runs \
+         missed threads or ticks, or counted them twice\nsamples lost: {lost:?}\nthe off-CPU \
+         sampler's runs: {cost}"
+    );
+
+    let (least, most) = INSTANTS_OVER_AVERAGE;
+    for (what, exact, at_runs) in [
+        ("time in reported wait events", exact_waits, at_runs_waits),
+        (NO_WAIT_EVENT, exact_outside, at_runs_outside),
+    ] {
+        ensure!(
+            exact > 0.0,
+            "{workload}: the exact tracer measured no {what} outside idle and client waits"
+        );
+        let ratio = at_runs / exact;
+        ensure!(
+            (least..=most).contains(&ratio),
+            "{workload}: at the sampler's runs the exact tracer had {at_runs:.1} ms of {what}, \
+             {ratio:.3} of its time average, {exact:.1} ms (between {least} and {most} allowed): \
+             the runs disturb what they measure (a run takes a CPU at real-time priority from \
+             the backend there, and the others queue behind it)\n{}\nthe off-CPU sampler's \
+             runs: {cost}",
+            instants.table()
+        );
+    }
+    Ok(())
 }
 
 /// A cluster set up for the eviction storm, the directory of its pgbench scripts, and pgbench's
@@ -520,6 +624,9 @@ fn pgscope_children() -> Result<Vec<u32>> {
         .collect())
 }
 
+/// The backends' CPU time the storm runs for once pgscope's reader is back.
+const STORM_AFTER_OVERFLOW_CPU: Duration = Duration::from_secs(40);
+
 /// Records the ring buffer had no room for, at least, while the reader is stopped: a few
 /// seconds of the storm's samples past the buffer's 8 MiB.
 const MIN_RING_OVERFLOW: u64 = 2000;
@@ -555,8 +662,10 @@ fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> 
         )
     };
     let overflowed = overflowed.context("the storm did not fill the ring buffer")?;
-    // And some of the storm with the reader back.
-    pgbench.run_for_cpu(Duration::from_secs(10), Duration::from_secs(120))?;
+    // And some of the storm with the reader back: enough of it that the time outside wait
+    // events, judged within 5% at the runs, is more than a few hundred ticks (10 s of the
+    // backends' CPU made ~120, and one CI run 5.2% off: 6 ticks).
+    pgbench.run_for_cpu(STORM_AFTER_OVERFLOW_CPU, Duration::from_secs(240))?;
     pgbench.stop()?;
     let (_, summary) = trace.finish()?;
     eprintln!("records lost while the reader was stopped: {overflowed}");
@@ -596,12 +705,12 @@ fn ring_buffer_full() -> Result<u64> {
         .sum())
 }
 
-/// How long the eviction storm runs: `PGSCOPE_STORM_SECONDS`, 200 by default (what its bounds
+/// How long the eviction storm runs: `PGSCOPE_STORM_SECONDS`, 120 by default (what its bounds
 /// need, measured above); `bench/offcpu-groundtruth.sh` runs it for 20, as perf records every
 /// switch of it.
 fn storm_seconds() -> Result<u64> {
     match std::env::var("PGSCOPE_STORM_SECONDS") {
-        Err(_) => Ok(200),
+        Err(_) => Ok(120),
         Ok(text) => text
             .parse()
             .ok()
@@ -659,7 +768,7 @@ fn sampled_waits_agree_with_the_exact_tracer_and_pg_stat_activity_under_tpcb() -
     // Every check runs and prints its tables; the first failure fails the test.
     let failures: Vec<anyhow::Error> = [
         check_branch_update_wall_clock(&summary, branch_update.trim()).context("wall-clock split"),
-        check_sampled_against_exact(&summary, "TPC-B", TOTAL_TOLERANCE).context("sampled against exact"),
+        check_sampled_against_exact(&summary, "TPC-B").context("sampled against exact"),
         check_sampled_against_activity(&summary, &polled).context("sampled against pg_stat_activity"),
     ]
     .into_iter()
