@@ -489,8 +489,8 @@ fn check_storm_against_exact(summary: &TraceSummary, workload: &str) -> Result<(
         .context("the summary has no `wait_sampler`, though the off-CPU sampler ran")?;
     let lost = summary.samples_lost_by_reason()?;
     let average = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &sampled_rows);
-    let instants = ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &at_runs_rows)
-        .compared_as("at runs");
+    let instants =
+        ShareComparison::new("exact", ("ms", "ms"), &exact_rows, &at_runs_rows).compared_as("at runs");
     eprintln!(
         "{workload}: off-CPU time by wait event, idle and Client:* rows left out\n{}\n\
          {workload}: the exact state at the runs against the exact average\n{}\n\
