@@ -198,6 +198,9 @@ impl AgentFindings {
             pgss,
             // Settings are quoted by `pgscope trace`; the agent reads only the counter above.
             instance: None,
+            // Blocking sessions are polled by `pgscope trace` only (issue 36: the agent's
+            // metric is not built yet).
+            blockers: None,
         }));
         self.evaluated += 1;
         self.update(instance, &found);

@@ -4,6 +4,7 @@
 //! what to consider. Rules follow Postgres mechanics (what a phase or a function does), with
 //! thresholds on shares of the measured time, not on particular workloads.
 
+mod blockers;
 mod cpu;
 mod facts;
 mod functions;
@@ -115,6 +116,10 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     );
     findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
     findings.extend(waits::top_waiters(analysis.waits.as_ref(), &analysis.walls));
+    findings.extend(blockers::blocking_sessions(
+        measured.blockers,
+        analysis.backend_time_ns(),
+    ));
     if let Some(instance) = measured.instance {
         facts::annotate(&mut findings, instance);
     }

@@ -29,6 +29,7 @@ pub use statements::StatementCpu;
 pub use waits::WaitTables;
 pub use wall_clock::StatementWall;
 
+use crate::postgres::blockers::BlockerEvidence;
 use crate::postgres::sql::InstanceFacts;
 use labels::SampleLabels;
 
@@ -47,6 +48,8 @@ pub struct Measurements<'a> {
     pub pgss: Option<PgssEvidence>,
     /// Settings and sizes read over SQL, when pgscope could connect.
     pub instance: Option<&'a InstanceFacts>,
+    /// The sessions that held others' heavyweight locks, when they were polled.
+    pub blockers: Option<&'a BlockerEvidence>,
 }
 
 /// Each statement's time, on CPU (samples × period) and blocked (off CPU without the client's
@@ -197,6 +200,7 @@ mod tests {
             spin_sites: &[],
             pgss: None,
             instance: None,
+            blockers: None,
         });
         let period = on_cpu.meta.period;
         assert_eq!(

@@ -6,6 +6,7 @@
 
 pub mod attribution;
 pub mod backend_settings;
+pub mod blockers;
 pub mod instance_names;
 pub mod memory;
 pub mod pgss_hooks;

@@ -358,6 +358,7 @@ mod tests {
             probes: Vec::new(),
             pgss: None,
             instance: None,
+            blockers: None,
             spin_sites: Vec::new(),
             query_texts: [("7".to_string(), "SELECT <join>".to_string())].into(),
             plan_node_functions: [("ExecHashJoin", "HashJoin"), ("ExecSeqScan", "SeqScan")]

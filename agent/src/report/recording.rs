@@ -35,6 +35,9 @@ pub struct Recording {
     /// Settings and sizes the findings quote (plan_cache_mode, pg_class rows, …).
     #[serde(default)]
     pub instance: Option<InstanceFacts>,
+    /// The sessions that held others' heavyweight locks; absent from older recordings.
+    #[serde(default)]
+    pub blockers: Option<crate::postgres::blockers::BlockerEvidence>,
     /// Spinlock acquisitions that spun, per call site and queryid.
     #[serde(default)]
     pub spin_sites: Vec<SpinSiteRow>,
@@ -173,6 +176,7 @@ impl Recording {
             spin_sites: &self.spin_sites,
             pgss: self.pgss,
             instance: self.instance.as_ref(),
+            blockers: self.blockers.as_ref(),
         })
         .with_plan_nodes(&self.plan_node_functions);
         view(&analysis)
@@ -230,6 +234,7 @@ mod tests {
             ],
             pgss: None,
             instance: None,
+            blockers: None,
             spin_sites: Vec::new(),
             query_texts: BTreeMap::from([("-42".into(), "SELECT 1".into())]),
             plan_node_functions: NodeFunctions::from([("ExecSort".into(), "Sort".into())]),

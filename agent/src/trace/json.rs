@@ -17,6 +17,7 @@ use crate::collect::probes::Extrapolation;
 use crate::findings::Finding;
 use crate::model::labels;
 use crate::model::{StatementCpu, StatementPlanNodes, StatementWall, WaitTables};
+use crate::postgres::blockers::BlockerEvidence;
 use crate::postgres::phase::Phase;
 use crate::target::Target;
 
@@ -65,6 +66,10 @@ pub struct Summary {
     /// Per queryid, its wall-clock time (on and off CPU, the client's time left out) split
     /// into CPU and each wait, largest first; empty without off-CPU time.
     pub wall_clock: Vec<WallClockJson>,
+    /// Sessions that held heavyweight locks others waited for, polled with
+    /// `pg_blocking_pids()` while the samples were taken (chains charged to the session at
+    /// their end); null when the instance could not be polled.
+    pub blockers: Option<BlockerEvidence>,
     /// The findings the trace printed, most severe first.
     pub findings: Vec<FindingJson>,
 }
@@ -412,6 +417,7 @@ pub struct SummaryInputs<'a> {
     /// What the off-CPU sampler's thread did (no runs when it did not run).
     pub wait_sampler: &'a WaitSamplerTally,
     pub walls: &'a [StatementWall],
+    pub blockers: Option<&'a BlockerEvidence>,
     pub findings: &'a [Finding],
 }
 
@@ -603,6 +609,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     .collect(),
             })
             .collect(),
+        blockers: inputs.blockers.cloned(),
         findings: inputs
             .findings
             .iter()

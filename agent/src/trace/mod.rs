@@ -1,6 +1,7 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
+mod blocker_poll;
 mod json;
 pub(crate) mod off_cpu;
 mod plan_nodes;
@@ -287,6 +288,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let ring = probes.take_samples()?;
     probes.attach_sampling(options.frequency_hz)?;
 
+    // Who blocks whom, polled over SQL for as long as the samples are taken.
+    let blocker_poller = blocker_poll::BlockerPoller::start(&options, layout_source);
     let started = Instant::now();
     let start_unix_nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -319,6 +322,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     )
     .await?;
     let elapsed = started.elapsed();
+    let (blocker_log, blockers_stopped) = blocker_poller.finish().await;
+    let blocker_evidence = (blocker_log.polls > 0).then(|| blocker_log.evidence());
+    if let Some(why) = blockers_stopped {
+        note!("pgscope: sessions blocking others are not named: {why}");
+    }
     // All probe counts are read at one instant, and attached time ends there: detaching takes a
     // kernel grace period per probe, during which functions detached later would count on.
     probe_set.stop_clock(&traced_pids(&probes, layout_source));
@@ -380,6 +388,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         &session,
         &probe_results,
         pgss_start.as_ref(),
+        &blocker_evidence
+            .iter()
+            .flat_map(|evidence| evidence.blockers.iter())
+            .filter_map(|b| b.query_id)
+            .collect::<Vec<_>>(),
     )
     .await;
     session.add_waits_without_stack(
@@ -399,6 +412,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         elapsed,
         sql_facts,
         pgss_start: pgss_start.map(|start| start.info),
+        blockers: blocker_evidence,
     };
     report::finish(&options, &target, session, measured)
 }

@@ -31,6 +31,8 @@ pub(super) struct Measured {
     pub sql_facts: super::sql_facts::SqlFacts,
     /// pg_stat_statements' counters when the trace started.
     pub pgss_start: Option<crate::postgres::sql::PgssInfo>,
+    /// The sessions that held others' locks while the samples were taken.
+    pub blockers: Option<crate::postgres::blockers::BlockerEvidence>,
 }
 
 pub(super) fn finish(
@@ -47,6 +49,7 @@ pub(super) fn finish(
         elapsed,
         sql_facts,
         pgss_start,
+        blockers,
     } = measured;
     let super::sql_facts::SqlFacts {
         query_texts,
@@ -130,6 +133,7 @@ pub(super) fn finish(
         spin_sites: &spin_sites,
         pgss,
         instance: instance.as_ref(),
+        blockers: blockers.as_ref(),
     })
     .with_plan_nodes(&plan_node_functions);
     let total = analysis.cpu_samples();
@@ -227,6 +231,7 @@ pub(super) fn finish(
             probes: probe_rows.iter().map(RecordedProbe::new).collect(),
             pgss,
             instance: instance.clone(),
+            blockers: blockers.clone(),
             spin_sites: spin_sites.clone(),
             query_texts: query_texts
                 .iter()
@@ -348,6 +353,7 @@ pub(super) fn finish(
             off_cpu_exact_at_runs: exact_at_runs_waits.as_ref(),
             wait_sampler: &session.wait_sampler,
             walls: &analysis.walls,
+            blockers: blockers.as_ref(),
             findings: &findings,
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));

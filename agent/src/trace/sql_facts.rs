@@ -28,7 +28,7 @@ pub struct SqlFacts {
 /// How long reading pg_stat_statements' counters at the start may take: it delays the trace.
 const PGSS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
-fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Connect> {
+pub(super) fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Connect> {
     Ok(match &options.conninfo {
         Some(info) => sql::Connect::Conninfo(Secret::new(info.clone())),
         None => sql::Connect::for_process(pid)?,
@@ -79,8 +79,13 @@ pub async fn fetch(
     session: &Session,
     probe_results: &ProbeResults,
     pgss_start: Option<&PgssStart>,
+    blockers_query_ids: &[i64],
 ) -> SqlFacts {
-    let query_ids = wanted_query_ids(session, probe_results);
+    let mut query_ids = wanted_query_ids(session, probe_results);
+    // The blockers' statements: a session idle in its transaction is never sampled.
+    query_ids.extend(blockers_query_ids.iter().filter(|&&q| q != 0));
+    query_ids.sort_unstable();
+    query_ids.dedup();
     let texts = !query_ids.is_empty();
     let databases = session
         .on_cpu()
@@ -294,7 +299,7 @@ async fn trigger_names(
 
 /// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a
 /// password least of all, is redacted.
-fn shown(error: &anyhow::Error) -> String {
+pub(super) fn shown(error: &anyhow::Error) -> String {
     redact::text(&format!("{error:#}")).into_owned()
 }
 
