@@ -3,7 +3,8 @@
 //! pgbench -S the top CPU consumer is pgbench's select, named by its pg_stat_statements queryid,
 //! until the load stops. A workload whose inserts do most of their work in a trigger deferred
 //! to commit must raise the commit phase finding for the insert's queryid while it runs, and
-//! clear it once it stops.
+//! clear it once it stops. A session idle in its transaction that holds others up is named
+//! while it does.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -339,6 +340,65 @@ fn a_finding_appears_on_metrics_and_in_the_log_while_its_workload_runs_and_clear
     expect_cleared(&agent, INSTANCE, "phase_dominance", &queryid)?;
     let evaluated = agent.metric("pgscope_findings_evaluated_total")?;
     ensure!(evaluated >= 3.0, "{evaluated} intervals evaluated");
+    stop(agent)
+}
+
+/// A session idle in its transaction, holding a row two others queue on, is a `lock_blocker`
+/// finding of the agent's (polled with `pg_blocking_pids()` every second) on /metrics and in
+/// the log, naming its pid, while it holds them; it clears once the session rolls back.
+#[test]
+fn a_session_idle_in_its_transaction_holding_others_up_is_named_until_it_ends() -> Result<()> {
+    const INSTANCE: &str = "pgscope_blocker";
+    require_root_and_bpf();
+    let cluster =
+        PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[("cluster_name", INSTANCE)])?;
+    cluster.psql(
+        "CREATE TABLE held_rows (id int PRIMARY KEY, v bigint NOT NULL); \
+         INSERT INTO held_rows VALUES (1, 0)",
+    )?;
+    let (_capture, agent) = start_agent(&cluster)?;
+    let mut holder = cluster.connect()?;
+    holder.query("BEGIN")?;
+    holder.query("UPDATE held_rows SET v = v + 1 WHERE id = 1")?;
+    let queryid = cluster
+        .psql("SELECT queryid FROM pg_stat_statements WHERE query LIKE 'UPDATE held_rows%'")?
+        .trim()
+        .to_string();
+    ensure!(
+        !queryid.is_empty(),
+        "the holder's UPDATE is not in pg_stat_statements"
+    );
+    let waiters = (0..2)
+        .map(|_| cluster.spawn_session("UPDATE held_rows SET v = v + 10 WHERE id = 1"))
+        .collect::<Result<Vec<_>>>()?;
+    let labels = wait_for(
+        "the lock_blocker finding on /metrics",
+        Duration::from_secs(60),
+        || {
+            let (_, metrics) = agent.get("/metrics")?;
+            Ok(finding_of(&metrics, INSTANCE, "lock_blocker", &queryid))
+        },
+    )
+    .with_context(|| format!("agent log:\n{}", agent.log()))?;
+    eprintln!("{labels:?}");
+    let named = format!("session {}, idle in transaction", holder.pid());
+    let log = agent.log();
+    ensure!(
+        finding_logs(&log).iter().any(|(message, fields)| {
+            message == "finding appeared"
+                && fields.get("kind").and_then(|v| v.as_str()) == Some("lock_blocker")
+                && fields
+                    .get("title")
+                    .and_then(|v| v.as_str())
+                    .is_some_and(|title| title.starts_with(&named))
+        }),
+        "no `finding appeared` of kind lock_blocker titled `{named}…`:\n{log}"
+    );
+    holder.query("ROLLBACK")?;
+    for waiter in &waiters {
+        waiter.wait_until_finished()?;
+    }
+    expect_cleared(&agent, INSTANCE, "lock_blocker", &queryid)?;
     stop(agent)
 }
 

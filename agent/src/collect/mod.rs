@@ -2,6 +2,7 @@
 //! front ends — `trace` (one instance or backend, for a while) and `agent` (every instance on
 //! the host, continuously).
 
+pub mod blockers;
 pub mod driver;
 pub mod instance;
 pub mod live;

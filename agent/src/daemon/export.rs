@@ -132,6 +132,7 @@ impl Exporter {
             })
             .collect();
         let mut pgss = HashMap::new();
+        let mut blockers = HashMap::new();
         for instance in session.instances() {
             let root = instance.context.root;
             let oids = instance.stacks.on_cpu.database_oids();
@@ -141,6 +142,9 @@ impl Exporter {
             // Read as the stacks are taken, so that the counter spans the same interval.
             if let Some(evidence) = findings.read_pgss(root).await {
                 pgss.insert(root, evidence);
+            }
+            if let Some(evidence) = findings.take_blockers(root) {
+                blockers.insert(root, evidence);
             }
         }
         // Out of `self` while frames are named: enqueueing needs `self` mutably.
@@ -172,6 +176,7 @@ impl Exporter {
                 &profiles,
                 probe_rows.get(&root).map(Vec::as_slice),
                 pgss.get(&root).copied(),
+                blockers.get(&root),
             );
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));

@@ -10,8 +10,10 @@ use exporters::Profile;
 use tracing::{debug, info};
 
 use super::probes::CallRow;
+use crate::collect::blockers::{BlockerPoller, AGENT_INTERVAL};
 use crate::findings::{self, Finding, Severity};
 use crate::model::{Analysis, Measurements, PgssEvidence, ProbeRow, QueryId};
+use crate::postgres::blockers::BlockerEvidence;
 use crate::postgres::sql;
 
 /// Findings kept per instance, most severe first: /metrics has one series per finding, and
@@ -84,6 +86,8 @@ pub struct AgentFindings {
     current: BTreeMap<String, InForce>,
     /// By postmaster PID: a restarted instance keeps its name but starts its counter anew.
     pgss: HashMap<u32, PgssReading>,
+    /// By postmaster PID: who blocks whom, polled for as long as the instance is watched.
+    blockers: HashMap<u32, BlockerPoller>,
     evaluated: u64,
 }
 
@@ -145,6 +149,18 @@ impl AgentFindings {
         None
     }
 
+    /// The sessions that held others' locks in the instance of `root` since the last call,
+    /// polled on a connection of their own (started at the first call: None then, and when
+    /// the instance cannot be polled; a failed connection is tried again a minute later).
+    pub fn take_blockers(&mut self, root: u32) -> Option<BlockerEvidence> {
+        self.blockers
+            .entry(root)
+            .or_insert_with(|| {
+                BlockerPoller::start(sql::Connect::for_process(root), AGENT_INTERVAL, Some(PGSS_RETRY))
+            })
+            .take()
+    }
+
     /// Lends the open connection to the database that has pg_stat_statements (query texts are
     /// read over it): one connection, one backend of the agent's, per instance.
     pub fn lend_pgss(&mut self, root: u32) -> Option<tokio_postgres::Client> {
@@ -166,6 +182,7 @@ impl AgentFindings {
         profiles: &[(&'static str, Profile)],
         rows: Option<&[CallRow]>,
         pgss: Option<PgssEvidence>,
+        blockers: Option<&BlockerEvidence>,
     ) {
         let Some(on_cpu) = profiles
             .iter()
@@ -198,9 +215,7 @@ impl AgentFindings {
             pgss,
             // Settings are quoted by `pgscope trace`; the agent reads only the counter above.
             instance: None,
-            // Blocking sessions are polled by `pgscope trace` only (issue 36: the agent's
-            // metric is not built yet).
-            blockers: None,
+            blockers,
         }));
         self.evaluated += 1;
         self.update(instance, &found);
@@ -255,6 +270,7 @@ impl AgentFindings {
     pub fn forget(&mut self, instance: &str, root: u32) {
         self.current.remove(instance);
         self.pgss.remove(&root);
+        self.blockers.remove(&root);
     }
 
     /// For /metrics: per instance, its findings in force.

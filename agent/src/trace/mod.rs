@@ -1,7 +1,6 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
-mod blocker_poll;
 mod json;
 pub(crate) mod off_cpu;
 mod plan_nodes;
@@ -289,7 +288,11 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     probes.attach_sampling(options.frequency_hz)?;
 
     // Who blocks whom, polled over SQL for as long as the samples are taken.
-    let blocker_poller = blocker_poll::BlockerPoller::start(&options, layout_source);
+    let blocker_poller = collect::blockers::BlockerPoller::start(
+        sql_facts::connect_target(&options, layout_source),
+        collect::blockers::TRACE_INTERVAL,
+        None,
+    );
     let started = Instant::now();
     let start_unix_nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -322,8 +325,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     )
     .await?;
     let elapsed = started.elapsed();
-    let (blocker_log, blockers_stopped) = blocker_poller.finish().await;
-    let blocker_evidence = (blocker_log.polls > 0).then(|| blocker_log.evidence());
+    let (blocker_evidence, blockers_stopped) = blocker_poller.finish().await;
     if let Some(why) = blockers_stopped {
         note!("pgscope: sessions blocking others are not named: {why}");
     }

@@ -299,7 +299,7 @@ async fn trigger_names(
 
 /// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a
 /// password least of all, is redacted.
-pub(super) fn shown(error: &anyhow::Error) -> String {
+fn shown(error: &anyhow::Error) -> String {
     redact::text(&format!("{error:#}")).into_owned()
 }
 
