@@ -105,6 +105,32 @@ impl TraceSummary {
         Ok(Self { json })
     }
 
+    /// `pg_stat_statements[queryid]`: what the statement's pg_stat_statements counters grew by
+    /// over the trace, by column; None when the summary has none for it.
+    pub fn pgss_delta(&self, queryid: &str) -> Result<Option<BTreeMap<String, f64>>> {
+        let all = self
+            .json
+            .get("pg_stat_statements")
+            .and_then(Value::as_object)
+            .context("the summary has no object `pg_stat_statements`")?;
+        let Some(columns) = all.get(queryid) else {
+            return Ok(None);
+        };
+        let columns = columns
+            .as_object()
+            .with_context(|| format!("`pg_stat_statements.{queryid}` is not an object"))?;
+        columns
+            .iter()
+            .map(|(name, value)| {
+                let value = value
+                    .as_f64()
+                    .with_context(|| format!("`pg_stat_statements.{queryid}.{name}` is {value}"))?;
+                Ok((name.clone(), value))
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
     /// `postgres_major`: the major attribution was decoded with, `None` when pgscope had no
     /// table for the instance's major (JSON null).
     pub fn postgres_major(&self) -> Result<Option<u32>> {

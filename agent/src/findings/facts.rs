@@ -223,10 +223,86 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                 if let Some(shown) = jit_of(&finding.query_ids, facts) {
                     finding.numbers.push(("jit".into(), shown));
                 }
+                if let Some(shown) = pgss_of(&finding.query_ids, facts).map(jit_compiled) {
+                    finding
+                        .numbers
+                        .push(("JIT over the trace (pg_stat_statements)".into(), shown));
+                }
             }
             _ => {}
         }
+        if let Some(shown) = pgss_of(&finding.query_ids, facts).and_then(statement_counts) {
+            let what = match finding.query_ids.len() {
+                1 => "pg_stat_statements over the trace".to_string(),
+                _ => format!(
+                    "pg_stat_statements over the trace (statement {})",
+                    finding.query_ids[0]
+                ),
+            };
+            finding.numbers.push((what, shown));
+        }
     }
+}
+
+/// The growth of pg_stat_statements' counters over the trace of the first of `query_ids`.
+fn pgss_of<'a>(query_ids: &[QueryId], facts: &'a InstanceFacts) -> Option<&'a BTreeMap<String, f64>> {
+    facts.pgss_deltas_by_query.get(&query_ids.first()?.to_string())
+}
+
+/// What JIT compiled for the statement over the trace: how many functions and how long it
+/// took (generation, inlining, optimization, emission, and deforming in 17+), or that it
+/// compiled nothing, which rules JIT out as executor start's cost.
+fn jit_compiled(counters: &BTreeMap<String, f64>) -> String {
+    let functions = counters.get("jit_functions").copied().unwrap_or(0.0);
+    if functions == 0.0 {
+        return "nothing compiled (jit_functions 0): not JIT".to_string();
+    }
+    let ms: f64 = counters
+        .iter()
+        .filter(|(name, _)| name.starts_with("jit_") && name.ends_with("_time"))
+        .map(|(_, ms)| ms)
+        .sum();
+    format!("{functions:.0} functions compiled, {ms:.1} ms compiling")
+}
+
+/// pg_stat_statements' account of a statement over the trace, in one line: its calls, time
+/// and rows per call, and what else it did where it did any (planned, read blocks from
+/// outside shared buffers, spilled to temporary files, wrote WAL, compiled with JIT). None
+/// where it was not called.
+fn statement_counts(counters: &BTreeMap<String, f64>) -> Option<String> {
+    let get = |name: &str| counters.get(name).copied().unwrap_or(0.0);
+    let calls = get("calls");
+    if calls < 1.0 {
+        return None;
+    }
+    let mut parts = vec![
+        format!("{calls:.0} {}", if calls == 1.0 { "call" } else { "calls" }),
+        format!("{:.3} ms each", get("total_exec_time") / calls),
+        format!("{:.1} rows each", get("rows") / calls),
+    ];
+    let plans = get("plans");
+    if plans > 0.0 {
+        parts.push(format!("{plans:.0} plans"));
+    }
+    let read = get("shared_blks_read");
+    if read > 0.0 {
+        parts.push(format!(
+            "{read:.0} blocks read into shared buffers ({:.0} found there)",
+            get("shared_blks_hit")
+        ));
+    }
+    let temp = get("temp_blks_written");
+    if temp > 0.0 {
+        parts.push(format!("{temp:.0} temporary blocks written (spilled to disk)"));
+    }
+    let wal = get("wal_bytes");
+    if wal > 0.0 {
+        parts.push(format!("{:.1} MiB of WAL", wal / (1024.0 * 1024.0)));
+    }
+    if get("jit_functions") > 0.0 {
+        parts.push(format!("JIT: {}", jit_compiled(counters)));
+    }
+    Some(parts.join(", "))
 }
 
 #[cfg(test)]
@@ -246,6 +322,60 @@ mod tests {
             action: "act".into(),
             cause: None,
         }
+    }
+
+    #[test]
+    fn a_statement_is_quoted_with_what_pg_stat_statements_counted_over_the_trace() {
+        let counters = |pairs: &[(&str, f64)]| -> BTreeMap<String, f64> {
+            pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect()
+        };
+        let facts = InstanceFacts {
+            pgss_deltas_by_query: BTreeMap::from([(
+                "7".to_string(),
+                counters(&[
+                    ("calls", 200.0),
+                    ("total_exec_time", 50.0),
+                    ("rows", 200.0),
+                    ("plans", 0.0),
+                    ("shared_blks_hit", 900.0),
+                    ("shared_blks_read", 0.0),
+                    ("temp_blks_written", 1280.0),
+                    ("wal_bytes", 0.0),
+                    ("jit_functions", 0.0),
+                    ("jit_generation_time", 0.0),
+                ]),
+            )]),
+            ..InstanceFacts::default()
+        };
+        let mut findings = vec![
+            finding("hot_function", &["tuplesort_performsort"]),
+            finding("phase_dominance", &["standard_ExecutorStart"]),
+        ];
+        annotate(&mut findings, &facts);
+        let number =
+            |f: &Finding, what: &str| f.numbers.iter().find(|(w, _)| w == what).map(|(_, v)| v.clone());
+        assert_eq!(
+            number(&findings[0], "pg_stat_statements over the trace").as_deref(),
+            Some("200 calls, 0.250 ms each, 1.0 rows each, 1280 temporary blocks written (spilled to disk)")
+        );
+        assert_eq!(
+            number(&findings[1], "JIT over the trace (pg_stat_statements)").as_deref(),
+            Some("nothing compiled (jit_functions 0): not JIT")
+        );
+        let compiled = counters(&[
+            ("jit_functions", 12.0),
+            ("jit_generation_time", 1.5),
+            ("jit_emission_time", 20.0),
+        ]);
+        assert_eq!(
+            jit_compiled(&compiled),
+            "12 functions compiled, 21.5 ms compiling"
+        );
+        // A statement not called over the trace, or not read: nothing quoted.
+        assert_eq!(statement_counts(&counters(&[("calls", 0.0)])), None);
+        let mut unread = vec![finding("top_cpu", &[])];
+        annotate(&mut unread, &InstanceFacts::default());
+        assert!(unread[0].numbers.is_empty());
     }
 
     #[test]

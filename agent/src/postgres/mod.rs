@@ -9,6 +9,7 @@ pub mod backend_settings;
 pub mod blockers;
 pub mod instance_names;
 pub mod memory;
+pub mod pgss_counters;
 pub mod pgss_hooks;
 pub mod phase;
 pub mod pointer_tables;

@@ -419,7 +419,7 @@ pub struct SessionSetting {
 
 /// Settings and sizes the findings explain their numbers with: as pgscope's own session sees
 /// them, and, where they were read, as each observed backend runs them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct InstanceFacts {
     /// `plan_cache_mode` of pgscope's session: auto, force_generic_plan or force_custom_plan.
     pub plan_cache_mode: String,
@@ -453,6 +453,12 @@ pub struct InstanceFacts {
     /// The databases each statement was sampled in, by queryid, most samples first.
     #[serde(default)]
     pub databases_by_query: BTreeMap<String, Vec<String>>,
+    /// What each statement's pg_stat_statements counters grew by over the trace (every
+    /// additive column the installed version has: `calls`, `plans`, `rows`, `shared_blks_read`,
+    /// `temp_blks_written`, `wal_bytes`, `jit_functions`, …), by queryid, for the statements
+    /// the summary names (`postgres::pgss_counters`).
+    #[serde(default)]
+    pub pgss_deltas_by_query: BTreeMap<String, BTreeMap<String, f64>>,
     /// Each statement's command (the first word of its normalized text, upper case: `SELECT`,
     /// `VACUUM`), by queryid, where pg_stat_statements had its text: the shape findings are
     /// grouped by.

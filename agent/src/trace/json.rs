@@ -70,6 +70,12 @@ pub struct Summary {
     /// `pg_blocking_pids()` while the samples were taken (chains charged to the session at
     /// their end); null when the instance could not be polled.
     pub blockers: Option<BlockerEvidence>,
+    /// What each statement the summary names did over the trace in pg_stat_statements' own
+    /// counters: by queryid (decimal string), every additive column the installed version has
+    /// (`calls`, `plans`, `rows`, `shared_blks_read`, `temp_blks_written`, `wal_bytes`,
+    /// `jit_functions`, `total_exec_time` in ms, …) → its growth. Empty where they could not be
+    /// read at both ends.
+    pub pg_stat_statements: BTreeMap<String, BTreeMap<String, f64>>,
     /// The findings the trace printed, most severe first.
     pub findings: Vec<FindingJson>,
 }
@@ -418,6 +424,8 @@ pub struct SummaryInputs<'a> {
     pub wait_sampler: &'a WaitSamplerTally,
     pub walls: &'a [StatementWall],
     pub blockers: Option<&'a BlockerEvidence>,
+    /// pg_stat_statements' counters' growth by queryid, when read.
+    pub pgss_deltas: Option<&'a BTreeMap<String, BTreeMap<String, f64>>>,
     pub findings: &'a [Finding],
 }
 
@@ -610,6 +618,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             })
             .collect(),
         blockers: inputs.blockers.cloned(),
+        pg_stat_statements: inputs.pgss_deltas.cloned().unwrap_or_default(),
         findings: inputs
             .findings
             .iter()

@@ -354,6 +354,7 @@ pub(super) fn finish(
             wait_sampler: &session.wait_sampler,
             walls: &analysis.walls,
             blockers: blockers.as_ref(),
+            pgss_deltas: instance.as_ref().map(|facts| &facts.pgss_deltas_by_query),
             findings: &findings,
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use super::probes::ProbeResults;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Function;
-use crate::postgres::{role_settings, sql};
+use crate::postgres::{pgss_counters, role_settings, sql};
 use crate::redact::{self, Secret};
 
 /// Query texts by queryid and database names by OID; empty when they could not be read.
@@ -39,6 +39,8 @@ pub(super) fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result
 #[derive(Clone, Debug)]
 pub struct PgssStart {
     pub info: sql::PgssInfo,
+    /// Every statement's counters (empty where they could not be read).
+    pub counters: HashMap<i64, pgss_counters::Counters>,
     /// The database its view was read in: [`fetch`] reads the counters at the end there too,
     /// without searching again.
     pub database: String,
@@ -51,9 +53,20 @@ pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<PgssStart
         let target = connect_target(options, pid)?;
         let client = sql::connect(&target).await?;
         match sql::find_pgss(&target, client).await? {
-            sql::PgssConnection::Found { client, database } => Ok(sql::pgss_info(&client)
-                .await?
-                .map(|info| PgssStart { info, database })),
+            sql::PgssConnection::Found { client, database } => {
+                let Some(info) = sql::pgss_info(&client).await? else {
+                    return Ok(None);
+                };
+                let counters = pgss_counters::read(&client, None).await.unwrap_or_else(|error| {
+                    tracing::debug!("no pg_stat_statements counters per statement: {}", shown(&error));
+                    HashMap::new()
+                });
+                Ok(Some(PgssStart {
+                    info,
+                    database,
+                    counters,
+                }))
+            }
             sql::PgssConnection::Absent { .. } => Ok(None),
         }
     };
@@ -195,6 +208,23 @@ pub async fn fetch(
                     shown(&error)
                 )
             }
+        }
+    }
+    if let (Some(start), Some(instance)) = (pgss_start, &mut facts.instance) {
+        match pgss_counters::read(&pgss, Some(&query_ids)).await {
+            Ok(end) => {
+                instance.pgss_deltas_by_query = end
+                    .iter()
+                    .map(|(query_id, counters)| {
+                        let delta = pgss_counters::delta(start.counters.get(query_id), counters);
+                        (query_id.to_string(), delta)
+                    })
+                    .collect();
+            }
+            Err(error) => tracing::debug!(
+                "no pg_stat_statements counters per statement at the end: {}",
+                shown(&error)
+            ),
         }
     }
     if pgss_start.is_some() {
