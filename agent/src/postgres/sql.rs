@@ -101,30 +101,47 @@ pub(crate) fn user_name_in(passwd: &str, uid: u32) -> Option<String> {
     })
 }
 
-/// Connects with the effective uid of `uid` for the socket handshake only: peer authentication
-/// reads the credentials of the connecting process at connect time.
-async fn connect_as(config: &Config, uid: u32) -> Result<Client> {
-    // SAFETY: seteuid only changes this process's effective uid; it is restored below before
-    // anything else runs (the runtime is single-threaded and nothing else is scheduled here).
-    if unsafe { libc::seteuid(uid) } != 0 {
-        return Err(anyhow!(std::io::Error::last_os_error()).context(format!("switching to uid {uid}")));
-    }
-    let connected = config.connect(NoTls).await;
-    // SAFETY: as above; pgscope runs as root, so switching back to 0 is allowed.
-    let restored = unsafe { libc::seteuid(0) };
-    if restored != 0 {
-        bail!(
-            "cannot switch back to root after connecting: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    let (client, connection) = connected?;
+/// Connects over the instance's socket `dir/.s.PGSQL.port` as OS user `uid`: peer
+/// authentication reads the credentials the connecting thread had when it called connect(2)
+/// (SO_PEERCRED), and only then. The socket is connected by a thread of its own that takes the
+/// uid for itself alone (the raw setresuid system call: glibc's wrapper would switch every
+/// thread of pgscope, and did — the wait sampler's thread lost its real-time priority and the
+/// collection loop its reads of /proc/PID/mem while a connection was being made), and ends
+/// with it; the connection is then used as root like any other.
+async fn connect_as(config: &Config, dir: &Path, port: u16, uid: u32) -> Result<Client> {
+    let path = dir.join(format!(".s.PGSQL.{port}"));
+    let connector = std::thread::Builder::new()
+        .name("pgscope-connect".into())
+        .spawn(move || connect_socket_as(&path, uid))
+        .context("starting the thread that connects as the data directory's owner")?;
+    let stream = connector
+        .join()
+        .map_err(|_| anyhow!("the thread that connects as the data directory's owner panicked"))??;
+    stream
+        .set_nonblocking(true)
+        .context("making the socket non-blocking")?;
+    let stream = tokio::net::UnixStream::from_std(stream).context("registering the socket")?;
+    let (client, connection) = config.connect_raw(stream, NoTls).await?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::debug!("connection to Postgres ended: {error}");
         }
     });
     Ok(client)
+}
+
+/// Connects to the Unix socket `path` with this thread's effective uid set to `uid`. Called on
+/// a thread that ends right after: its credentials are never restored, nor need to be.
+fn connect_socket_as(path: &Path, uid: u32) -> Result<std::os::unix::net::UnixStream> {
+    const UNCHANGED: libc::c_long = -1;
+    // SAFETY: setresuid with the real and saved ids unchanged alters only this thread's
+    // credentials (the raw system call, not glibc's process-wide wrapper); this thread does
+    // nothing else but connect and end.
+    let rc = unsafe { libc::syscall(libc::SYS_setresuid, UNCHANGED, libc::c_long::from(uid), UNCHANGED) };
+    if rc != 0 {
+        return Err(anyhow!(std::io::Error::last_os_error()).context(format!("switching to uid {uid}")));
+    }
+    std::os::unix::net::UnixStream::connect(path).with_context(|| format!("connecting to `{}`", path.display()))
 }
 
 /// A connection to the instance: to database `postgres` over its socket, or to the database
@@ -142,12 +159,42 @@ pub async fn connect_db(target: &Connect, dbname: Option<&str>) -> Result<Client
     })
 }
 
+/// A connection whose own statements Postgres does not identify (`compute_query_id = off`, a
+/// startup option only a superuser may give): pg_stat_statements does not count them, and
+/// their samples carry no queryid, so that a connection pgscope keeps polling over leaves no
+/// statement in the users' view or in pgscope's own findings. Where the option is refused (a
+/// role that is not a superuser), an ordinary connection.
+pub async fn connect_untracked(target: &Connect) -> Result<Client> {
+    match connect_with(target, None, Some(UNTRACKED)).await {
+        Ok(client) => Ok(client),
+        Err(error) => {
+            tracing::debug!("connecting without compute_query_id = off: {error:#}");
+            connect(target).await
+        }
+    }
+}
+
+/// The startup option of [`connect_untracked`].
+const UNTRACKED: &str = "-c compute_query_id=off";
+
 async fn connect_to(target: &Connect, dbname: Option<&str>) -> Result<Client> {
+    connect_with(target, dbname, None).await
+}
+
+async fn connect_with(target: &Connect, dbname: Option<&str>, options: Option<&str>) -> Result<Client> {
     match target {
         Connect::Conninfo(info) => {
             let mut config: Config = info.expose().parse().context("parsing --conninfo")?;
             if let Some(name) = dbname {
                 config.dbname(name);
+            }
+            if let Some(options) = options {
+                // After the user's own options, not instead of them.
+                let combined = match config.get_options() {
+                    Some(theirs) if !theirs.is_empty() => format!("{theirs} {options}"),
+                    _ => options.to_string(),
+                };
+                config.options(&combined);
             }
             let (client, connection) = config.connect(NoTls).await?;
             tokio::spawn(async move {
@@ -174,7 +221,10 @@ async fn connect_to(target: &Connect, dbname: Option<&str>) -> Result<Client> {
                     .user(role)
                     .dbname(dbname.unwrap_or("postgres"))
                     .application_name("pgscope");
-                match connect_as(&config, *owner_uid).await {
+                if let Some(options) = options {
+                    config.options(options);
+                }
+                match connect_as(&config, dir, *port, *owner_uid).await {
                     Ok(client) => return Ok(client),
                     Err(error) => last_error = Some(error),
                 }
