@@ -31,9 +31,15 @@ pub struct InstanceNames {
     /// forked from the postmaster.
     my_bgworker_entry: Option<u64>,
     /// `bgw_type` per background worker PID; None when it could not be read (e.g. the worker
-    /// exited before its first sample was handled).
+    /// exited before its first sample was handled) in [`WORKER_TYPE_TRIES`] tries.
     worker_types: HashMap<u32, Option<String>>,
+    /// Failed reads per background worker PID not yet given up on.
+    worker_type_failures: HashMap<u32, u32>,
 }
+
+/// Reads of a worker's `bgw_type` that may fail before it is labelled `background worker` for
+/// good: one failed read once left a parallel worker unnamed for a whole trace.
+const WORKER_TYPE_TRIES: u32 = 8;
 
 impl InstanceNames {
     /// Reads the named tranches of the instance process `pid` belongs to (a backend, or the
@@ -53,6 +59,7 @@ impl InstanceNames {
             tranches,
             my_bgworker_entry: Some(globals.address(names.my_bgworker_entry)?),
             worker_types: HashMap::new(),
+            worker_type_failures: HashMap::new(),
         })
     }
 
@@ -86,24 +93,37 @@ impl InstanceNames {
     }
 
     /// The `bgw_type` of background worker `pid` (e.g. "parallel worker"), read at its first
-    /// sample and kept until [`InstanceNames::forget`]. None when unknown or empty.
+    /// sample and kept until [`InstanceNames::forget`]. None when unknown or empty; a read that
+    /// fails is tried again at the worker's next samples, [`WORKER_TYPE_TRIES`] times in all.
     pub fn worker_type(&mut self, table: &VersionTable, pid: u32) -> Option<String> {
         let entry_global = self.my_bgworker_entry?;
-        self.worker_types
-            .entry(pid)
-            .or_insert_with(|| match read_worker_type(pid, entry_global, table) {
-                Ok(name) => Some(name).filter(|name| !name.is_empty()),
-                Err(error) => {
-                    tracing::debug!(pid, "no bgw_type: {error:#}");
-                    None
+        if let Some(known) = self.worker_types.get(&pid) {
+            return known.clone();
+        }
+        match read_worker_type(pid, entry_global, table) {
+            Ok(name) => {
+                let name = Some(name).filter(|name| !name.is_empty());
+                self.worker_type_failures.remove(&pid);
+                self.worker_types.insert(pid, name.clone());
+                name
+            }
+            Err(error) => {
+                let failures = self.worker_type_failures.entry(pid).or_default();
+                *failures += 1;
+                tracing::debug!(pid, failures = *failures, "no bgw_type: {error:#}");
+                if *failures >= WORKER_TYPE_TRIES {
+                    self.worker_type_failures.remove(&pid);
+                    self.worker_types.insert(pid, None);
                 }
-            })
-            .clone()
+                None
+            }
+        }
     }
 
     /// Drops what is cached for an exited process: its PID may be reused by another.
     pub fn forget(&mut self, pid: u32) {
         self.worker_types.remove(&pid);
+        self.worker_type_failures.remove(&pid);
     }
 }
 
@@ -267,5 +287,33 @@ mod tests {
         };
         assert_eq!(unread.worker_type(&TABLE, pid), None);
         assert_eq!(InstanceNames::default().worker_type(&TABLE, pid), None);
+    }
+
+    #[test]
+    fn a_failed_read_of_bgw_type_is_tried_again_a_few_times() {
+        let mut worker = vec![0u8; (TABLE.bgw_type_offset + TABLE.bgw_maxlen) as usize];
+        let offset = TABLE.bgw_type_offset as usize;
+        worker[offset..offset + 15].copy_from_slice(b"parallel worker");
+        let mut entry: u64 = 0;
+        let entry_global = std::hint::black_box(&mut entry as *mut u64) as u64;
+        let pid = std::process::id();
+        let mut names = InstanceNames {
+            my_bgworker_entry: Some(entry_global),
+            ..Default::default()
+        };
+        // Not set yet (the worker has no entry): not known, and not given up on.
+        assert_eq!(names.worker_type(&TABLE, pid), None);
+        entry = std::hint::black_box(worker.as_ptr()) as u64;
+        std::hint::black_box(&entry);
+        assert_eq!(names.worker_type(&TABLE, pid).as_deref(), Some("parallel worker"));
+        // Given up on after WORKER_TYPE_TRIES failures.
+        let mut never = InstanceNames {
+            my_bgworker_entry: Some(std::hint::black_box(&0u64 as *const u64) as u64),
+            ..Default::default()
+        };
+        for _ in 0..WORKER_TYPE_TRIES {
+            assert_eq!(never.worker_type(&TABLE, pid), None);
+        }
+        assert_eq!(never.worker_types.get(&pid), Some(&None));
     }
 }
