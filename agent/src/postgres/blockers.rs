@@ -56,7 +56,7 @@ pub async fn poll(client: &Client) -> Result<Vec<BlockedPair>> {
                     extract(epoch FROM now() - b.state_change)::float8, \
                     extract(epoch FROM b.xact_start)::float8 \
              FROM (SELECT pid, wait_event_type, wait_event, query_id FROM pg_stat_activity \
-                   WHERE wait_event_type = 'Lock' ORDER BY pid LIMIT $1) w \
+                   WHERE wait_event_type = 'Lock' LIMIT $1) w \
              CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS bp(pid) \
              LEFT JOIN pg_stat_activity b ON b.pid = bp.pid",
             &[&WAITERS_PER_POLL],

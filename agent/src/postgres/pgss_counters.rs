@@ -35,13 +35,13 @@ fn quoted(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// The additive numeric columns of the `pg_stat_statements` view, in its order.
+/// The additive numeric columns of the `pg_stat_statements` view.
 async fn counter_columns(client: &Client) -> Result<Vec<String>> {
     let rows = client
         .query(
             "SELECT attname::text, atttypid FROM pg_attribute \
              WHERE attrelid = to_regclass('pg_stat_statements') AND attnum > 0 \
-               AND NOT attisdropped ORDER BY attnum",
+               AND NOT attisdropped",
             &[],
         )
         .await
