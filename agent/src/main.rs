@@ -159,8 +159,9 @@ struct TraceArgs {
     /// waits over the rate are counted without one, marked as such).
     #[arg(long, default_value_t = collect::off_cpu::DEFAULT_STACK_RATE, value_name = "N")]
     off_cpu_stack_rate: u64,
-    /// Keep idle client waits (Client:ClientRead between statements) in the off-CPU flamegraphs
-    /// and profiles; they are always in the summary's totals.
+    /// Keep idle waits (clients between statements, background processes in their main loops)
+    /// in the off-CPU flamegraphs and profiles and, row by row, in the printed off-CPU table;
+    /// they are always in the summary's totals and the JSON.
     #[arg(long)]
     off_cpu_idle: bool,
     /// Keep only samples of this query (pg_stat_statements.queryid / pg_stat_activity.query_id).

@@ -116,6 +116,10 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     );
     findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
     findings.extend(waits::top_waiters(analysis.waits.as_ref(), &analysis.walls));
+    findings.extend(waits::host_cpu_contention(
+        analysis.waits.as_ref(),
+        analysis.backend_time_ns(),
+    ));
     findings.extend(blockers::blocking_sessions(
         measured.blockers,
         analysis.backend_time_ns(),

@@ -67,6 +67,26 @@ pub fn is_client_time(class: Option<&str>, wait_event: Option<&str>) -> bool {
     class == Some(OffCpuClass::Idle.name()) || wait_event.is_some_and(|w| w.starts_with("Client:"))
 }
 
+/// The `Timeout:*` wait events that are sleeps asked for — `pg_sleep`, vacuum's and the
+/// checkpointer's cost-based delays, base backups' throttle, a standby's apply delay and retry
+/// interval — not waits on something another session holds. (`Timeout:SpinDelay`, a spinlock's
+/// backoff, and `Timeout:RegisterSyncRequest`, a full checkpointer queue, are contention, and
+/// `Timeout:VacuumTruncate` waits for a lock.)
+const DELIBERATE_SLEEPS: [&str; 6] = [
+    "Timeout:PgSleep",
+    "Timeout:VacuumDelay",
+    "Timeout:CheckpointWriteDelay",
+    "Timeout:BaseBackupThrottle",
+    "Timeout:RecoveryApplyDelay",
+    "Timeout:RecoveryRetrieveRetryInterval",
+];
+
+/// Whether a wait event is a sleep the statement or process asked for: part of its time, but
+/// not time it was blocked.
+pub fn is_deliberate_sleep(wait_event: Option<&str>) -> bool {
+    wait_event.is_some_and(|w| DELIBERATE_SLEEPS.contains(&w))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,6 +30,17 @@ impl WaitRow {
     pub fn is_client_time(&self) -> bool {
         labels::is_client_time(Some(&self.class), Some(&self.wait))
     }
+
+    /// Whether it is time blocked: neither the client's nor a sleep asked for.
+    pub fn is_blocked(&self) -> bool {
+        !self.is_client_time() && !labels::is_deliberate_sleep(Some(&self.wait))
+    }
+
+    /// Whether it is an idle process's or client's time (a background process in its main
+    /// loop, a client backend between statements).
+    pub fn is_idle(&self) -> bool {
+        self.class == OffCpuClass::Idle.name()
+    }
 }
 
 /// One wait of one query: its total, and where in Postgres its longest stack waited.
@@ -52,6 +63,16 @@ impl QueryWait {
     pub fn is_idle(&self) -> bool {
         self.class == OffCpuClass::Idle.name()
     }
+
+    /// Whether it is time blocked: neither the client's nor a sleep asked for.
+    pub fn is_blocked(&self) -> bool {
+        !self.is_client_time() && !labels::is_deliberate_sleep(Some(&self.wait))
+    }
+
+    /// Whether it is run-queue delay: runnable, waiting for a CPU the host did not have.
+    pub fn is_preempted(&self) -> bool {
+        self.class == OffCpuClass::Preempted.name()
+    }
 }
 
 /// One queryid's waits, longest first.
@@ -67,14 +88,9 @@ impl QueryWaits {
         self.waits.iter().map(|w| w.ns).sum()
     }
 
-    /// Its blocked time: off CPU, the client's time left out.
-    pub fn blocked_ns(&self) -> u64 {
-        self.blocked().map(|w| w.ns).sum()
-    }
-
-    /// Its waits without the client's time, longest first.
+    /// Its waits without the client's time and sleeps asked for, longest first.
     pub fn blocked(&self) -> impl Iterator<Item = &QueryWait> {
-        self.waits.iter().filter(|w| !w.is_client_time())
+        self.waits.iter().filter(|w| w.is_blocked())
     }
 
     /// Its waits without idle time (client waits inside a transaction kept), longest first.
@@ -113,11 +129,12 @@ impl WaitTables {
         self.by_wait.iter().map(|row| row.ns).sum()
     }
 
-    /// The time statements were blocked: off CPU, the client's time left out.
+    /// The time statements were blocked: off CPU, the client's time and sleeps asked for
+    /// left out.
     pub fn blocked_ns(&self) -> u64 {
         self.by_wait
             .iter()
-            .filter(|row| !row.is_client_time())
+            .filter(|row| row.is_blocked())
             .map(|row| row.ns)
             .sum()
     }
@@ -126,7 +143,16 @@ impl WaitTables {
     pub fn blocked_in(&self, wait: &str) -> u64 {
         self.by_wait
             .iter()
-            .filter(|row| !row.is_client_time() && row.wait == wait)
+            .filter(|row| row.is_blocked() && row.wait == wait)
+            .map(|row| row.ns)
+            .sum()
+    }
+
+    /// Of the blocked time, the part runnable and waiting for a CPU (class `preempted`).
+    pub fn preempted_ns(&self) -> u64 {
+        self.by_wait
+            .iter()
+            .filter(|row| row.is_blocked() && row.class == OffCpuClass::Preempted.name())
             .map(|row| row.ns)
             .sum()
     }
@@ -410,14 +436,14 @@ mod tests {
         let q7 = &tables.by_query[0];
         assert_eq!(q7.query_id, QueryId(7));
         assert_eq!(q7.total_ns(), 13_000_000);
-        assert_eq!(q7.blocked_ns(), 4_000_000);
+        assert_eq!(q7.blocked().map(|w| w.ns).sum::<u64>(), 4_000_000);
         let lwlock_row = q7.blocked().next().expect("a blocked wait");
         assert_eq!(lwlock_row.ns, 4_000_000);
         assert_eq!(lwlock_row.stack, "pgss_store ← main");
         assert_eq!(q7.not_idle().count(), 1);
         // Client waits inside a transaction are not blocked time, but they are not idle either.
         let q8 = &tables.by_query[1];
-        assert_eq!((q8.blocked_ns(), q8.not_idle().count()), (0, 1));
+        assert_eq!((q8.blocked().count(), q8.not_idle().count()), (0, 1));
         // Samples without a queryid are in the totals, not in a query's row.
         assert_eq!(tables.by_query.len(), 2);
     }

@@ -38,8 +38,10 @@ pub enum Measured {
     Exact { min_stack: Duration },
 }
 
-/// The off-CPU part of the summary.
-pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
+/// The off-CPU part of the summary. Idle time (background processes in their main loops,
+/// clients between statements: most of every process's life) is one line unless `show_idle`:
+/// among the waits it would push the ones that matter off the table.
+pub fn render(waits: &WaitTables, measured: Measured, limit: usize, show_idle: bool) -> String {
     let mut out = String::new();
     let total = waits.total_ns();
     if total == 0 {
@@ -72,7 +74,8 @@ pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
         "{:<22} {:<36} {:<10} {:>12} {:>7}",
         "backend type", wait_column, "off_cpu", "total ms", "share"
     );
-    for row in waits.by_wait.iter().take(limit) {
+    let shown = waits.by_wait.iter().filter(|row| show_idle || !row.is_idle());
+    for row in shown.take(limit) {
         let _ = writeln!(
             out,
             "{:<22} {:<36} {:<10} {:>12.2} {:>6.1}%",
@@ -82,6 +85,24 @@ pub fn render(waits: &WaitTables, measured: Measured, limit: usize) -> String {
             millis(row.ns),
             100.0 * row.ns as f64 / total as f64
         );
+    }
+    if !show_idle {
+        let idle: Vec<_> = waits.by_wait.iter().filter(|row| row.is_idle()).collect();
+        if !idle.is_empty() {
+            let ns: u64 = idle.iter().map(|row| row.ns).sum();
+            let _ = writeln!(
+                out,
+                "{:<22} {:<36} {:<10} {:>12.2} {:>6.1}%  ({} {}: background processes in their \
+                 main loops, clients between statements; --off-cpu-idle shows them)",
+                "(idle)",
+                "",
+                "idle",
+                millis(ns),
+                100.0 * ns as f64 / total as f64,
+                idle.len(),
+                if idle.len() == 1 { "row" } else { "rows" }
+            );
+        }
     }
     let mut statements = waits
         .by_query
@@ -172,12 +193,13 @@ mod tests {
                 min_stack: Duration::from_micros(100),
             },
             10,
+            false,
         );
         assert!(
             text.contains("13.0 ms in all, exact; waits under 100 µs (1.0 ms)"),
             "{text}"
         );
-        let sampled = render(&tables, Measured::Sampled { frequency_hz: 99 }, 10);
+        let sampled = render(&tables, Measured::Sampled { frequency_hz: 99 }, 10, false);
         assert!(
             sampled.contains("13.0 ms in all, sampled: every thread off CPU at each tick (99 Hz)"),
             "{sampled}"
@@ -185,9 +207,19 @@ mod tests {
         assert!(text.contains("LWLock:pg_stat_statements"), "{text}");
         assert!(text.contains("pgss_store ← main"), "{text}");
         assert!(!text.contains("LWLockAcquire"), "{text}");
-        // The idle wait is in the table by wait event, not under the query.
+        // The idle wait is one line of the table by wait event, not under the query.
         let by_query = text.split("off-CPU by query").nth(1).unwrap_or_default();
         assert!(!by_query.contains("Client:ClientRead"), "{text}");
+        assert!(!text.contains("Client:ClientRead"), "{text}");
+        assert!(
+            text.contains("(idle)") && text.contains("9.00   69.2%  (1 row:"),
+            "{text}"
+        );
+        let with_idle = render(&tables, Measured::Sampled { frequency_hz: 99 }, 10, true);
+        assert!(
+            with_idle.contains("Client:ClientRead") && !with_idle.contains("(idle)"),
+            "{with_idle}"
+        );
     }
 
     #[test]
@@ -212,6 +244,7 @@ mod tests {
             &WaitTables::from_profile(&profile),
             Measured::Sampled { frequency_hz: 99 },
             1,
+            false,
         );
         assert!(text.contains("… 2 more queries: 3.50 ms in all"), "{text}");
     }

@@ -198,7 +198,8 @@ pub(super) fn finish(
                         frequency_hz: options.frequency_hz,
                     },
                 },
-                options.top
+                options.top,
+                options.off_cpu_idle,
             )
         );
     }
