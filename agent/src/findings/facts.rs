@@ -265,6 +265,21 @@ fn jit_compiled(counters: &BTreeMap<String, f64>) -> String {
     format!("{functions:.0} functions compiled, {ms:.1} ms compiling")
 }
 
+/// `512 B`, `12.3 KiB`, `4.7 MiB`, `1.2 GiB`.
+fn bytes(n: f64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = n;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{value:.0} B"),
+        _ => format!("{value:.1} {}", UNITS[unit]),
+    }
+}
+
 /// pg_stat_statements' account of a statement over the trace, in one line: its calls, time
 /// and rows per call, and what else it did where it did any (planned, read blocks from
 /// outside shared buffers, spilled to temporary files, wrote WAL, compiled with JIT). None
@@ -297,7 +312,7 @@ fn statement_counts(counters: &BTreeMap<String, f64>) -> Option<String> {
     }
     let wal = get("wal_bytes");
     if wal > 0.0 {
-        parts.push(format!("{:.1} MiB of WAL", wal / (1024.0 * 1024.0)));
+        parts.push(format!("{} of WAL", bytes(wal)));
     }
     if get("jit_functions") > 0.0 {
         parts.push(format!("JIT: {}", jit_compiled(counters)));
@@ -370,6 +385,10 @@ mod tests {
         assert_eq!(
             jit_compiled(&compiled),
             "12 functions compiled, 21.5 ms compiling"
+        );
+        assert_eq!(
+            (bytes(512.0), bytes(12_595.2), bytes(4.7 * 1048576.0)),
+            ("512 B".to_string(), "12.3 KiB".to_string(), "4.7 MiB".to_string())
         );
         // A statement not called over the trace, or not read: nothing quoted.
         assert_eq!(statement_counts(&counters(&[("calls", 0.0)])), None);

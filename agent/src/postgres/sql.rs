@@ -141,7 +141,8 @@ fn connect_socket_as(path: &Path, uid: u32) -> Result<std::os::unix::net::UnixSt
     if rc != 0 {
         return Err(anyhow!(std::io::Error::last_os_error()).context(format!("switching to uid {uid}")));
     }
-    std::os::unix::net::UnixStream::connect(path).with_context(|| format!("connecting to `{}`", path.display()))
+    std::os::unix::net::UnixStream::connect(path)
+        .with_context(|| format!("connecting to `{}`", path.display()))
 }
 
 /// A connection to the instance: to database `postgres` over its socket, or to the database
