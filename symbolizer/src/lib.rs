@@ -54,6 +54,7 @@ mod cache;
 mod callees;
 mod debuginfo;
 mod debuginfod;
+mod demangle;
 mod eh_frame_hdr;
 mod elf;
 mod error;

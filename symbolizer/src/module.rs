@@ -224,10 +224,10 @@ impl ModuleData {
         let symbols = self.symbols();
         if let Some(function) = self.functions().lookup(svma) {
             if let Some(name) = symbols.at(function.start) {
-                return name.clone();
+                return readable(name);
             }
             if let Some(name) = symbols.containing(svma) {
-                return name.clone();
+                return readable(name);
             }
             if let Some(name) = self.identified_at(function.start) {
                 return name;
@@ -235,9 +235,17 @@ impl ModuleData {
             return Arc::from(format!("{}+0x{:x}", self.basename, function.start));
         }
         if let Some(name) = symbols.containing(svma) {
-            return name.clone();
+            return readable(name);
         }
         Arc::from(format!("{}+0x{:x}", self.basename, svma))
+    }
+}
+
+/// A symbol's name as frames show it: demangled where it is a C++ or Rust one.
+fn readable(name: &Arc<str>) -> Arc<str> {
+    match crate::demangle::demangled(name) {
+        Some(text) => Arc::from(text),
+        None => name.clone(),
     }
 }
 
