@@ -107,16 +107,21 @@ pub(crate) fn user_name_in(passwd: &str, uid: u32) -> Option<String> {
 /// uid for itself alone (the raw setresuid system call: glibc's wrapper would switch every
 /// thread of pgscope, and did — the wait sampler's thread lost its real-time priority and the
 /// collection loop its reads of /proc/PID/mem while a connection was being made), and ends
-/// with it; the connection is then used as root like any other.
+/// with it; the connection is then used as root like any other. The runtime's thread awaits
+/// the connector rather than joining it: connect(2) on a Unix socket blocks while the server's
+/// listen queue is full, and the collection loop runs on that thread.
 async fn connect_as(config: &Config, dir: &Path, port: u16, uid: u32) -> Result<Client> {
     let path = dir.join(format!(".s.PGSQL.{port}"));
-    let connector = std::thread::Builder::new()
+    let (sender, connected) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
         .name("pgscope-connect".into())
-        .spawn(move || connect_socket_as(&path, uid))
+        .spawn(move || {
+            let _ = sender.send(connect_socket_as(&path, uid));
+        })
         .context("starting the thread that connects as the data directory's owner")?;
-    let stream = connector
-        .join()
-        .map_err(|_| anyhow!("the thread that connects as the data directory's owner panicked"))??;
+    let stream = connected
+        .await
+        .map_err(|_| anyhow!("the thread that connects as the data directory's owner ended early"))??;
     stream
         .set_nonblocking(true)
         .context("making the socket non-blocking")?;
