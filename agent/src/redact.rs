@@ -56,6 +56,12 @@ pub fn text(text: &str) -> Cow<'_, str> {
     }
 }
 
+/// An error and its causes as printed: whatever it quotes of a connection string, a password
+/// least of all, is redacted.
+pub fn error(error: &anyhow::Error) -> String {
+    text(&format!("{error:#}")).into_owned()
+}
+
 fn is_key_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')
 }

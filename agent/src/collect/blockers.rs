@@ -32,7 +32,6 @@ const POLL_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 struct Shared {
     log: BlockerLog,
-    interval: Duration,
     stopped: Option<String>,
 }
 
@@ -51,7 +50,6 @@ impl BlockerPoller {
     pub fn start(target: Result<sql::Connect>, interval: Duration, retry: Option<Duration>) -> Self {
         let shared = Arc::new(Mutex::new(Shared {
             log: BlockerLog::new(interval.as_secs_f64()),
-            interval,
             stopped: None,
         }));
         let (stop, stopped) = watch::channel(false);
@@ -67,7 +65,7 @@ impl BlockerPoller {
     /// starts anew.
     pub fn take(&self) -> Option<BlockerEvidence> {
         let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
-        let fresh = BlockerLog::new(shared.interval.as_secs_f64());
+        let fresh = BlockerLog::new(shared.log.interval_seconds);
         let log = std::mem::replace(&mut shared.log, fresh);
         (log.polls > 0).then(|| log.evidence())
     }
@@ -107,7 +105,8 @@ async fn poll_until_stopped(
     let target = match target {
         Ok(target) => target,
         Err(error) => {
-            let why = redact::text(&format!("{error:#}")).into_owned();
+            let why = redact::error(&error);
+            tracing::debug!("blocking sessions not polled: {why}");
             shared.lock().unwrap_or_else(PoisonError::into_inner).stopped = Some(why);
             return;
         }
@@ -135,14 +134,18 @@ async fn poll_connection(
     shared: &Mutex<Shared>,
     stopped: &mut watch::Receiver<bool>,
 ) -> Option<String> {
-    let shown = |error: &anyhow::Error| redact::text(&format!("{error:#}")).into_owned();
-    // Polled twice a second: its statement stays out of pg_stat_statements and the findings.
+    // Polled every second or faster: its statement stays out of pg_stat_statements and the
+    // findings.
     let client = match sql::connect_untracked(target).await {
         Ok(client) => client,
-        Err(error) => return Some(shown(&error)),
+        Err(error) => return Some(redact::error(&error)),
     };
-    let interval = shared.lock().unwrap_or_else(PoisonError::into_inner).interval;
-    let mut ticks = tokio::time::interval(interval);
+    let interval = shared
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .log
+        .interval_seconds;
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(interval));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A poll late on a busy machine counts the time it covers, not an interval.
     let mut last = Instant::now();
@@ -162,7 +165,7 @@ async fn poll_connection(
                     .log
                     .record(&pairs, elapsed);
             }
-            Ok(Err(error)) => return Some(shown(&error)),
+            Ok(Err(error)) => return Some(redact::error(&error)),
             Err(_) => return Some(format!("a poll took over {POLL_TIMEOUT:?}")),
         }
     }

@@ -162,7 +162,8 @@ impl AgentFindings {
     }
 
     /// Lends the open connection to the database that has pg_stat_statements (query texts are
-    /// read over it): one connection, one backend of the agent's, per instance.
+    /// read over it): one connection, one backend of the agent's, per instance, besides the
+    /// blocker poller's ([`Self::take_blockers`]).
     pub fn lend_pgss(&mut self, root: u32) -> Option<tokio_postgres::Client> {
         self.pgss.get_mut(&root)?.client.take()
     }

@@ -1,6 +1,6 @@
 //! Who blocks whom: the sessions holding heavyweight locks that others wait for, read with
 //! `pg_blocking_pids()` for each backend pg_stat_activity shows in a `Lock:*` wait, polled
-//! during a trace, and folded into one record per blocking session. A waiter held up by a
+//! while samples are taken (`collect::blockers`), and folded into one record per blocking session. A waiter held up by a
 //! session that itself waits is charged to the end of the chain: the session that holds the
 //! lock and waits for nothing (an `idle in transaction` client, a long statement).
 //!
@@ -37,8 +37,6 @@ pub struct Blocker {
     pub state: Option<String>,
     /// Its current or last statement's.
     pub query_id: Option<i64>,
-    /// Whether it waits on a lock itself (then it is a link of a chain, not its end).
-    pub waits_on_lock: bool,
     /// Its transaction's age and how long it has been in its state, in seconds.
     pub transaction_seconds: Option<f64>,
     pub state_seconds: Option<f64>,
@@ -51,7 +49,7 @@ pub async fn poll(client: &Client) -> Result<Vec<BlockedPair>> {
     let rows = client
         .query(
             "SELECT w.pid, w.wait_event_type || ':' || w.wait_event, w.query_id, bp.pid, \
-                    b.state, b.query_id, coalesce(b.wait_event_type = 'Lock', false), \
+                    b.state, b.query_id, \
                     extract(epoch FROM now() - b.xact_start)::float8, \
                     extract(epoch FROM now() - b.state_change)::float8, \
                     extract(epoch FROM b.xact_start)::float8 \
@@ -73,10 +71,9 @@ pub async fn poll(client: &Client) -> Result<Vec<BlockedPair>> {
                     pid: row.try_get(3)?,
                     state: row.try_get(4)?,
                     query_id: row.try_get(5)?,
-                    waits_on_lock: row.try_get(6)?,
-                    transaction_seconds: row.try_get(7)?,
-                    state_seconds: row.try_get(8)?,
-                    transaction_start: row.try_get(9)?,
+                    transaction_seconds: row.try_get(6)?,
+                    state_seconds: row.try_get(7)?,
+                    transaction_start: row.try_get(8)?,
                 },
             })
         })
@@ -155,9 +152,9 @@ impl BlockerLog {
         }
     }
 
-    /// Adds one poll, `elapsed_seconds` after the one before: each waiter is charged to the ends of its chains (the blockers it
-    /// reaches that wait on no lock themselves; in a cycle, a deadlock about to be broken,
-    /// the sessions it waits for directly).
+    /// Adds one poll, `elapsed_seconds` after the one before: each waiter is charged to the
+    /// ends of its chains (the blockers it reaches that wait on no lock themselves; in a cycle,
+    /// a deadlock about to be broken, the sessions it waits for directly).
     pub fn record(&mut self, pairs: &[BlockedPair], elapsed_seconds: f64) {
         self.polls += 1;
         let mut waits_for: BTreeMap<i32, Vec<&Blocker>> = BTreeMap::new();
@@ -266,12 +263,11 @@ fn chain_ends<'a>(waiter: i32, waits_for: &BTreeMap<i32, Vec<&'a Blocker>>) -> V
 mod tests {
     use super::*;
 
-    fn blocker(pid: i32, state: &str, waits_on_lock: bool) -> Blocker {
+    fn blocker(pid: i32, state: &str) -> Blocker {
         Blocker {
             pid,
             state: Some(state.to_string()),
             query_id: Some(i64::from(pid) * 10),
-            waits_on_lock,
             transaction_seconds: Some(30.0),
             state_seconds: Some(29.0),
             transaction_start: Some(1.8e9 + f64::from(pid)),
@@ -291,9 +287,9 @@ mod tests {
     fn a_chain_is_charged_to_the_session_at_its_end() {
         // 3 waits for 2, which waits for 1 (idle in transaction); 4 waits for 1 directly.
         let poll = [
-            pair(2, "Lock:transactionid", blocker(1, "idle in transaction", false)),
-            pair(3, "Lock:tuple", blocker(2, "active", true)),
-            pair(4, "Lock:transactionid", blocker(1, "idle in transaction", false)),
+            pair(2, "Lock:transactionid", blocker(1, "idle in transaction")),
+            pair(3, "Lock:tuple", blocker(2, "active")),
+            pair(4, "Lock:transactionid", blocker(1, "idle in transaction")),
         ];
         let mut log = BlockerLog::new(0.5);
         log.record(&poll, 0.5);
@@ -316,8 +312,8 @@ mod tests {
     #[test]
     fn a_deadlock_cycle_charges_the_sessions_waited_for_directly() {
         let poll = [
-            pair(1, "Lock:transactionid", blocker(2, "active", true)),
-            pair(2, "Lock:transactionid", blocker(1, "active", true)),
+            pair(1, "Lock:transactionid", blocker(2, "active")),
+            pair(2, "Lock:transactionid", blocker(1, "active")),
         ];
         let mut log = BlockerLog::new(1.0);
         log.record(&poll, 0.5);
@@ -330,11 +326,11 @@ mod tests {
     fn a_prepared_transaction_and_a_hidden_session_are_named_as_such() {
         let hidden = Blocker {
             state: None,
-            ..blocker(9, "", false)
+            ..blocker(9, "")
         };
         let prepared = Blocker {
             state: None,
-            ..blocker(0, "", false)
+            ..blocker(0, "")
         };
         let mut log = BlockerLog::new(1.0);
         log.record(
@@ -359,9 +355,9 @@ mod tests {
         let mut log = BlockerLog::new(1.0);
         log.record(
             &[
-                pair(5, "Lock:relation", blocker(1, "active", false)),
-                pair(5, "Lock:relation", blocker(2, "idle in transaction", false)),
-                pair(5, "Lock:relation", blocker(2, "idle in transaction", false)),
+                pair(5, "Lock:relation", blocker(1, "active")),
+                pair(5, "Lock:relation", blocker(2, "idle in transaction")),
+                pair(5, "Lock:relation", blocker(2, "idle in transaction")),
             ],
             1.0,
         );
@@ -373,10 +369,10 @@ mod tests {
     #[test]
     fn each_transaction_of_a_session_is_its_own_blocker() {
         let mut log = BlockerLog::new(1.0);
-        let first = blocker(1, "active", false);
+        let first = blocker(1, "active");
         let second = Blocker {
             transaction_start: Some(2.0e9),
-            ..blocker(1, "active", false)
+            ..blocker(1, "active")
         };
         log.record(&[pair(5, "Lock:tuple", first)], 1.0);
         log.record(&[pair(5, "Lock:tuple", second)], 1.0);

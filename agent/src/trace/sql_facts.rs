@@ -327,10 +327,9 @@ async fn trigger_names(
     names
 }
 
-/// An error and its causes as printed: whatever `--conninfo` held that a message quotes, a
-/// password least of all, is redacted.
+/// An error as printed, `--conninfo`'s password redacted.
 fn shown(error: &anyhow::Error) -> String {
-    redact::text(&format!("{error:#}")).into_owned()
+    redact::error(error)
 }
 
 /// Most query texts asked for: one query, at the end of a trace.
