@@ -37,6 +37,8 @@ pub trait SampleLabels {
     /// statements, or waiting for the client inside a transaction (`Client:*`: its think time
     /// and round trips, while the previous statement's queryid stays in force).
     fn is_client_time(&self) -> bool;
+    /// Whether an off-CPU sample is time blocked: neither the client's nor a sleep asked for.
+    fn is_blocked(&self) -> bool;
 }
 
 impl SampleLabels for StackSample {
@@ -59,6 +61,10 @@ impl SampleLabels for StackSample {
 
     fn is_client_time(&self) -> bool {
         is_client_time(self.off_cpu_class(), self.wait_event())
+    }
+
+    fn is_blocked(&self) -> bool {
+        is_blocked(self.off_cpu_class(), self.wait_event())
     }
 }
 
@@ -85,6 +91,12 @@ const DELIBERATE_SLEEPS: [&str; 6] = [
 /// not time it was blocked.
 pub fn is_deliberate_sleep(wait_event: Option<&str>) -> bool {
     wait_event.is_some_and(|w| DELIBERATE_SLEEPS.contains(&w))
+}
+
+/// Whether off-CPU time of this class and wait event is time blocked: neither the client's
+/// nor a sleep asked for.
+pub fn is_blocked(class: Option<&str>, wait_event: Option<&str>) -> bool {
+    !is_client_time(class, wait_event) && !is_deliberate_sleep(wait_event)
 }
 
 #[cfg(test)]

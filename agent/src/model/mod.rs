@@ -53,7 +53,7 @@ pub struct Measurements<'a> {
 }
 
 /// Each statement's time, on CPU (samples × period) and blocked (off CPU without the client's
-/// time), in nanoseconds.
+/// time and the sleeps it asked for), in nanoseconds.
 pub type StatementTime = HashMap<QueryId, u64>;
 
 /// The tables of one measurement, computed once.
@@ -126,7 +126,7 @@ impl<'a> Analysis<'a> {
     /// All the time the traced processes were busy, in nanoseconds: on CPU (samples × period,
     /// without pgscope's own probe traps) and, where off-CPU time was measured, blocked, without
     /// the waits for a client (idle or within a transaction: the client's time, not the
-    /// database's).
+    /// database's) and the sleeps asked for (`pg_sleep`, vacuum's cost delay).
     pub fn backend_time_ns(&self) -> u64 {
         let on_cpu = self.cpu_samples().saturating_sub(self.probe_trap_samples()) * self.period_ns();
         let blocked: u64 = self
@@ -134,7 +134,7 @@ impl<'a> Analysis<'a> {
             .off_cpu
             .iter()
             .flat_map(|p| &p.samples)
-            .filter(|s| !s.is_client_time())
+            .filter(|s| s.is_blocked())
             .map(|s| s.count)
             .sum();
         on_cpu + blocked
@@ -156,7 +156,7 @@ pub(crate) fn statement_time(
         .map(|s| (s.query_id, s.samples * period_ns))
         .collect();
     for sample in off_cpu.iter().flat_map(|p| &p.samples) {
-        if sample.is_client_time() {
+        if !sample.is_blocked() {
             continue;
         }
         if let Some(query_id) = sample.query_id() {

@@ -1,7 +1,8 @@
 //! The off-CPU tables: time off CPU per (backend type, wait event, class) over everything, and
 //! per queryid per (wait event, class) with where in Postgres its longest stack waited. Each
-//! row knows whether it is the client's time (idle, or `Client:*` inside a transaction), so
-//! that views and rules leave the same time out. Computed once from the off-CPU profile.
+//! row knows whether it is time blocked (not the client's — idle, or `Client:*` inside a
+//! transaction — nor a sleep asked for), so that views and rules leave the same time out.
+//! Computed once from the off-CPU profile.
 
 use std::collections::BTreeMap;
 
@@ -26,14 +27,9 @@ pub struct WaitRow {
 }
 
 impl WaitRow {
-    /// Whether this is the client's time rather than a statement's.
-    pub fn is_client_time(&self) -> bool {
-        labels::is_client_time(Some(&self.class), Some(&self.wait))
-    }
-
     /// Whether it is time blocked: neither the client's nor a sleep asked for.
     pub fn is_blocked(&self) -> bool {
-        !self.is_client_time() && !labels::is_deliberate_sleep(Some(&self.wait))
+        labels::is_blocked(Some(&self.class), Some(&self.wait))
     }
 
     /// Whether it is an idle process's or client's time (a background process in its main
@@ -56,17 +52,13 @@ pub struct QueryWait {
 }
 
 impl QueryWait {
-    pub fn is_client_time(&self) -> bool {
-        labels::is_client_time(Some(&self.class), Some(&self.wait))
-    }
-
     pub fn is_idle(&self) -> bool {
         self.class == OffCpuClass::Idle.name()
     }
 
     /// Whether it is time blocked: neither the client's nor a sleep asked for.
     pub fn is_blocked(&self) -> bool {
-        !self.is_client_time() && !labels::is_deliberate_sleep(Some(&self.wait))
+        labels::is_blocked(Some(&self.class), Some(&self.wait))
     }
 
     /// Whether it is run-queue delay: runnable, waiting for a CPU the host did not have.
