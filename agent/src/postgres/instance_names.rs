@@ -30,11 +30,18 @@ pub struct InstanceNames {
     /// Address of `MyBgworkerEntry`: the same in every process of the instance, which all are
     /// forked from the postmaster.
     my_bgworker_entry: Option<u64>,
-    /// `bgw_type` per background worker PID; None when it could not be read (e.g. the worker
-    /// exited before its first sample was handled) in [`WORKER_TYPE_TRIES`] tries.
-    worker_types: HashMap<u32, Option<String>>,
-    /// Failed reads per background worker PID not yet given up on.
-    worker_type_failures: HashMap<u32, u32>,
+    /// `bgw_type` per background worker PID, as far as it was read.
+    worker_types: HashMap<u32, WorkerType>,
+}
+
+/// What is known of one background worker's `bgw_type`.
+#[derive(Clone, Debug, PartialEq)]
+enum WorkerType {
+    /// Read (None: empty, or not read in [`WORKER_TYPE_TRIES`] tries: e.g. the worker exited
+    /// before its samples were handled).
+    Known(Option<String>),
+    /// Reads that failed so far.
+    Failed(u32),
 }
 
 /// Reads of a worker's `bgw_type` that may fail before it is labelled `background worker` for
@@ -59,7 +66,6 @@ impl InstanceNames {
             tranches,
             my_bgworker_entry: Some(globals.address(names.my_bgworker_entry)?),
             worker_types: HashMap::new(),
-            worker_type_failures: HashMap::new(),
         })
     }
 
@@ -97,33 +103,31 @@ impl InstanceNames {
     /// fails is tried again at the worker's next samples, [`WORKER_TYPE_TRIES`] times in all.
     pub fn worker_type(&mut self, table: &VersionTable, pid: u32) -> Option<String> {
         let entry_global = self.my_bgworker_entry?;
-        if let Some(known) = self.worker_types.get(&pid) {
-            return known.clone();
-        }
-        match read_worker_type(pid, entry_global, table) {
+        let failed = match self.worker_types.get(&pid) {
+            Some(WorkerType::Known(name)) => return name.clone(),
+            Some(WorkerType::Failed(failed)) => *failed,
+            None => 0,
+        };
+        let (known, name) = match read_worker_type(pid, entry_global, table) {
             Ok(name) => {
                 let name = Some(name).filter(|name| !name.is_empty());
-                self.worker_type_failures.remove(&pid);
-                self.worker_types.insert(pid, name.clone());
-                name
+                (WorkerType::Known(name.clone()), name)
             }
             Err(error) => {
-                let failures = self.worker_type_failures.entry(pid).or_default();
-                *failures += 1;
-                tracing::debug!(pid, failures = *failures, "no bgw_type: {error:#}");
-                if *failures >= WORKER_TYPE_TRIES {
-                    self.worker_type_failures.remove(&pid);
-                    self.worker_types.insert(pid, None);
+                tracing::debug!(pid, failures = failed + 1, "no bgw_type: {error:#}");
+                match failed + 1 {
+                    tries if tries >= WORKER_TYPE_TRIES => (WorkerType::Known(None), None),
+                    tries => (WorkerType::Failed(tries), None),
                 }
-                None
             }
-        }
+        };
+        self.worker_types.insert(pid, known);
+        name
     }
 
     /// Drops what is cached for an exited process: its PID may be reused by another.
     pub fn forget(&mut self, pid: u32) {
         self.worker_types.remove(&pid);
-        self.worker_type_failures.remove(&pid);
     }
 }
 
@@ -314,6 +318,6 @@ mod tests {
         for _ in 0..WORKER_TYPE_TRIES {
             assert_eq!(never.worker_type(&TABLE, pid), None);
         }
-        assert_eq!(never.worker_types.get(&pid), Some(&None));
+        assert_eq!(never.worker_types.get(&pid), Some(&WorkerType::Known(None)));
     }
 }
