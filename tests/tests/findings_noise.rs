@@ -1,5 +1,5 @@
-//! What is not a database's trouble stays out of the way of what is. Four backends burn CPU on
-//! two cores (each waits for a CPU about half the time), one sleeps in `pg_sleep`, and the
+//! What is not a database's trouble stays out of the way of what is. Twice as many backends as
+//! cores burn CPU (each waits for a CPU about half the time), one sleeps in `pg_sleep`, and the
 //! instance's background processes idle in their main loops. The host's CPU contention must be
 //! one `cpu_contention` finding for the whole trace, its figure where the backends' own
 //! scheduler statistics (`/proc/PID/schedstat`: time runnable on a run queue) put it; the
@@ -13,8 +13,11 @@ use anyhow::{ensure, Context, Result};
 use pgscope_tests::findings_json::{describe_findings, read_findings};
 use pgscope_tests::{require_root_and_bpf, CpuWindow, PgCluster, PgInstall, Trace};
 
-/// CPU-bound backends: twice the cores of the test machines.
-const BURNERS: usize = 4;
+/// CPU-bound backends: twice this machine's cores, so that each waits for a CPU about half
+/// the time whatever the machine.
+fn burners() -> Result<usize> {
+    Ok(2 * std::thread::available_parallelism()?.get())
+}
 /// A statement that keeps a backend on CPU for minutes (ended by the test).
 const BURN: &str = "SELECT count(*) FROM (SELECT md5(g::text) FROM generate_series(1, 2000000000) g) s";
 /// The CPU time the burners use in the trace: enough ticks for the run-queue share to settle.
@@ -31,7 +34,7 @@ fn host_cpu_contention_is_one_finding_and_sleeps_and_idle_processes_stay_out_of_
         .json(&json)
         .spawn()?;
     let sleeper = cluster.spawn_session("SELECT pg_sleep(600)")?;
-    let burners = (0..BURNERS)
+    let burners = (0..burners()?)
         .map(|_| cluster.spawn_session(BURN))
         .collect::<Result<Vec<_>>>()?;
     let pids: Vec<u32> = burners.iter().map(|b| b.pid()).collect();
