@@ -388,6 +388,12 @@ fn check_sampled_against_exact(summary: &TraceSummary, workload: &str) -> Result
     Ok(())
 }
 
+/// The milliseconds of `rows` in reported wait events, and outside any ([`NO_WAIT_EVENT`]).
+fn split_outside(rows: &BTreeMap<String, f64>) -> (f64, f64) {
+    let outside = rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
+    (rows.values().sum::<f64>() - outside, outside)
+}
+
 /// The sampled profile against where the exact tracer had each thread as the sampler's runs
 /// reached it (`off_cpu_exact_at_runs`): the time in reported wait events and the time outside
 /// them each within [`AT_RUNS_TOLERANCE`]. Both are read at the same instants, so neither
@@ -401,12 +407,8 @@ fn check_sampled_against_exact_at_runs(
 ) -> Result<()> {
     let at_runs_rows = comparable_waits(&summary.off_cpu_exact_at_runs_by_wait()?);
     let at_runs = ShareComparison::new("exact at runs", ("ms", "ms"), &at_runs_rows, sampled_rows);
-    let split = |rows: &BTreeMap<String, f64>| {
-        let outside = rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
-        (rows.values().sum::<f64>() - outside, outside)
-    };
     let ((exact_waits, exact_outside), (sampled_waits, sampled_outside)) =
-        (split(&at_runs_rows), split(sampled_rows));
+        (split_outside(&at_runs_rows), split_outside(sampled_rows));
     eprintln!(
         "{workload}: against the exact state at the sampler's runs\n{}\nagreement_at_runs: \
          workload={} waits_ratio={:.3} no_wait_event_ratio={:.3}",
@@ -499,13 +501,9 @@ fn check_storm_against_exact(summary: &TraceSummary, workload: &str) -> Result<(
         instants.table(),
         rows_side_by_side(&summary.off_cpu_exact_by_wait()?, &summary.off_cpu_by_wait()?)
     );
-    let split = |rows: &BTreeMap<String, f64>| {
-        let outside = rows.get(NO_WAIT_EVENT).copied().unwrap_or(0.0);
-        (rows.values().sum::<f64>() - outside, outside)
-    };
     let ((exact_waits, exact_outside), (at_runs_waits, at_runs_outside)) =
-        (split(&exact_rows), split(&at_runs_rows));
-    let (sampled_waits, sampled_outside) = split(&sampled_rows);
+        (split_outside(&exact_rows), split_outside(&at_runs_rows));
+    let (sampled_waits, sampled_outside) = split_outside(&sampled_rows);
     // One line for bench/offcpu-agreement.sh.
     eprintln!(
         "agreement: workload={} total_ratio={:.3} waits_ratio={:.3} no_wait_event_ratio={:.3} \
