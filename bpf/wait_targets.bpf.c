@@ -46,13 +46,58 @@ static __always_inline void note_active(struct wait_thread_list *list, __u32 tid
 }
 
 /*
- * Walks the host's threads with the open-coded task iterator, and for each thread of a process
- * in `targets` flagged for profiling does what needs no read of its memory: a thread on a CPU
- * is skipped (the perf-event sampler's), one that has not run since its last sample repeats it
- * (an idle backend costs this and no more). The others are listed for their visit, which may
- * sleep in reads of their memory and so cannot run inside the walk (RCU). Not a walk of
- * `targets` (bpf_for_each_map_elem): that visits each of its 65536 buckets, over a millisecond,
- * every tick. A thread over the list's room is counted, its waits unsampled.
+ * The walk's work for one thread of the host: for a thread of a process in `targets` flagged
+ * for profiling, what needs no read of its memory. A thread on a CPU is skipped (the perf-event
+ * sampler's), one that has not run since its last sample repeats it (an idle backend costs this
+ * and no more). The others are listed for their visit, which may sleep in reads of their memory
+ * and so cannot run inside the walk (RCU). A thread over the list's room is counted, its waits
+ * unsampled.
+ *
+ * Not inlined, on purpose: the verifier explores an open-coded iterator's loop until the states
+ * at its head repeat, and with this body inlined every path through it reached the head in a
+ * state of its own. target_waits then took 849k of the verifier's 1M instructions and 2-5 s
+ * to load, at every start of pgscope; called, each path returns to one state, and it takes 79k.
+ */
+static __noinline int walk_thread(struct wait_thread_list *list, struct task_struct *thread, __u64 weight)
+{
+	__u32 tgid = thread->tgid;
+	if (!profiled(tgid))
+		return 0;
+	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
+	/* Snapshotted before the walk, as active in the last run. */
+	if (state && state->visited_run == list->run)
+		return 0;
+	if (!thread->exit_state)
+		count_exact_at_run(thread, tgid, weight);
+	if (thread->exit_state || thread->on_cpu) {
+		count(PGSCOPE_CNT_WAIT_SKIPPED);
+		if (thread->on_cpu)
+			note_active(list, thread->pid);
+		return 0;
+	}
+	/* Not run since its last sample (an idle backend): repeated, after a look at its switch
+	 * count alone. Else its snapshot; a thread never sampled has no storage yet, its visit
+	 * takes it. */
+	if (state) {
+		state->snapshot_switches = thread->nvcsw + thread->nivcsw + 1;
+		if (repeat_unchanged(thread, tgid, state, weight, true))
+			return 0;
+		snapshot_thread(thread, state, list->run);
+	}
+	__u32 n = list->count;
+	if (n >= WAIT_THREADS_MAX) {
+		count(PGSCOPE_CNT_WAIT_THREADS_OVER);
+		return 0;
+	}
+	list->tids[n & (WAIT_THREADS_MAX - 1)] = thread->pid;
+	list->count = n + 1;
+	return 0;
+}
+
+/*
+ * Walks the host's threads with the open-coded task iterator (walk_thread for each). Not a walk
+ * of `targets` (bpf_for_each_map_elem): that visits each of its 65536 buckets, over a
+ * millisecond, every tick.
  */
 static __always_inline void walk_target_threads(struct wait_thread_list *list, __u64 weight)
 {
@@ -64,39 +109,8 @@ static __always_inline void walk_target_threads(struct wait_thread_list *list, _
 	list->count = 0;
 	bpf_rcu_read_lock();
 	bpf_iter_task_new(&threads, NULL, TASK_ITER_ALL_THREADS);
-	while ((thread = bpf_iter_task_next(&threads))) {
-		__u32 tgid = thread->tgid;
-		if (!profiled(tgid))
-			continue;
-		struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, thread, 0, 0);
-		/* Snapshotted before the walk, as active in the last run. */
-		if (state && state->visited_run == list->run)
-			continue;
-		if (!thread->exit_state)
-			count_exact_at_run(thread, tgid, weight);
-		if (thread->exit_state || thread->on_cpu) {
-			count(PGSCOPE_CNT_WAIT_SKIPPED);
-			if (thread->on_cpu)
-				note_active(list, thread->pid);
-			continue;
-		}
-		/* Not run since its last sample (an idle backend): repeated, after a look at its
-		 * switch count alone. Else its snapshot; a thread never sampled has no storage yet,
-		 * its visit takes it. */
-		if (state) {
-			state->snapshot_switches = thread->nvcsw + thread->nivcsw + 1;
-			if (repeat_unchanged(thread, tgid, state, weight, true))
-				continue;
-			snapshot_thread(thread, state, list->run);
-		}
-		__u32 n = list->count;
-		if (n >= WAIT_THREADS_MAX) {
-			count(PGSCOPE_CNT_WAIT_THREADS_OVER);
-			continue;
-		}
-		list->tids[n & (WAIT_THREADS_MAX - 1)] = thread->pid;
-		list->count = n + 1;
-	}
+	while ((thread = bpf_iter_task_next(&threads)))
+		walk_thread(list, thread, weight);
 	bpf_iter_task_destroy(&threads);
 	bpf_rcu_read_unlock();
 }
