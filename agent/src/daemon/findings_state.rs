@@ -59,9 +59,22 @@ impl FindingKey {
     }
 }
 
-/// An instance's findings in force, with the title each had when last evaluated (a cleared
-/// finding is logged with it).
-type InForce = BTreeMap<FindingKey, String>;
+/// An instance's findings in force, each with the title it had when last found (a cleared
+/// finding is logged with it) and the evaluations since that did not find it.
+type InForce = BTreeMap<FindingKey, Held>;
+
+#[derive(Clone, Debug)]
+struct Held {
+    title: String,
+    misses: u32,
+}
+
+/// A finding clears when this many evaluations in a row do not find it, unless another
+/// severity of it replaced it (that clears it at once). One interval can hold too few samples
+/// of a statement to find what still goes on: beside two CPU hogs a commit-phase finding
+/// cleared and came back 2 s later while its workload ran on, and an alert that flaps pages
+/// twice.
+const CLEAR_AFTER_MISSES: u32 = 2;
 
 /// What an interval changed, as logged.
 #[derive(Debug, Default, PartialEq)]
@@ -234,7 +247,13 @@ impl AgentFindings {
             if now.contains_key(&key) {
                 continue;
             }
-            now.insert(key.clone(), finding.title.clone());
+            now.insert(
+                key.clone(),
+                Held {
+                    title: finding.title.clone(),
+                    misses: 0,
+                },
+            );
             if before.contains_key(&key) {
                 continue;
             }
@@ -249,8 +268,19 @@ impl AgentFindings {
             );
             changes.appeared.push(key);
         }
-        for (key, title) in &before {
+        for (key, held) in &before {
             if now.contains_key(key) {
+                continue;
+            }
+            let replaced = now
+                .keys()
+                .any(|other| other.kind == key.kind && other.query_id == key.query_id);
+            if !replaced && held.misses + 1 < CLEAR_AFTER_MISSES {
+                let missed = Held {
+                    title: held.title.clone(),
+                    misses: held.misses + 1,
+                };
+                now.insert(key.clone(), missed);
                 continue;
             }
             info!(
@@ -258,7 +288,7 @@ impl AgentFindings {
                 kind = key.kind,
                 severity = key.severity.name(),
                 queryid = %key.query_label(),
-                title = %title,
+                title = %held.title,
                 "finding cleared"
             );
             changes.cleared.push(key.clone());
@@ -445,6 +475,22 @@ mod tests {
     }
 
     #[test]
+    fn a_finding_missed_by_one_interval_and_found_again_never_cleared() {
+        let mut findings = AgentFindings::default();
+        let phase = finding("phase_dominance", 3, Severity::Critical);
+        logged(&mut findings, "a", std::slice::from_ref(&phase));
+        let (changes, lines) = logged(&mut findings, "a", &[]);
+        assert_eq!(changes, Changes::default());
+        assert!(lines.is_empty(), "{lines:?}");
+        let (changes, lines) = logged(&mut findings, "a", std::slice::from_ref(&phase));
+        assert_eq!(changes, Changes::default());
+        assert!(lines.is_empty(), "{lines:?}");
+        // The miss was forgotten: one more miss does not clear it either.
+        let (changes, _) = logged(&mut findings, "a", &[]);
+        assert_eq!(changes, Changes::default());
+    }
+
+    #[test]
     fn a_finding_that_clears_is_logged_once_and_a_new_severity_is_a_new_finding() {
         let mut findings = AgentFindings::default();
         logged(
@@ -488,7 +534,12 @@ mod tests {
             "logged with its last title"
         );
         assert!(lines[1].get("action").is_none());
-        // Everything cleared: one line each, then silence.
+        // Not found once: still in force, nothing said.
+        let (changes, lines) = logged(&mut findings, "a", &[]);
+        assert_eq!(changes, Changes::default());
+        assert!(lines.is_empty(), "{lines:?}");
+        assert_eq!(findings.snapshot().current["a"].len(), 2);
+        // Not found twice in a row: cleared, one line each, then silence.
         let (changes, lines) = logged(&mut findings, "a", &[]);
         assert_eq!(changes.cleared.len(), 2);
         assert_eq!(lines.len(), 2);
