@@ -18,7 +18,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::metrics::{self, OwnUsage, Snapshot};
 
@@ -56,37 +56,60 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Binds `addr` now (so that a port in use is an error at start) and serves in the background.
-pub async fn serve(addr: SocketAddr, shared: Arc<Shared>) -> Result<SocketAddr> {
-    let listener = TcpListener::bind(addr).await.with_context(|| {
+/// Binds `addr` now (so that a port in use is an error at start) and serves from a thread of
+/// its own. Not from the main loop's runtime: that one thread also symbolizes, aggregates and
+/// encodes, and on a busy host a long turn of it left `/metrics` unanswered for over 10 s (the
+/// fault drill beside two CPU hogs), which a liveness probe takes for a dead agent; `/healthz`
+/// says whether the main loop runs from its heartbeat, not from whether it answers.
+pub fn serve(addr: SocketAddr, shared: Arc<Shared>) -> Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind(addr).with_context(|| {
         format!("listening on {addr} for /metrics (set server.metrics_addr or --metrics-addr)")
     })?;
     let local = listener.local_addr().context("reading the metrics address")?;
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(connection) => connection,
-                Err(error) => {
-                    debug!("accepting a metrics connection: {error}");
-                    continue;
-                }
-            };
-            let shared = shared.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |request| {
-                    let shared = shared.clone();
-                    async move { Ok::<_, Infallible>(respond(&request, &shared)) }
-                });
-                if let Err(error) = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
-                    debug!("metrics connection: {error}");
-                }
-            });
-        }
-    });
+    listener
+        .set_nonblocking(true)
+        .context("making the metrics listener non-blocking")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .context("starting the metrics server's runtime")?;
+    std::thread::Builder::new()
+        .name("pgscope-http".to_string())
+        .spawn(move || runtime.block_on(accept_loop(listener, shared)))
+        .context("starting the metrics server's thread")?;
     Ok(local)
+}
+
+async fn accept_loop(listener: std::net::TcpListener, shared: Arc<Shared>) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(error) => {
+            warn!("serving /metrics: {error}");
+            return;
+        }
+    };
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(connection) => connection,
+            Err(error) => {
+                debug!("accepting a metrics connection: {error}");
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let shared = shared.clone();
+                async move { Ok::<_, Infallible>(respond(&request, &shared)) }
+            });
+            if let Err(error) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                debug!("metrics connection: {error}");
+            }
+        });
+    }
 }
 
 fn respond<B>(request: &Request<B>, shared: &Shared) -> Response<Full<Bytes>> {

@@ -68,7 +68,7 @@ pub async fn run(source: ConfigSource, mut config: AgentConfig) -> Result<()> {
     preflight::check_all()?;
     let shared = Arc::new(http::Shared::default());
     shared.beat();
-    let metrics_addr = http::serve(config.server.metrics_addr, shared.clone()).await?;
+    let metrics_addr = http::serve(config.server.metrics_addr, shared.clone())?;
     info!(%metrics_addr, "serving /metrics, /healthz and /readyz");
     let pod_index = Arc::new(std::sync::RwLock::new(pods::PodIndex::default()));
     match std::env::var("PGSCOPE_NODE_NAME").ok().filter(|n| !n.is_empty()) {
