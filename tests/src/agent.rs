@@ -104,6 +104,35 @@ impl RunningAgent {
         metric_value(&body, series).with_context(|| format!("no `{series}` in /metrics:\n{body}"))
     }
 
+    /// Waits until what the agent measured up to this call is in Pyroscope: an upload after the
+    /// call (its interval's read holds everything until then) and an empty queue. On a busy
+    /// machine the sender falls behind the intervals, and a stop gives the backlog only the
+    /// agent's shutdown budget (what it cannot send by then it logs as lost): a test that
+    /// compares what arrived with an exact count stops the agent after this.
+    pub fn await_delivered(&self, timeout: Duration) -> Result<()> {
+        // Per profile kind: their sum grows at every upload that had anything to send.
+        let enqueued = || -> Result<f64> {
+            let (_, body) = self.get("/metrics")?;
+            Ok(body
+                .lines()
+                .filter(|line| line.starts_with("pgscope_profiles_enqueued_total{"))
+                .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum())
+        };
+        let before = enqueued()?;
+        wait_for("an upload after the workload", timeout, || {
+            Ok((enqueued()? > before).then_some(()))
+        })
+        .with_context(|| format!("agent log:\n{}", self.log()))?;
+        self.wait_metric(
+            "pgscope_export_queue_batches",
+            "every batch delivered to Pyroscope",
+            timeout,
+            |v| v == 0.0,
+        )?;
+        Ok(())
+    }
+
     /// Waits until `condition` holds on the metric `series`.
     pub fn wait_metric(
         &self,
