@@ -254,12 +254,14 @@ impl StackAggregator {
                 frames.push(Frame {
                     name: Arc::from(placeholder),
                     kind: FrameKind::User,
+                    module: None,
                 });
             }
             if !key.complete {
                 frames.push(Frame {
                     name: incomplete.clone(),
                     kind: FrameKind::User,
+                    module: None,
                 });
             }
             for location in key.user.iter().rev() {
@@ -267,6 +269,7 @@ impl StackAggregator {
                 frames.push(Frame {
                     name: frame.name,
                     kind: FrameKind::User,
+                    module: Some(frame.module),
                 });
             }
             for (depth, &addr) in key.kernel.iter().enumerate().rev() {
@@ -282,12 +285,14 @@ impl StackAggregator {
                 frames.push(Frame {
                     name,
                     kind: FrameKind::Kernel,
+                    module: None,
                 });
             }
             if let Some(syscall) = key.kernel_leaf {
                 frames.push(Frame {
                     name: Arc::from(syscall),
                     kind: FrameKind::Kernel,
+                    module: None,
                 });
             }
             let mut labels = vec![(label::PID.to_string(), key.pid.to_string())];

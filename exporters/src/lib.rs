@@ -16,15 +16,20 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub mod folded;
+pub mod hot_paths;
 pub mod pprof;
 pub mod pyroscope;
 pub mod svg;
 pub mod top;
 
 pub use folded::{parse_folded, write_folded, FoldedOptions};
+pub use hot_paths::{hot_paths, HotPath, PathStep};
 pub use pprof::encode_pprof_gzip;
 pub use svg::{write_svg, SvgOptions};
-pub use top::{render_top_table, top_functions, FunctionShare};
+pub use top::{
+    module_totals, render_top_table, top_functions, top_functions_by_total, FunctionShare, ModuleShare,
+    KERNEL_MODULE,
+};
 
 /// Where a frame executes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -43,6 +48,10 @@ pub struct Frame {
     pub name: Arc<str>,
     /// User or kernel.
     pub kind: FrameKind,
+    /// The file a user frame's code is in (`postgres`, `libc.so.6`, `llvmjit.so`), where known;
+    /// `None` for kernel frames and the placeholders pgscope adds (`[incomplete stack]`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module: Option<Arc<str>>,
 }
 
 /// One aggregated stack: frames ROOT FIRST, labels sorted by key, value in the profile's unit.
@@ -207,7 +216,7 @@ pub(crate) fn display_name(frame: &Frame) -> String {
 }
 
 /// See [`display_name`]; also used for label values that become root frames.
-pub(crate) fn sanitize(text: &str) -> String {
+pub fn sanitize(text: &str) -> String {
     let mapped: String = text
         .chars()
         .map(|c| match c {
@@ -233,6 +242,7 @@ pub(crate) mod test_support {
         Frame {
             name: Arc::from(name),
             kind: FrameKind::User,
+            module: None,
         }
     }
 
@@ -240,6 +250,7 @@ pub(crate) mod test_support {
         Frame {
             name: Arc::from(name),
             kind: FrameKind::Kernel,
+            module: None,
         }
     }
 

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use crate::{sanitize, FrameKind, Profile};
+use crate::{sanitize, Frame, FrameKind, Profile};
 
 /// One function's share of a profile.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +27,34 @@ pub struct FunctionShare {
 /// The `n` functions with the most self samples, sorted by self count (descending), then name
 /// and kind. Percentages are of [`Profile::total_count`], which includes samples without frames.
 pub fn top_functions(profile: &Profile, n: usize) -> Vec<FunctionShare> {
+    let mut shares = function_shares(profile);
+    shares.sort_by(|a, b| {
+        b.self_count
+            .cmp(&a.self_count)
+            .then_with(|| a.name.cmp(&b.name))
+            .then_with(|| a.kind.cmp(&b.kind))
+    });
+    shares.truncate(n);
+    shares
+}
+
+/// The `n` functions with the most total samples (anywhere on the stack), then most self
+/// samples, name and kind: `perf report --children`'s order.
+pub fn top_functions_by_total(profile: &Profile, n: usize) -> Vec<FunctionShare> {
+    let mut shares = function_shares(profile);
+    shares.sort_by(|a, b| {
+        b.total_count
+            .cmp(&a.total_count)
+            .then_with(|| b.self_count.cmp(&a.self_count))
+            .then_with(|| a.name.cmp(&b.name))
+            .then_with(|| a.kind.cmp(&b.kind))
+    });
+    shares.truncate(n);
+    shares
+}
+
+/// Every function's self and total samples, unsorted.
+fn function_shares(profile: &Profile) -> Vec<FunctionShare> {
     let total_samples = profile.total_count();
     // (self, total) per function.
     let mut counts: HashMap<(&Arc<str>, FrameKind), (u64, u64)> = HashMap::new();
@@ -51,7 +79,7 @@ pub fn top_functions(profile: &Profile, n: usize) -> Vec<FunctionShare> {
             count as f64 * 100.0 / total_samples as f64
         }
     };
-    let mut shares: Vec<FunctionShare> = counts
+    counts
         .into_iter()
         .map(|((name, kind), (self_count, total_count))| FunctionShare {
             name: name.clone(),
@@ -61,14 +89,70 @@ pub fn top_functions(profile: &Profile, n: usize) -> Vec<FunctionShare> {
             self_pct: pct(self_count),
             total_pct: pct(total_count),
         })
+        .collect()
+}
+
+/// One module's share of a profile: an executable, a shared library, or the kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModuleShare {
+    /// The file's basename (`postgres`, `llvmjit.so`), or [`KERNEL_MODULE`].
+    pub name: Arc<str>,
+    /// Samples whose leaf frame is in the module.
+    pub self_count: u64,
+    /// Samples with a frame of the module anywhere on the stack, counted once per sample.
+    pub total_count: u64,
+    pub self_pct: f64,
+    pub total_pct: f64,
+}
+
+/// What kernel frames count under in [`module_totals`].
+pub const KERNEL_MODULE: &str = "[kernel]";
+
+/// Every module of `profile`'s frames, most self samples first (then total, then name).
+/// Placeholder frames, which are in no file, count for none; percentages are of
+/// [`Profile::total_count`].
+pub fn module_totals(profile: &Profile) -> Vec<ModuleShare> {
+    let kernel: Arc<str> = Arc::from(KERNEL_MODULE);
+    let module_of = |frame: &Frame| match frame.kind {
+        FrameKind::Kernel => Some(kernel.clone()),
+        FrameKind::User => frame.module.clone(),
+    };
+    let total_samples = profile.total_count();
+    let mut counts: HashMap<Arc<str>, (u64, u64)> = HashMap::new();
+    let mut seen = HashSet::new();
+    for sample in &profile.samples {
+        seen.clear();
+        for module in sample.frames.iter().filter_map(module_of) {
+            if seen.insert(module.clone()) {
+                let entry = counts.entry(module).or_default();
+                entry.1 = entry.1.saturating_add(sample.count);
+            }
+        }
+        if let Some(module) = sample.frames.last().and_then(module_of) {
+            let entry = counts.entry(module).or_default();
+            entry.0 = entry.0.saturating_add(sample.count);
+        }
+    }
+    let pct = |count: u64| match total_samples {
+        0 => 0.0,
+        total => count as f64 * 100.0 / total as f64,
+    };
+    let mut shares: Vec<ModuleShare> = counts
+        .into_iter()
+        .map(|(name, (self_count, total_count))| ModuleShare {
+            name,
+            self_count,
+            total_count,
+            self_pct: pct(self_count),
+            total_pct: pct(total_count),
+        })
         .collect();
     shares.sort_by(|a, b| {
         b.self_count
             .cmp(&a.self_count)
+            .then_with(|| b.total_count.cmp(&a.total_count))
             .then_with(|| a.name.cmp(&b.name))
-            .then_with(|| a.kind.cmp(&b.kind))
     });
-    shares.truncate(n);
     shares
 }
 
@@ -200,5 +284,59 @@ mod tests {
         ]
         .join("\n");
         assert_eq!(render_top_table(&shares, 15), expected);
+    }
+
+    #[test]
+    fn module_totals_count_each_sample_once_per_module_and_its_leaf_as_self() {
+        let in_module = |name: &str, module: &str| Frame {
+            name: Arc::from(name),
+            kind: FrameKind::User,
+            module: Some(Arc::from(module)),
+        };
+        let profile = Profile {
+            samples: vec![
+                sample(
+                    vec![
+                        in_module("main", "postgres"),
+                        in_module("jit_compile", "llvmjit.so"),
+                        in_module("llvm::a", "libLLVM.so"),
+                        in_module("llvm::b", "libLLVM.so"),
+                    ],
+                    &[],
+                    6,
+                ),
+                sample(vec![in_module("main", "postgres"), kernel("read")], &[], 3),
+                sample(
+                    vec![user("[incomplete stack]"), in_module("memcpy", "libc.so.6")],
+                    &[],
+                    1,
+                ),
+            ],
+            meta: ProfileMeta::cpu(99, 0, 1_000_000_000),
+        };
+        let totals = module_totals(&profile);
+        let rows: Vec<(&str, u64, u64)> = totals
+            .iter()
+            .map(|m| (&*m.name, m.self_count, m.total_count))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("libLLVM.so", 6, 6),
+                (KERNEL_MODULE, 3, 3),
+                ("libc.so.6", 1, 1),
+                ("postgres", 0, 9),
+                ("llvmjit.so", 0, 6),
+            ]
+        );
+    }
+
+    #[test]
+    fn by_total_puts_the_callers_first() {
+        let shares = top_functions_by_total(&small_profile(), 3);
+        let names: Vec<&str> = shares.iter().map(|s| &*s.name).collect();
+        // Three at 15, in name order.
+        assert_eq!(names, ["PostmasterMain", "exec_simple_query", "main"]);
+        assert!(shares.iter().all(|s| s.total_count == 15));
     }
 }

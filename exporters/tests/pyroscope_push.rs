@@ -138,6 +138,7 @@ fn frame(name: &str) -> Frame {
     Frame {
         name: name.into(),
         kind: FrameKind::User,
+        module: None,
     }
 }
 

@@ -176,6 +176,7 @@ mod tests {
         let frame = |name: &str| Frame {
             name: name.into(),
             kind: FrameKind::User,
+            module: None,
         };
         let labels = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
             pairs

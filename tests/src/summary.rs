@@ -89,6 +89,31 @@ pub struct WallPart {
     pub pct: f64,
 }
 
+/// One entry of `modules[]`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct ModuleShare {
+    pub name: String,
+    pub self_samples: u64,
+    pub total_samples: u64,
+    pub self_pct: f64,
+    pub total_pct: f64,
+}
+
+/// One of a statement's `hot_paths[]`.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct HotPath {
+    pub samples: u64,
+    pub self_samples: u64,
+    pub frames: Vec<PathFrame>,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct PathFrame {
+    pub name: String,
+    pub module: Option<String>,
+    pub samples: u64,
+}
+
 impl TraceSummary {
     /// Parses `path` and checks its `schema`.
     pub fn read(path: &Path) -> Result<Self> {
@@ -103,6 +128,55 @@ impl TraceSummary {
             path.display()
         );
         Ok(Self { json })
+    }
+
+    /// `modules[]`: every module's samples, most self first.
+    pub fn modules(&self) -> Result<Vec<ModuleShare>> {
+        let modules = self.json.get("modules").context("the summary has no `modules`")?;
+        serde_json::from_value(modules.clone()).context("`modules` is not what pgscope writes")
+    }
+
+    /// `top_functions[0].self_pct`: the largest share one function holds on its own.
+    pub fn top_self_pct(&self) -> Result<f64> {
+        self.json
+            .pointer("/top_functions/0/self_pct")
+            .and_then(Value::as_f64)
+            .context("the summary has no top function")
+    }
+
+    /// `queries[].queryid`, most samples first.
+    pub fn query_ids(&self) -> Result<Vec<String>> {
+        let queries = self
+            .json
+            .get("queries")
+            .and_then(Value::as_array)
+            .context("the summary has no `queries`")?;
+        Ok(queries
+            .iter()
+            .filter_map(|q| q.get("queryid").and_then(Value::as_str).map(str::to_string))
+            .collect())
+    }
+
+    /// `queries[].samples` and `queries[].hot_paths` of `queryid`.
+    pub fn hot_paths_of_query(&self, queryid: &str) -> Result<(u64, Vec<HotPath>)> {
+        let query = self
+            .json
+            .get("queries")
+            .and_then(Value::as_array)
+            .and_then(|queries| {
+                queries
+                    .iter()
+                    .find(|q| q.get("queryid").and_then(Value::as_str) == Some(queryid))
+            })
+            .with_context(|| format!("no query `{queryid}` in the summary"))?;
+        let samples = query
+            .get("samples")
+            .and_then(Value::as_u64)
+            .context("a query without `samples`")?;
+        let paths = query.get("hot_paths").context("a query without `hot_paths`")?;
+        let paths =
+            serde_json::from_value(paths.clone()).context("`hot_paths` is not what pgscope writes")?;
+        Ok((samples, paths))
     }
 
     /// `pg_stat_statements[queryid]`: what the statement's pg_stat_statements counters grew by

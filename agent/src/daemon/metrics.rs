@@ -533,10 +533,12 @@ mod tests {
                 Frame {
                     name: "exec_simple_query".into(),
                     kind: FrameKind::User,
+                    module: None,
                 },
                 Frame {
                     name: SQL.into(),
                     kind: FrameKind::User,
+                    module: None,
                 },
             ],
             labels: vec![

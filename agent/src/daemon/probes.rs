@@ -452,6 +452,7 @@ pub fn profiles(rows: &[CallRow], start: u64, end: u64) -> Vec<(&'static str, Pr
         frames: vec![Frame {
             name: Arc::from(row.call.label()),
             kind: FrameKind::User,
+            module: None,
         }],
         labels: match row.query_id {
             0 => Vec::new(),

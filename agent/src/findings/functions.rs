@@ -288,6 +288,7 @@ mod tests {
         trap.frames.push(Frame {
             name: Arc::from("uprobe_notify_resume"),
             kind: FrameKind::Kernel,
+            module: None,
         });
         let on_cpu = profile(vec![
             sample(

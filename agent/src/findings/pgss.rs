@@ -98,6 +98,7 @@ mod tests {
             frames: vec![Frame {
                 name: Arc::from("futex (syscall)"),
                 kind: FrameKind::Kernel,
+                module: None,
             }],
             labels: vec![
                 ("off_cpu".into(), class.into()),

@@ -14,6 +14,7 @@ pub fn labelled(frames: &[&str], labels: &[(&str, &str)], count: u64) -> StackSa
             .map(|name| Frame {
                 name: Arc::from(*name),
                 kind: FrameKind::User,
+                module: None,
             })
             .collect(),
         labels: labels

@@ -9,6 +9,7 @@
 pub mod counts;
 #[cfg(test)]
 pub mod fixtures;
+pub mod hot_paths;
 pub mod labels;
 pub mod plan_nodes;
 mod query_id;

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use exporters::{Frame, FrameKind, Profile, StackSample};
+use exporters::{Frame, FrameKind, HotPath, Profile, StackSample};
 
 use super::labels::{self, SampleLabels};
 use super::QueryId;
@@ -49,6 +49,9 @@ pub struct StatementCpu {
     /// breakpoint's exception, the return trampoline, the BPF program): pgscope's cost, not
     /// the statement's, so left out of every other figure here, [`Self::samples`] included.
     pub probe_traps: u64,
+    /// Its hot paths: the call paths holding at least [`HOT_PATH_SHARE`] of its samples, each
+    /// down to where they spread out (`exporters::hot_paths`), most samples first.
+    pub hot_paths: Vec<HotPath>,
 }
 
 impl StatementCpu {
@@ -133,6 +136,15 @@ impl StatementCpu {
 /// Callers of a statement's hottest function shown with it.
 pub const CALLERS_SHOWN: usize = 3;
 
+/// The share of a statement's samples a call path must hold to be one of its hot paths. A
+/// twentieth: the paths are few enough to read, and a path that holds a twentieth of a
+/// statement's time is worth reading.
+pub const HOT_PATH_SHARE: f64 = 0.05;
+/// And the samples, whatever the share: fewer say nothing of where a statement spends.
+pub const HOT_PATH_MIN_SAMPLES: u64 = 3;
+/// Hot paths kept per statement.
+pub const HOT_PATHS_KEPT: usize = 8;
+
 /// Per leaf function: its samples, and per path of its nearest callers, theirs.
 type Leaves = HashMap<String, (u64, HashMap<Vec<String>, u64>)>;
 
@@ -165,6 +177,7 @@ fn user_names(frames: &[Frame]) -> Vec<&str> {
 /// runs before a statement's queryid is known), for the rules to leave out.
 pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
     let mut queries: HashMap<QueryId, (StatementCpu, Leaves)> = HashMap::new();
+    let mut samples_of: HashMap<QueryId, Vec<&StackSample>> = HashMap::new();
     for sample in &profile.samples {
         let Some(query_id) = sample.query_id() else {
             continue;
@@ -183,6 +196,7 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
             continue;
         }
         statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
+        samples_of.entry(query_id).or_default().push(sample);
         if let Some(trigger) = sample.label(labels::TRIGGER) {
             *statement.triggers.entry(trigger.to_string()).or_insert(0) += sample.count;
         }
@@ -204,6 +218,10 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
                     .map(|(path, _)| path)
                     .unwrap_or_default();
             }
+            let min_count =
+                ((statement.samples as f64 * HOT_PATH_SHARE).ceil() as u64).max(HOT_PATH_MIN_SAMPLES);
+            let samples = samples_of.remove(&statement.query_id).unwrap_or_default();
+            statement.hot_paths = exporters::hot_paths(samples, min_count, HOT_PATHS_KEPT);
             statement
         })
         .collect();
@@ -252,6 +270,7 @@ mod tests {
         kernel.frames.push(Frame {
             name: Arc::from("do_syscall_64"),
             kind: FrameKind::Kernel,
+            module: None,
         });
         let mut unlabelled = sample(9, "run", &["main"], 50);
         unlabelled.labels.clear();
@@ -312,6 +331,7 @@ mod tests {
             s.frames.push(Frame {
                 name: Arc::from(name),
                 kind: FrameKind::Kernel,
+                module: None,
             });
             s
         };
@@ -319,6 +339,7 @@ mod tests {
         xol.frames.push(Frame {
             name: Arc::from("[uprobes]"),
             kind: FrameKind::User,
+            module: None,
         });
         let p = profile(vec![
             sample(7, "plan", &["main", "GetCachedPlan", "standard_planner"], 10),
@@ -333,6 +354,7 @@ mod tests {
         only_traps.frames.push(Frame {
             name: Arc::from("asm_exc_int3"),
             kind: FrameKind::Kernel,
+            module: None,
         });
         p.samples.push(only_traps);
         let found = statements(&p);

@@ -307,6 +307,7 @@ mod tests {
             .map(|name| Frame {
                 name: (*name).into(),
                 kind: FrameKind::User,
+                module: None,
             })
             .collect()
     }

@@ -11,6 +11,7 @@ use exporters::{Profile, SvgOptions};
 use super::queries::{query_rows, QueryRow};
 use super::recording::Recording;
 use crate::findings::Finding;
+use crate::model::hot_paths::path_text;
 use crate::model::{shorten, Analysis};
 use crate::postgres::phase::Phase;
 
@@ -256,7 +257,7 @@ fn queries_section(page: &mut String, recording: &Recording, analysis: &Analysis
     for phase in Phase::ALL {
         let _ = write!(page, "<th>{}</th>", phase.label());
     }
-    page.push_str("<th>other</th><th>hottest function</th><th>off-CPU ms</th><th>longest wait</th><th>where its time went</th><th>probes</th></tr>\n");
+    page.push_str("<th>other</th><th>hottest function</th><th>hot paths</th><th>off-CPU ms</th><th>longest wait</th><th>where its time went</th><th>probes</th></tr>\n");
     let total = recording.on_cpu.total_count().max(1) as f64;
     for row in &rows {
         query_row(page, row, total);
@@ -290,9 +291,28 @@ fn query_row(page: &mut String, row: &QueryRow, total: f64) {
         .as_ref()
         .and_then(|q| q.hottest_function.as_deref())
         .unwrap_or("");
+    // Its hot paths, as the printed summary shows them (each with its share of the query's
+    // samples), at most three.
+    let hot_paths: String = row
+        .cpu
+        .as_ref()
+        .map(|q| {
+            q.hot_paths
+                .iter()
+                .take(3)
+                .map(|path| {
+                    format!(
+                        "{}% <code>{}</code><br>",
+                        of_query(path.count),
+                        escape(&path_text(path, q.samples))
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     let _ = write!(
         page,
-        "<td>{}</td><td class=\"left\"><code>{}</code></td><td>{:.1}</td><td class=\"left\">{}</td><td class=\"left\">{}</td><td class=\"left\">",
+        "<td>{}</td><td class=\"left\"><code>{}</code></td><td class=\"left\">{hot_paths}</td><td>{:.1}</td><td class=\"left\">{}</td><td class=\"left\">{}</td><td class=\"left\">",
         of_query(other),
         escape(hottest),
         row.off_cpu_ns as f64 / 1e6,

@@ -201,6 +201,7 @@ mod tests {
             frames: vec![Frame {
                 name: "exec_simple_query".into(),
                 kind: FrameKind::User,
+                module: None,
             }],
             labels: vec![("queryid".into(), "-42".into())],
             count: 3,

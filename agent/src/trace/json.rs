@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use exporters::{FrameKind, FunctionShare, Profile};
+use exporters::{FrameKind, FunctionShare, HotPath, Profile};
 use serde::Serialize;
 
 use super::probes::{lock_mode_name, ProbeFigures, ProbeResults};
@@ -32,7 +32,12 @@ pub struct Summary {
     pub frequency_hz: u64,
     pub duration_seconds: f64,
     pub samples: SamplesJson,
+    /// The functions with the most self samples (the sample's leaf), at most `--top`.
     pub top_functions: Vec<FunctionJson>,
+    /// The functions with the most total samples (anywhere on the stack), at most `--top`.
+    pub top_functions_by_total: Vec<FunctionJson>,
+    /// Every module's samples: the executable, each library, and the kernel (`[kernel]`).
+    pub modules: Vec<ModuleJson>,
     pub queries: Vec<QueryJson>,
     /// Per queryid, its on-CPU samples by the innermost plan node on the stack (the executor's
     /// per-node function nearest the leaf: `ExecHashJoin` → `HashJoin`); statements that never
@@ -345,6 +350,40 @@ pub struct FunctionJson {
 }
 
 #[derive(Serialize)]
+pub struct ModuleJson {
+    pub name: String,
+    /// Samples whose leaf frame is in the module.
+    pub self_samples: u64,
+    /// Samples with a frame of the module anywhere on the stack.
+    pub total_samples: u64,
+    pub self_pct: f64,
+    pub total_pct: f64,
+}
+
+/// A call path holding at least 5% of a statement's samples, down to where they spread out.
+#[derive(Serialize)]
+pub struct HotPathJson {
+    /// Samples under the path's last frame that no longer path of the statement holds.
+    pub samples: u64,
+    /// `samples` in % of the statement's.
+    pub share_pct: f64,
+    /// Samples whose leaf is the path's last frame.
+    pub self_samples: u64,
+    /// Root first, each with its samples at this place of the path.
+    pub frames: Vec<PathFrameJson>,
+}
+
+#[derive(Serialize)]
+pub struct PathFrameJson {
+    pub name: String,
+    /// "user" or "kernel".
+    pub kind: &'static str,
+    /// The file of a user frame, when known.
+    pub module: Option<String>,
+    pub samples: u64,
+}
+
+#[derive(Serialize)]
 pub struct QueryJson {
     /// pg_stat_statements.queryid as a decimal string: 64-bit values do not survive JSON
     /// numbers in most parsers.
@@ -357,6 +396,8 @@ pub struct QueryJson {
     /// Samples per statement phase; `other` is outside every phase function.
     pub phases: BTreeMap<&'static str, u64>,
     pub hottest_function: Option<String>,
+    /// Its hot paths, most samples first (at most 8).
+    pub hot_paths: Vec<HotPathJson>,
     /// Samples in each trigger of the statement, by its `trigger` label (`constraint <name>`,
     /// `trigger <name>`).
     pub triggers: BTreeMap<String, u64>,
@@ -409,6 +450,7 @@ pub struct SummaryInputs<'a> {
     pub filtered_out: u64,
     pub profile: &'a Profile,
     pub functions: &'a [FunctionShare],
+    pub functions_by_total: &'a [FunctionShare],
     pub queries: &'a [StatementCpu],
     pub plan_nodes: &'a [StatementPlanNodes],
     pub probes: &'a ProbeResults,
@@ -427,6 +469,42 @@ pub struct SummaryInputs<'a> {
     /// pg_stat_statements' counters' growth by queryid, when read.
     pub pgss_deltas: Option<&'a BTreeMap<String, BTreeMap<String, f64>>>,
     pub findings: &'a [Finding],
+}
+
+fn kind_name(kind: FrameKind) -> &'static str {
+    match kind {
+        FrameKind::User => "user",
+        FrameKind::Kernel => "kernel",
+    }
+}
+
+fn function_json(f: &FunctionShare) -> FunctionJson {
+    FunctionJson {
+        name: f.name.to_string(),
+        kind: kind_name(f.kind),
+        self_samples: f.self_count,
+        total_samples: f.total_count,
+        self_pct: f.self_pct,
+        total_pct: f.total_pct,
+    }
+}
+
+fn hot_path_json(path: &HotPath, statement_samples: u64) -> HotPathJson {
+    HotPathJson {
+        samples: path.count,
+        share_pct: 100.0 * path.count as f64 / statement_samples.max(1) as f64,
+        self_samples: path.self_count,
+        frames: path
+            .steps
+            .iter()
+            .map(|step| PathFrameJson {
+                name: step.frame.name.to_string(),
+                kind: kind_name(step.frame.kind),
+                module: step.frame.module.as_deref().map(str::to_string),
+                samples: step.count,
+            })
+            .collect(),
+    }
 }
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
@@ -458,19 +536,16 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             user_stacks_complete_pct: inputs.stats.complete_pct(),
             filtered_out: inputs.filtered_out,
         },
-        top_functions: inputs
-            .functions
-            .iter()
-            .map(|f| FunctionJson {
-                name: f.name.to_string(),
-                kind: match f.kind {
-                    FrameKind::User => "user",
-                    FrameKind::Kernel => "kernel",
-                },
-                self_samples: f.self_count,
-                total_samples: f.total_count,
-                self_pct: f.self_pct,
-                total_pct: f.total_pct,
+        top_functions: inputs.functions.iter().map(function_json).collect(),
+        top_functions_by_total: inputs.functions_by_total.iter().map(function_json).collect(),
+        modules: exporters::module_totals(inputs.profile)
+            .into_iter()
+            .map(|m| ModuleJson {
+                name: m.name.to_string(),
+                self_samples: m.self_count,
+                total_samples: m.total_count,
+                self_pct: m.self_pct,
+                total_pct: m.total_pct,
             })
             .collect(),
         queries: inputs
@@ -490,6 +565,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     query: inputs.query_texts.get(&q.query_id.0).cloned(),
                     phases,
                     hottest_function: q.hottest_function.clone(),
+                    hot_paths: q.hot_paths.iter().map(|p| hot_path_json(p, q.samples)).collect(),
                     triggers: q.triggers.clone(),
                 }
             })

@@ -1,6 +1,7 @@
 //! `pgscope trace`: profile one backend or one instance for a while, then print the top
 //! functions and write the flamegraph outputs.
 
+mod hot_paths;
 mod json;
 pub(crate) mod off_cpu;
 mod plan_nodes;

@@ -145,10 +145,23 @@ pub(super) fn finish(
         out!("no samples: the target was idle (off CPU) for the whole trace");
     } else {
         out!("{}", exporters::render_top_table(&shares, total));
+        out!("by module (self: the sample's leaf is in it; total: any frame of the stack is):");
+        out!(
+            "{}",
+            super::hot_paths::render_modules(&exporters::module_totals(&profile), options.top)
+        );
         if !queries.is_empty() {
             out!("by query (phases in % of the query's samples):");
             out!("{}", super::queries::render(queries, total, options.top));
             print_query_texts(queries, &query_texts, options.top);
+            let hot_paths = super::hot_paths::render_statements(queries, total, options.top);
+            if !hot_paths.is_empty() {
+                out!(
+                    "hot paths of each query (% of its samples under the path's last frame, down to \
+                     where they spread out; the frames every sample runs under left out):"
+                );
+                out!("{}", hot_paths.trim_end_matches('\n'));
+            }
             let traps = analysis.probe_trap_samples();
             if traps > 0 {
                 out!(
@@ -339,6 +352,7 @@ pub(super) fn finish(
             filtered_out: session.filtered_out,
             profile: &profile,
             functions: &shares,
+            functions_by_total: &exporters::top_functions_by_total(&profile, options.top),
             queries,
             plan_nodes: &analysis.plan_nodes,
             probes: &probe_results,
