@@ -205,6 +205,40 @@ impl TraceSummary {
             .map(Some)
     }
 
+    /// `view[row]` (`view` one of `pg_stat_database`, by database, and `pg_stat_io`, by
+    /// `backend type/object/context`): what the row's counters grew by over the trace; None
+    /// when the row did not move (or the view was not read).
+    pub fn stat_view_delta(&self, view: &str, row: &str) -> Result<Option<BTreeMap<String, f64>>> {
+        let rows = self
+            .json
+            .get(view)
+            .and_then(Value::as_object)
+            .with_context(|| format!("the summary has no object `{view}`"))?;
+        let Some(columns) = rows.get(row).and_then(Value::as_object) else {
+            return Ok(None);
+        };
+        columns
+            .iter()
+            .map(|(name, value)| {
+                let value = value
+                    .as_f64()
+                    .with_context(|| format!("`{view}.{row}.{name}` is {value}"))?;
+                Ok((name.clone(), value))
+            })
+            .collect::<Result<_>>()
+            .map(Some)
+    }
+
+    /// The rows of `view` the summary has (those that moved).
+    pub fn stat_view_rows(&self, view: &str) -> Result<Vec<String>> {
+        let rows = self
+            .json
+            .get(view)
+            .and_then(Value::as_object)
+            .with_context(|| format!("the summary has no object `{view}`"))?;
+        Ok(rows.keys().cloned().collect())
+    }
+
     /// `postgres_major`: the major attribution was decoded with, `None` when pgscope had no
     /// table for the instance's major (JSON null).
     pub fn postgres_major(&self) -> Result<Option<u32>> {

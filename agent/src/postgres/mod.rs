@@ -16,6 +16,7 @@ pub mod pointer_tables;
 pub mod role_settings;
 pub mod signatures;
 pub mod sql;
+pub mod stat_views;
 pub mod status_slots;
 pub mod v14;
 pub mod v15;

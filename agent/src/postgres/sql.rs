@@ -515,6 +515,13 @@ pub struct InstanceFacts {
     /// the summary names (`postgres::pgss_counters`).
     #[serde(default)]
     pub pgss_deltas_by_query: BTreeMap<String, BTreeMap<String, f64>>,
+    /// What `pg_stat_database`'s counters grew by over the trace, by database, the databases
+    /// whose counters did not move left out (`postgres::stat_views`).
+    #[serde(default)]
+    pub database_deltas: BTreeMap<String, BTreeMap<String, f64>>,
+    /// The same of `pg_stat_io` (PostgreSQL 16+), by `backend type/object/context`.
+    #[serde(default)]
+    pub io_deltas: BTreeMap<String, BTreeMap<String, f64>>,
     /// Each statement's command (the first word of its normalized text, upper case: `SELECT`,
     /// `VACUUM`), by queryid, where pg_stat_statements had its text: the shape findings are
     /// grouped by.

@@ -81,6 +81,11 @@ pub struct Summary {
     /// `jit_functions`, `total_exec_time` in ms, …) → its growth. Empty where they could not be
     /// read at both ends.
     pub pg_stat_statements: BTreeMap<String, BTreeMap<String, f64>>,
+    /// By database, what pg_stat_database's counters grew by over the trace (databases whose
+    /// counters did not move left out); empty where they could not be read at both ends.
+    pub pg_stat_database: BTreeMap<String, BTreeMap<String, f64>>,
+    /// By `backend type/object/context`, the same of pg_stat_io (PostgreSQL 16+).
+    pub pg_stat_io: BTreeMap<String, BTreeMap<String, f64>>,
     /// The findings the trace printed, most severe first.
     pub findings: Vec<FindingJson>,
 }
@@ -468,6 +473,8 @@ pub struct SummaryInputs<'a> {
     pub blockers: Option<&'a BlockerEvidence>,
     /// pg_stat_statements' counters' growth by queryid, when read.
     pub pgss_deltas: Option<&'a BTreeMap<String, BTreeMap<String, f64>>>,
+    /// pg_stat_database's and pg_stat_io's growth over the trace, when read.
+    pub stat_views: Option<(&'a CounterRows, &'a CounterRows)>,
     pub findings: &'a [Finding],
 }
 
@@ -506,6 +513,9 @@ fn hot_path_json(path: &HotPath, statement_samples: u64) -> HotPathJson {
             .collect(),
     }
 }
+
+/// Counters by row (a database, a pg_stat_io row), by column.
+pub type CounterRows = BTreeMap<String, BTreeMap<String, f64>>;
 
 pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
     let total = inputs.profile.total_count();
@@ -695,6 +705,11 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
             .collect(),
         blockers: inputs.blockers.cloned(),
         pg_stat_statements: inputs.pgss_deltas.cloned().unwrap_or_default(),
+        pg_stat_database: inputs
+            .stat_views
+            .map(|(database, _)| database.clone())
+            .unwrap_or_default(),
+        pg_stat_io: inputs.stat_views.map(|(_, io)| io.clone()).unwrap_or_default(),
         findings: inputs
             .findings
             .iter()

@@ -11,6 +11,7 @@ pub(crate) mod queries;
 mod report;
 mod spin_sites;
 mod sql_facts;
+mod stat_views;
 mod wall_clock;
 
 use std::path::PathBuf;
@@ -258,6 +259,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     }
     // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
     let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
+    // The instance's own counters now and at the end: what it did over the trace.
+    let views_start = sql_facts::views_snapshot(&options, layout_source).await;
     // The probes are attached last, just before sampling starts and the duty cycle governs
     // them: attached before the off-CPU programs were loaded and the stacks' symbolizer set up,
     // a probe took every trap of a busy neighbour for those seconds, outside the budget (a
@@ -391,6 +394,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         &session,
         &probe_results,
         pgss_start.as_ref(),
+        views_start.as_ref(),
         &blocker_evidence
             .iter()
             .flat_map(|evidence| evidence.blockers.iter())

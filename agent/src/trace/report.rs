@@ -224,6 +224,13 @@ pub(super) fn finish(
             crate::collect::off_cpu::without_idle(profile)
         }
     });
+    if let Some(facts) = &instance {
+        let counters = super::stat_views::render(&facts.database_deltas, &facts.io_deltas);
+        if !counters.is_empty() {
+            out!("Postgres' own counters over the trace (pgscope's few reads included):");
+            out!("{}", counters.trim_end_matches('\n'));
+        }
+    }
     let findings = crate::findings::evaluate(&analysis);
     if !findings.is_empty() {
         out!("findings:");
@@ -370,6 +377,9 @@ pub(super) fn finish(
             walls: &analysis.walls,
             blockers: blockers.as_ref(),
             pgss_deltas: instance.as_ref().map(|facts| &facts.pgss_deltas_by_query),
+            stat_views: instance
+                .as_ref()
+                .map(|facts| (&facts.database_deltas, &facts.io_deltas)),
             findings: &findings,
         });
         let written = output_file::write_with(path, mode, |w| serde_json::to_writer_pretty(w, &summary));

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use super::probes::ProbeResults;
 use super::{Session, TraceOptions};
 use crate::bpf::abi::Function;
-use crate::postgres::{pgss_counters, role_settings, sql};
+use crate::postgres::{pgss_counters, role_settings, sql, stat_views};
 use crate::redact::{self, Secret};
 
 /// Query texts by queryid and database names by OID; empty when they could not be read.
@@ -84,6 +84,24 @@ pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<PgssStart
     }
 }
 
+/// pg_stat_database's and pg_stat_io's counters before the trace; None (quietly, in the debug
+/// log) where the instance cannot be reached in time.
+pub async fn views_snapshot(options: &TraceOptions, pid: u32) -> Option<stat_views::StatViews> {
+    let read = async {
+        let target = connect_target(options, pid)?;
+        let client = sql::connect(&target).await?;
+        stat_views::read(&client).await
+    };
+    match tokio::time::timeout(PGSS_TIMEOUT, read).await {
+        Ok(Ok(views)) => Some(views),
+        Ok(Err(error)) => {
+            tracing::debug!("no pg_stat_database or pg_stat_io counters: {}", shown(&error));
+            None
+        }
+        Err(_) => None,
+    }
+}
+
 /// Connects through `--conninfo` or the socket of `pid`'s instance if the samples name a query
 /// or a database, and reads what they need.
 pub async fn fetch(
@@ -92,6 +110,7 @@ pub async fn fetch(
     session: &Session,
     probe_results: &ProbeResults,
     pgss_start: Option<&PgssStart>,
+    views_start: Option<&stat_views::StatViews>,
     blockers_query_ids: &[i64],
 ) -> SqlFacts {
     let mut query_ids = wanted_query_ids(session, probe_results);
@@ -106,8 +125,8 @@ pub async fn fetch(
     // What the one line about a failed connection says is missing. The settings the findings
     // quote are read whenever there is a connection to make for anything else.
     let missing = match (texts, databases) {
-        (false, false) if pgss_start.is_none() => return SqlFacts::default(),
-        (false, false) => "pg_stat_statements' counters at the end",
+        (false, false) if pgss_start.is_none() && views_start.is_none() => return SqlFacts::default(),
+        (false, false) => "counters at the end (pg_stat_statements, pg_stat_database, pg_stat_io)",
         (true, true) => "query texts or database names (database labels stay OIDs)",
         (true, false) => "query texts",
         (false, true) => "database names (database labels stay OIDs)",
@@ -152,6 +171,19 @@ pub async fn fetch(
             }
             if probe_results.attached.contains(&Function::VacUpdateDatfrozenxid) {
                 catalogs_where_sampled(&target, session, &facts.database_names, &mut instance).await;
+            }
+            if let Some(start) = views_start {
+                match stat_views::read(&client).await {
+                    Ok(end) => {
+                        let grown = stat_views::delta(start, &end);
+                        instance.database_deltas = grown.database;
+                        instance.io_deltas = grown.io;
+                    }
+                    Err(error) => tracing::debug!(
+                        "no pg_stat_database or pg_stat_io counters at the end: {}",
+                        shown(&error)
+                    ),
+                }
             }
             facts.instance = Some(instance);
         }
