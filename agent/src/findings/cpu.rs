@@ -4,8 +4,10 @@
 use std::collections::BTreeMap;
 
 use super::{percent, Finding, Severity, StatementCause};
+use crate::model::hot_paths::{cited_frames, path_text, TRUNK_SHARE};
 use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
+use exporters::PathStep;
 
 /// A query needs this many samples before a share of them means anything.
 pub(super) const MIN_SAMPLES: u64 = 20;
@@ -17,6 +19,9 @@ pub(super) fn statements(queries: &[StatementCpu]) -> impl Iterator<Item = &Stat
         .iter()
         .filter(|q| q.query_id.is_statement() && q.samples >= MIN_SAMPLES)
 }
+/// The share of a statement's samples the function a top consumer's finding names holds at
+/// least, where its hottest path has one: most of its time.
+const HALF: f64 = 0.5;
 /// Top CPU consumers named, always (those with at least `TOP_MIN_SHARE` of the samples).
 const TOP: usize = 3;
 const TOP_MIN_SHARE: f64 = 0.01;
@@ -77,17 +82,48 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
             if let Some((phase, phase_share)) = q.dominant_phase() {
                 numbers.push((format!("in {}", phase.label()), percent(phase_share)));
             }
+            // Where: on its largest hot path, the deepest function that holds at least half of
+            // its samples (the path's last when none does). Not a frame every sample runs
+            // under: its time spreads from there.
+            let share_of = |step: &PathStep| step.count as f64 / q.samples as f64;
+            let hot = q.hot_paths.first().and_then(|path| {
+                let beyond_trunk = |step: &&PathStep| share_of(step) < TRUNK_SHARE;
+                let half = path
+                    .steps
+                    .iter()
+                    .rev()
+                    .filter(beyond_trunk)
+                    .find(|step| share_of(step) >= HALF);
+                let step = half.or(path.steps.last().filter(beyond_trunk))?;
+                Some((path, step))
+            });
+            let mut title = format!(
+                "queryid {} uses {} of the CPU sampled",
+                q.query_id,
+                percent(share)
+            );
+            let mut frames = Vec::new();
+            if let Some((path, last)) = hot {
+                let under = last.count as f64 / q.samples as f64;
+                let module = match last.frame.module.as_deref() {
+                    Some(module) if module != "postgres" => format!(" in {module}"),
+                    _ => String::new(),
+                };
+                title.push_str(&format!(
+                    ", {} of it under {}{module}",
+                    percent(under),
+                    exporters::sanitize(&last.frame.name)
+                ));
+                numbers.push(("its hottest path".to_string(), path_text(path, q.samples)));
+                frames = cited_frames(path, q.samples);
+            }
             Finding {
                 kind: "top_cpu",
                 severity: Severity::Info,
-                title: format!(
-                    "queryid {} uses {} of the CPU sampled",
-                    q.query_id,
-                    percent(share)
-                ),
+                title,
                 numbers,
                 query_ids: vec![q.query_id],
-                frames: Vec::new(),
+                frames,
                 action:
                     "the flamegraph filtered on this queryid shows where; pg_stat_statements has its text"
                         .into(),
@@ -446,5 +482,39 @@ mod tests {
             .numbers
             .iter()
             .any(|(k, v)| k == "in run" && v == "100.0%"));
+    }
+
+    #[test]
+    fn a_top_consumer_says_which_function_its_time_is_under_and_cites_the_path() {
+        let p = profile(vec![
+            sample(
+                7,
+                "run",
+                &["PostgresMain", "PortalRun", "ExecSort", "qsort_tuple"],
+                60,
+            ),
+            sample(7, "run", &["PostgresMain", "PortalRun", "ExecScan"], 40),
+            // Spread under PostgresMain alone: no function to name.
+            sample(8, "run", &["PostgresMain", "a"], 30),
+            sample(8, "run", &["PostgresMain", "b"], 30),
+            sample(8, "run", &["PostgresMain", "c"], 30),
+        ]);
+        let found = top_consumers(&table(&p), p.total_count());
+        assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
+        assert!(
+            found[0]
+                .title
+                .ends_with("uses 52.6% of the CPU sampled, 60.0% of it under qsort_tuple"),
+            "{}",
+            found[0].title
+        );
+        assert_eq!(found[0].frames, ["PortalRun", "ExecSort", "qsort_tuple"]);
+        assert!(
+            found[1]
+                .title
+                .ends_with("of the CPU sampled, 33.3% of it under a"),
+            "{}",
+            found[1].title
+        );
     }
 }

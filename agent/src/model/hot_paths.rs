@@ -6,7 +6,7 @@ use exporters::{FrameKind, HotPath, PathStep};
 
 /// A step is part of the statement's trunk, left out of the line, when it holds this share of
 /// the statement's samples.
-const TRUNK_SHARE: f64 = 0.95;
+pub const TRUNK_SHARE: f64 = 0.95;
 /// Frames shown at most: the first after the trunk, then the last ones (the work).
 const SHOWN_FRAMES: usize = 7;
 
@@ -15,12 +15,7 @@ const SHOWN_FRAMES: usize = 7;
 /// folded (`ExecProcNode ×2`), the user part's middle cut to [`SHOWN_FRAMES`] and the kernel
 /// part's to its first and last frames.
 pub fn path_text(path: &HotPath, statement_samples: u64) -> String {
-    let trunk_min = (statement_samples as f64 * TRUNK_SHARE).ceil() as u64;
-    let start = path
-        .steps
-        .iter()
-        .rposition(|step| step.count >= trunk_min)
-        .unwrap_or(0);
+    let start = trunk_end(path, statement_samples);
     let steps = &path.steps[start..];
     let kernel_from = steps
         .iter()
@@ -43,6 +38,24 @@ pub fn path_text(path: &HotPath, statement_samples: u64) -> String {
             }),
     );
     parts.join(" → ")
+}
+
+/// The index of the path's last step that holds [`TRUNK_SHARE`] of `statement_samples` (0
+/// when none does): where what the statement does differs from what every statement does.
+fn trunk_end(path: &HotPath, statement_samples: u64) -> usize {
+    let trunk_min = (statement_samples as f64 * TRUNK_SHARE).ceil() as u64;
+    path.steps
+        .iter()
+        .rposition(|step| step.count >= trunk_min)
+        .unwrap_or(0)
+}
+
+/// The path's frames from its trunk's last on, as a finding cites them.
+pub fn cited_frames(path: &HotPath, statement_samples: u64) -> Vec<String> {
+    path.steps[trunk_end(path, statement_samples)..]
+        .iter()
+        .map(|step| step.frame.name.to_string())
+        .collect()
 }
 
 /// The steps' names, runs of one function folded (`ExecProcNode ×2`).
