@@ -182,47 +182,35 @@ impl TraceSummary {
     /// `pg_stat_statements[queryid]`: what the statement's pg_stat_statements counters grew by
     /// over the trace, by column; None when the summary has none for it.
     pub fn pgss_delta(&self, queryid: &str) -> Result<Option<BTreeMap<String, f64>>> {
-        let all = self
-            .json
-            .get("pg_stat_statements")
-            .and_then(Value::as_object)
-            .context("the summary has no object `pg_stat_statements`")?;
-        let Some(columns) = all.get(queryid) else {
-            return Ok(None);
-        };
-        let columns = columns
-            .as_object()
-            .with_context(|| format!("`pg_stat_statements.{queryid}` is not an object"))?;
-        columns
-            .iter()
-            .map(|(name, value)| {
-                let value = value
-                    .as_f64()
-                    .with_context(|| format!("`pg_stat_statements.{queryid}.{name}` is {value}"))?;
-                Ok((name.clone(), value))
-            })
-            .collect::<Result<_>>()
-            .map(Some)
+        self.counters_of("pg_stat_statements", queryid)
     }
 
     /// `view[row]` (`view` one of `pg_stat_database`, by database, and `pg_stat_io`, by
     /// `backend type/object/context`): what the row's counters grew by over the trace; None
     /// when the row did not move (or the view was not read).
     pub fn stat_view_delta(&self, view: &str, row: &str) -> Result<Option<BTreeMap<String, f64>>> {
+        self.counters_of(view, row)
+    }
+
+    /// `top[row]`: counters by column; None without that row.
+    fn counters_of(&self, top: &str, row: &str) -> Result<Option<BTreeMap<String, f64>>> {
         let rows = self
             .json
-            .get(view)
+            .get(top)
             .and_then(Value::as_object)
-            .with_context(|| format!("the summary has no object `{view}`"))?;
-        let Some(columns) = rows.get(row).and_then(Value::as_object) else {
+            .with_context(|| format!("the summary has no object `{top}`"))?;
+        let Some(columns) = rows.get(row) else {
             return Ok(None);
         };
+        let columns = columns
+            .as_object()
+            .with_context(|| format!("`{top}.{row}` is not an object"))?;
         columns
             .iter()
             .map(|(name, value)| {
                 let value = value
                     .as_f64()
-                    .with_context(|| format!("`{view}.{row}.{name}` is {value}"))?;
+                    .with_context(|| format!("`{top}.{row}.{name}` is {value}"))?;
                 Ok((name.clone(), value))
             })
             .collect::<Result<_>>()
