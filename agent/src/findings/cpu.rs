@@ -64,8 +64,10 @@ const SPIN_CRITICAL: f64 = 0.20;
 const PLAN_LOCKS_WARN: f64 = 0.20;
 const PLAN_LOCKS_CRITICAL: f64 = 0.50;
 
-/// The queries that use the most CPU, with the phase most of it is in: always reported.
-pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
+/// The queries that use the most CPU, with the phase most of it is in: always reported. Where
+/// a finding of `found` already names a statement's cause, its line says no more than its
+/// share and phase: the cause is counted once, in that finding.
+pub fn top_consumers(queries: &[StatementCpu], total: u64, found: &[Finding]) -> Vec<Finding> {
     if total == 0 {
         return Vec::new();
     }
@@ -86,7 +88,10 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64) -> Vec<Finding> {
             // its samples (the path's last when none does). Not a frame every sample runs
             // under: its time spreads from there.
             let share_of = |step: &PathStep| step.count as f64 / q.samples as f64;
-            let hot = q.hot_paths.first().and_then(|path| {
+            let explained = found
+                .iter()
+                .any(|f| f.cause.is_some() && f.query_ids.contains(&q.query_id));
+            let hot = q.hot_paths.first().filter(|_| !explained).and_then(|path| {
                 let beyond_trunk = |step: &&PathStep| share_of(step) < TRUNK_SHARE;
                 let half = path
                     .steps
@@ -476,7 +481,7 @@ mod tests {
             // Under 1% of the samples: noise, not a consumer.
             sample(9, "run", &["PortalRun"], 0),
         ]);
-        let found = top_consumers(&table(&p), p.total_count());
+        let found = top_consumers(&table(&p), p.total_count(), &[]);
         assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(found[0]
             .numbers
@@ -499,7 +504,7 @@ mod tests {
             sample(8, "run", &["PostgresMain", "b"], 30),
             sample(8, "run", &["PostgresMain", "c"], 30),
         ]);
-        let found = top_consumers(&table(&p), p.total_count());
+        let found = top_consumers(&table(&p), p.total_count(), &[]);
         assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(
             found[0]
@@ -516,5 +521,42 @@ mod tests {
             "{}",
             found[1].title
         );
+    }
+
+    #[test]
+    fn a_top_consumer_whose_cause_is_named_elsewhere_says_only_its_share() {
+        let p = profile(vec![sample(
+            7,
+            "run",
+            &[
+                "PostgresMain",
+                "vacuum",
+                "vac_update_datfrozenxid",
+                "systable_getnext",
+            ],
+            60,
+        )]);
+        let cause = Finding {
+            kind: "function_dominates",
+            severity: Severity::Critical,
+            title: "VACUUM statements spend most of their CPU time in vac_update_datfrozenxid".into(),
+            numbers: Vec::new(),
+            query_ids: vec![QueryId(7)],
+            frames: vec!["vac_update_datfrozenxid".into()],
+            action: String::new(),
+            cause: Some(StatementCause {
+                cause: "spend most of their CPU time in vac_update_datfrozenxid".into(),
+                figures: Vec::new(),
+                cost_ns: 1,
+            }),
+        };
+        let found = top_consumers(&table(&p), p.total_count(), &[cause]);
+        assert_eq!(named(&found), vec![QueryId(7)]);
+        assert!(
+            found[0].title.ends_with("uses 100.0% of the CPU sampled"),
+            "{}",
+            found[0].title
+        );
+        assert!(found[0].frames.is_empty(), "{:?}", found[0].frames);
     }
 }

@@ -114,7 +114,8 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         },
         |query_id| commands?.get(&query_id.to_string()).cloned(),
     );
-    findings.extend(cpu::top_consumers(statements, analysis.cpu_samples()));
+    let top = cpu::top_consumers(statements, analysis.cpu_samples(), &findings);
+    findings.extend(top);
     findings.extend(waits::top_waiters(analysis.waits.as_ref(), &analysis.walls));
     findings.extend(waits::host_cpu_contention(
         analysis.waits.as_ref(),
