@@ -7,6 +7,7 @@
 pub mod attribution;
 pub mod backend_settings;
 pub mod blockers;
+pub mod catalog_columns;
 pub mod instance_names;
 pub mod memory;
 pub mod pgss_counters;

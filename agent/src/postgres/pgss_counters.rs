@@ -13,8 +13,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{Context, Result};
-use tokio_postgres::types::Type;
 use tokio_postgres::Client;
+
+use super::catalog_columns::{numeric_columns, quoted};
 
 /// One statement's counters, by column name.
 pub type Counters = BTreeMap<String, f64>;
@@ -30,40 +31,10 @@ fn additive(name: &str) -> bool {
         && !KEYS.contains(&name)
 }
 
-/// `name` as an SQL identifier.
-fn quoted(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
-
 /// The additive numeric columns of the `pg_stat_statements` view.
 async fn counter_columns(client: &Client) -> Result<Vec<String>> {
-    let rows = client
-        .query(
-            "SELECT attname::text, atttypid FROM pg_attribute \
-             WHERE attrelid = to_regclass('pg_stat_statements') AND attnum > 0 \
-               AND NOT attisdropped",
-            &[],
-        )
-        .await
-        .context("listing pg_stat_statements' columns")?;
-    let numeric = [
-        Type::INT2,
-        Type::INT4,
-        Type::INT8,
-        Type::FLOAT4,
-        Type::FLOAT8,
-        Type::NUMERIC,
-    ];
-    let mut columns = Vec::new();
-    for row in rows {
-        let name: String = row.try_get(0)?;
-        let type_oid: u32 = row.try_get(1)?;
-        let numeric = numeric.iter().any(|t| t.oid() == type_oid);
-        if numeric && additive(&name) {
-            columns.push(name);
-        }
-    }
-    Ok(columns)
+    let columns = numeric_columns(client, "pg_stat_statements").await?;
+    Ok(columns.into_iter().filter(|name| additive(name)).collect())
 }
 
 /// Every statement's counters (of `query_ids` only, when given), summed over the users,

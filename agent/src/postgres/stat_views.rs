@@ -11,8 +11,9 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
-use tokio_postgres::types::Type;
 use tokio_postgres::Client;
+
+use super::catalog_columns::{numeric_columns, quoted};
 
 /// One row's counters, by column name.
 pub type Counters = BTreeMap<String, f64>;
@@ -29,31 +30,13 @@ pub struct StatViews {
 /// Numeric columns that do not add up over time: a gauge, an identifier, a unit.
 const NOT_COUNTERS: [&str; 3] = ["datid", "numbackends", "op_bytes"];
 
-/// The counting columns of `view`, from the catalog; empty when the view does not exist.
+/// The counting columns of `view`; empty when the view does not exist.
 async fn counter_columns(client: &Client, view: &str) -> Result<Vec<String>> {
-    let rows = client
-        .query(
-            "SELECT attname::text, atttypid FROM pg_attribute \
-             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
-            &[&view],
-        )
-        .await
-        .with_context(|| format!("listing {view}'s columns"))?;
-    let numeric = [Type::INT4, Type::INT8, Type::FLOAT8, Type::NUMERIC];
-    let mut columns = Vec::new();
-    for row in rows {
-        let name: String = row.try_get(0)?;
-        let type_oid: u32 = row.try_get(1)?;
-        if numeric.iter().any(|t| t.oid() == type_oid) && !NOT_COUNTERS.contains(&name.as_str()) {
-            columns.push(name);
-        }
-    }
-    Ok(columns)
-}
-
-/// `name` as an SQL identifier.
-fn quoted(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
+    let columns = numeric_columns(client, view).await?;
+    Ok(columns
+        .into_iter()
+        .filter(|name| !NOT_COUNTERS.contains(&name.as_str()))
+        .collect())
 }
 
 /// Every row of `view` keyed by `key` (an SQL expression), its counters as float8.
