@@ -257,10 +257,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     if off_cpu_measured == collect::off_cpu::OffCpuMode::Both {
         probes.measure_exact_at_wait_runs();
     }
-    // pg_stat_statements' eviction counter now and at the end: the findings' eviction rate.
-    let pgss_start = sql_facts::pgss_snapshot(&options, layout_source).await;
-    // The instance's own counters now and at the end: what it did over the trace.
-    let views_start = sql_facts::views_snapshot(&options, layout_source).await;
+    // Counters now and at the end: pg_stat_statements' (the findings' eviction rate, each
+    // statement's growth) and the instance's own (what it did over the trace).
+    let start = sql_facts::start_snapshot(&options, layout_source).await;
     // The probes are attached last, just before sampling starts and the duty cycle governs
     // them: attached before the off-CPU programs were loaded and the stacks' symbolizer set up,
     // a probe took every trap of a busy neighbour for those seconds, outside the budget (a
@@ -393,8 +392,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         layout_source,
         &session,
         &probe_results,
-        pgss_start.as_ref(),
-        views_start.as_ref(),
+        start.pgss.as_ref(),
+        start.views.as_ref(),
         &blocker_evidence
             .iter()
             .flat_map(|evidence| evidence.blockers.iter())
@@ -418,7 +417,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         start_unix_nanos,
         elapsed,
         sql_facts,
-        pgss_start: pgss_start.map(|start| start.info),
+        pgss_start: start.pgss.map(|start| start.info),
         blockers: blocker_evidence,
     };
     report::finish(&options, &target, session, measured)

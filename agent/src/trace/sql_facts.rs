@@ -25,7 +25,7 @@ pub struct SqlFacts {
     pub instance: Option<sql::InstanceFacts>,
 }
 
-/// How long reading pg_stat_statements' counters at the start may take: it delays the trace.
+/// How long reading the counters at the start may take: it delays the trace.
 const PGSS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 pub(super) fn connect_target(options: &TraceOptions, pid: u32) -> anyhow::Result<sql::Connect> {
@@ -46,60 +46,52 @@ pub struct PgssStart {
     pub database: String,
 }
 
-/// pg_stat_statements' eviction counter before the trace, for the findings; None (quietly)
-/// where the extension is not there or the instance cannot be reached.
-pub async fn pgss_snapshot(options: &TraceOptions, pid: u32) -> Option<PgssStart> {
+/// What is read before the trace, over one connection: the instance's pg_stat_database and
+/// pg_stat_io counters, and pg_stat_statements' (its eviction counter and every statement's
+/// counters, for the findings) from the database that has the extension. Each is None
+/// (quietly, in the debug log) where it could not be read within [`PGSS_TIMEOUT`].
+#[derive(Debug, Default)]
+pub struct StartSnapshot {
+    pub pgss: Option<PgssStart>,
+    pub views: Option<stat_views::StatViews>,
+}
+
+pub async fn start_snapshot(options: &TraceOptions, pid: u32) -> StartSnapshot {
+    let mut snapshot = StartSnapshot::default();
     let read = async {
         let target = connect_target(options, pid)?;
         let client = sql::connect(&target).await?;
+        match stat_views::read(&client).await {
+            Ok(views) => snapshot.views = Some(views),
+            Err(error) => tracing::debug!("no pg_stat_database or pg_stat_io counters: {}", shown(&error)),
+        }
         match sql::find_pgss(&target, client).await? {
             sql::PgssConnection::Found { client, database } => {
                 let Some(info) = sql::pgss_info(&client).await? else {
-                    return Ok(None);
+                    return Ok(());
                 };
                 let counters = pgss_counters::read(&client, None).await.unwrap_or_else(|error| {
                     tracing::debug!("no pg_stat_statements counters per statement: {}", shown(&error));
                     HashMap::new()
                 });
-                Ok(Some(PgssStart {
+                snapshot.pgss = Some(PgssStart {
                     info,
                     database,
                     counters,
-                }))
+                });
             }
-            sql::PgssConnection::Absent { .. } => Ok(None),
+            sql::PgssConnection::Absent { .. } => {
+                tracing::debug!("no pg_stat_statements counters: the extension is created in no database")
+            }
         }
+        anyhow::Ok(())
     };
     match tokio::time::timeout(PGSS_TIMEOUT, read).await {
-        Ok(Ok(Some(start))) => Some(start),
-        Ok(Ok(None)) => {
-            tracing::debug!("no pg_stat_statements counters: the extension is created in no database");
-            None
-        }
-        Ok(Err(error)) => {
-            tracing::debug!("no pg_stat_statements counters: {}", shown(&error));
-            None
-        }
-        Err(_) => None,
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::debug!("no counters before the trace: {}", shown(&error)),
+        Err(_) => tracing::debug!("no counters before the trace: the instance took over {PGSS_TIMEOUT:?}"),
     }
-}
-
-/// pg_stat_database's and pg_stat_io's counters before the trace; None (quietly, in the debug
-/// log) where the instance cannot be reached in time.
-pub async fn views_snapshot(options: &TraceOptions, pid: u32) -> Option<stat_views::StatViews> {
-    let read = async {
-        let target = connect_target(options, pid)?;
-        let client = sql::connect(&target).await?;
-        stat_views::read(&client).await
-    };
-    match tokio::time::timeout(PGSS_TIMEOUT, read).await {
-        Ok(Ok(views)) => Some(views),
-        Ok(Err(error)) => {
-            tracing::debug!("no pg_stat_database or pg_stat_io counters: {}", shown(&error));
-            None
-        }
-        Err(_) => None,
-    }
+    snapshot
 }
 
 /// Connects through `--conninfo` or the socket of `pid`'s instance if the samples name a query
