@@ -4,11 +4,13 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 
 use crate::connection::Connection;
 use crate::pgss_discovery::{mapped_library, LIBRARY};
+use crate::process::wait_for;
 use crate::spin_calls::{call_s_lock_in, expected_once, sites_in_file, CallSite, SiteCalls};
 use crate::summary::{CallStats, RelationLock};
 use crate::{PgCluster, Trace, TraceSummary};
@@ -24,6 +26,9 @@ pub const GENERIC_PLAN_SETTINGS: &[(&str, &str)] = &[("plan_cache_mode", "force_
 pub const SMALL_ROWS: u64 = 20;
 /// Outer rows of [`NESTED_LOOP`]: one index descent into `small` each.
 pub const OUTER_ROWS: u64 = 50_000;
+/// How long the statistics of an exited backend may take to be readable (Postgres 14's
+/// collector on a busy machine).
+const STATS_TIMEOUT: Duration = Duration::from_secs(30);
 /// Every outer row matches one row of `small` (ids 0..19), found by its own index descent.
 pub const NESTED_LOOP: &str =
     "SELECT count(*) FROM generate_series(1, 50000) g JOIN small s ON s.id = g % 20";
@@ -387,7 +392,19 @@ pub fn trace_backend(
     connection.close()?;
     check_consistent(&summary)?;
 
-    let index_scans = small_pkey_scans(cluster)?.saturating_sub(scans_before);
+    // Up to Postgres 14 a backend's statistics reach the collector over UDP as it exits, and a
+    // reader sees them once the collector has taken them in, which may be after this reads:
+    // wait (bounded) for the scans the workload made, and leave a shortfall to the checks.
+    let expected_scans = workload.nested_loops * OUTER_ROWS;
+    let scans = || Ok(small_pkey_scans(cluster)?.saturating_sub(scans_before));
+    let index_scans = match wait_for(
+        "idx_scan of small_pkey to count the workload's scans",
+        STATS_TIMEOUT,
+        || scans().map(|n| (n >= expected_scans).then_some(n)),
+    ) {
+        Ok(n) => n,
+        Err(_) => scans()?,
+    };
     let nested_loop = match workload.nested_loops {
         0 => None,
         _ => Some(pgss_entry(
