@@ -7,6 +7,7 @@ use super::{percent, Finding, Severity, StatementCause};
 use crate::model::hot_paths::{cited_frames, path_text, TRUNK_SHARE};
 use crate::model::StatementCpu;
 use crate::postgres::phase::Phase;
+use crate::postgres::subsystems;
 use exporters::PathStep;
 
 /// A query needs this many samples before a share of them means anything.
@@ -121,6 +122,19 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64, found: &[Finding]) ->
                 ));
                 numbers.push(("its hottest path".to_string(), path_text(path, q.samples)));
                 frames = cited_frames(path, q.samples);
+                // The part of Postgres most of its time is in, where one holds a quarter of
+                // it: the function above names where, the family what it does and why.
+                if let Some((subsystem, in_it)) = main_subsystem(q) {
+                    numbers.push((
+                        format!("part of Postgres ({} of its samples)", percent(in_it)),
+                        subsystem.what.to_string(),
+                    ));
+                    numbers.push((
+                        "what usually makes it costly".to_string(),
+                        subsystem.usual_causes.to_string(),
+                    ));
+                    numbers.push(("what confirms it".to_string(), subsystem.confirmed_by.to_string()));
+                }
             }
             Finding {
                 kind: "top_cpu",
@@ -136,6 +150,21 @@ pub fn top_consumers(queries: &[StatementCpu], total: u64, found: &[Finding]) ->
             }
         })
         .collect()
+}
+
+/// A subsystem holding this share of a statement's samples is named with it by `top_cpu`.
+const SUBSYSTEM_NAMED: f64 = 0.25;
+
+/// The subsystem (`postgres::subsystems`) with most of `q`'s samples, and its share, where it
+/// holds [`SUBSYSTEM_NAMED`] of them.
+fn main_subsystem(q: &StatementCpu) -> Option<(&'static subsystems::Subsystem, f64)> {
+    let (name, samples) = q
+        .subsystems
+        .iter()
+        .max_by_key(|(name, samples)| (**samples, std::cmp::Reverse(**name)))?;
+    let share = *samples as f64 / q.samples as f64;
+    let subsystem = subsystems::ALL.iter().copied().find(|s| s.name == *name)?;
+    (share >= SUBSYSTEM_NAMED).then_some((subsystem, share))
 }
 
 /// Statements whose CPU goes mostly to parse, analysis and planning: pg_stat_statements times

@@ -11,9 +11,11 @@ mod functions;
 mod group;
 mod hot_function;
 mod indexes;
+mod jit;
 mod pgss;
 mod phases;
 mod probes;
+mod spills;
 mod spin_sites;
 mod waits;
 
@@ -75,7 +77,14 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     let mut findings = Vec::new();
     let period = analysis.period_ns();
     findings.extend(cpu::planning_dominated(statements, period));
-    findings.extend(phases::unusual_phase(statements, period));
+    // JIT compiles at executor start: where it is named, a finding on that phase would count
+    // the same cause twice.
+    let compiling = jit::jit_compilation(statements, measured.instance, period);
+    findings.extend(phases::unusual_phase(statements, period).into_iter().filter(|f| {
+        !(f.frames.iter().any(|frame| frame == "standard_ExecutorStart")
+            && compiling.iter().any(|j| j.query_ids == f.query_ids))
+    }));
+    findings.extend(compiling);
     findings.extend(indexes::repeated_descents(statements, period));
     let share_of = match measured.off_cpu {
         Some(off_cpu) => functions::ShareOf::Time {
@@ -103,6 +112,12 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         measured.pgss.as_ref(),
         analysis.waits.as_ref(),
         analysis.backend_time_ns(),
+    ));
+    findings.extend(spills::spilling_operators(
+        statements,
+        measured.instance,
+        &analysis.walls,
+        period,
     ));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     let commands = measured.instance.map(|facts| &facts.commands_by_query);

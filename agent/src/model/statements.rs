@@ -10,6 +10,7 @@ use exporters::{Frame, FrameKind, HotPath, Profile, StackSample};
 use super::labels::{self, SampleLabels};
 use super::QueryId;
 use crate::postgres::phase::Phase;
+use crate::postgres::subsystems::{self, Subsystem};
 
 /// One queryid's on-CPU samples.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -52,6 +53,9 @@ pub struct StatementCpu {
     /// Its hot paths: the call paths holding at least [`HOT_PATH_SHARE`] of its samples, each
     /// down to where they spread out (`exporters::hot_paths`), most samples first.
     pub hot_paths: Vec<HotPath>,
+    /// Samples under each of Postgres' subsystems (`postgres::subsystems`), by its name: a
+    /// sample counts once for each subsystem any of its frames belongs to.
+    pub subsystems: BTreeMap<&'static str, u64>,
 }
 
 impl StatementCpu {
@@ -72,6 +76,24 @@ impl StatementCpu {
     pub fn dominant_phase(&self) -> Option<(Phase, f64)> {
         let (index, &samples) = self.by_phase.iter().enumerate().max_by_key(|(_, &n)| n)?;
         (samples > 0).then(|| (Phase::ALL[index], samples as f64 / self.samples as f64))
+    }
+
+    /// Adds one sample's weight to each subsystem its user frames belong to, once each.
+    fn count_subsystems(&mut self, frames: &[Frame], count: u64) {
+        let mut seen: Vec<&'static str> = Vec::new();
+        for frame in frames.iter().filter(|f| f.kind == FrameKind::User) {
+            if let Some(subsystem) = subsystems::of_frame(&frame.name, frame.module.as_deref()) {
+                if !seen.contains(&subsystem.name) {
+                    seen.push(subsystem.name);
+                    *self.subsystems.entry(subsystem.name).or_default() += count;
+                }
+            }
+        }
+    }
+
+    /// Samples under the subsystem `subsystem`.
+    pub fn in_subsystem(&self, subsystem: &Subsystem) -> u64 {
+        self.subsystems.get(subsystem.name).copied().unwrap_or(0)
     }
 
     /// Adds one sample's weight: its phase, its leaf, and the functions on its stack.
@@ -196,6 +218,7 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
             continue;
         }
         statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
+        statement.count_subsystems(&sample.frames, sample.count);
         samples_of.entry(query_id).or_default().push(sample);
         if let Some(trigger) = sample.label(labels::TRIGGER) {
             *statement.triggers.entry(trigger.to_string()).or_insert(0) += sample.count;
@@ -320,6 +343,10 @@ mod tests {
         assert_eq!(found.plan_locking, 20);
         assert_eq!(found.index_descents, 4);
         assert_eq!(found.deferred_to_commit, 2);
+        // Each subsystem counts the samples with one of its functions on the stack.
+        assert_eq!(found.in_subsystem(&subsystems::LOCK_MANAGER), 25);
+        assert_eq!(found.in_subsystem(&subsystems::PG_STAT_STATEMENTS), 30);
+        assert_eq!(found.in_subsystem(&subsystems::SORT), 0);
         assert!((share_with_frame(&p, QueryId(7), "LockRelationOid") - 25.0 / 61.0).abs() < 1e-9);
         assert_eq!(share_with_frame(&p, QueryId(8), "LockRelationOid"), 0.0);
     }

@@ -19,6 +19,7 @@ pub mod signatures;
 pub mod sql;
 pub mod stat_views;
 pub mod status_slots;
+pub mod subsystems;
 pub mod v14;
 pub mod v15;
 pub mod v16;

@@ -403,6 +403,9 @@ pub struct QueryJson {
     pub hottest_function: Option<String>,
     /// Its hot paths, most samples first (at most 8).
     pub hot_paths: Vec<HotPathJson>,
+    /// Samples under each of Postgres' subsystems (`sort`, `jit`, `wal`, …: the families of
+    /// functions in docs/findings.md), a sample counted once in each family on its stack.
+    pub subsystems: BTreeMap<&'static str, u64>,
     /// Samples in each trigger of the statement, by its `trigger` label (`constraint <name>`,
     /// `trigger <name>`).
     pub triggers: BTreeMap<String, u64>,
@@ -576,6 +579,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
                     phases,
                     hottest_function: q.hottest_function.clone(),
                     hot_paths: q.hot_paths.iter().map(|p| hot_path_json(p, q.samples)).collect(),
+                    subsystems: q.subsystems.clone(),
                     triggers: q.triggers.clone(),
                 }
             })
