@@ -80,7 +80,9 @@ integration-test: build pg-nofp pg-majors pyroscope-server kube-control-plane
 	@mkdir -p $(TEST_LOGS); set -o pipefail; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1 \
 	  2>&1 | tee $(TEST_LOGS)/integration.log; \
-	status=$$?; scripts/test-times.py $(TEST_LOGS)/integration.log; exit $$status
+	status=$$?; scripts/test-times.py $(TEST_LOGS)/integration.log; \
+	echo "pathology cases (tests/tests/pathologies.rs):"; grep -h '^case=' $(TEST_LOGS)/integration.log; \
+	exit $$status
 
 # The integration tests with two CPU hogs beside them (stress-ng --cpu 2, nice 0): every
 # assertion must hold on a busy machine (docs/testing.md). Not part of CI, which runs on a quiet
