@@ -5,6 +5,7 @@
 //! thresholds on shares of the measured time, not on particular workloads.
 
 mod blockers;
+mod citations;
 mod cpu;
 mod facts;
 mod functions;
@@ -140,6 +141,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         measured.blockers,
         analysis.backend_time_ns(),
     ));
+    citations::cite_only_sampled(&mut findings, measured.on_cpu, measured.off_cpu);
     if let Some(instance) = measured.instance {
         facts::annotate(&mut findings, instance);
     }

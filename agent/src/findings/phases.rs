@@ -58,10 +58,14 @@ const UNUSUAL: [Unusual; 3] = [
         counted: |q| q.deferred_to_commit,
         what: "work deferred to commit (deferred triggers and constraints, ON COMMIT actions, \
                NOTIFY, removing dropped relations' files)",
+        // Each kind of deferred work; a finding keeps those sampled under its statement.
         frames: &[
             "CommitTransactionCommand",
             "CommitTransaction",
             "AfterTriggerFireDeferred",
+            "PreCommit_on_commit_actions",
+            "PreCommit_Notify",
+            "smgrDoPendingDeletes",
         ],
         action: "work deferred to commit (DEFERRABLE INITIALLY DEFERRED constraint triggers, \
                  deferred foreign keys, ON COMMIT DELETE ROWS temporary tables) runs after the \
