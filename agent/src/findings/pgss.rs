@@ -42,7 +42,12 @@ pub fn evictions(pgss: Option<&PgssEvidence>, waits: Option<&WaitTables>, backen
         s if s >= LOCK_WARN => Severity::Warning,
         _ => Severity::Info,
     });
-    let severity = by_rate.max(by_lock);
+    // Evictions that cost the backends next to nothing of their time (measured off CPU) are
+    // information, however often they happen: the contract of every finding.
+    let severity = match share {
+        Some(share) if share < super::NEGLIGIBLE_SHARE => Severity::Info,
+        _ => by_rate.max(by_lock),
+    };
     if !evicting && severity == Severity::Info {
         return Vec::new();
     }
@@ -148,6 +153,11 @@ mod tests {
         let quiet = off_cpu(vec![wait(PGSS_LOCK, "futex", 1), wait("IO:WALSync", "io", 8_000)]);
         assert!(evictions(Some(&calm), Some(&quiet), 20_000).is_empty());
         assert!(evictions(None, None, 20_000).is_empty());
+        // Evictions at 10 a second whose waits are 0.1% of the backends' time: information.
+        let cheap = off_cpu(vec![wait(PGSS_LOCK, "futex", 20)]);
+        let found = evictions(Some(&evidence(80, 100, 8.0)), Some(&cheap), 20_000);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].severity, Severity::Info);
         // One eviction in a short window: pgscope's own query of the counter can cause it.
         let own = evidence(1, 100, 0.5);
         assert!(evictions(Some(&own), Some(&quiet), 20_000).is_empty());
