@@ -61,9 +61,6 @@ pub(super) fn supported_share(hits: u64, n: u64) -> f64 {
 /// Spinning at least this share of a query's (or all) CPU.
 const SPIN_WARN: f64 = 0.05;
 const SPIN_CRITICAL: f64 = 0.20;
-/// Locking relations inside GetCachedPlan at least this share of a query's CPU.
-const PLAN_LOCKS_WARN: f64 = 0.20;
-const PLAN_LOCKS_CRITICAL: f64 = 0.50;
 
 /// The queries that use the most CPU, with the phase most of it is in: always reported. Where
 /// a finding of `found` already names a statement's cause, its line says no more than its
@@ -314,46 +311,6 @@ pub fn spinning(queries: &[StatementCpu], total: u64, period_ns: u64) -> Vec<Fin
     }]
 }
 
-/// Cached generic plans that spend the statement's time locking relations: GetCachedPlan
-/// locks every relation a generic plan references before run-time pruning, every partition
-/// of a partitioned table included.
-pub fn generic_plan_locking(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
-    statements(queries)
-        .filter_map(|q| {
-            let share = q.plan_locking as f64 / q.samples as f64;
-            (share >= PLAN_LOCKS_WARN).then(|| Finding {
-                kind: "generic_plan_locking",
-                severity: if share >= PLAN_LOCKS_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
-                title: format!(
-                    "queryid {} spends {} of its CPU locking relations for its cached plan",
-                    q.query_id,
-                    percent(share)
-                ),
-                numbers: vec![
-                    ("LockRelationOid under GetCachedPlan".into(), percent(share)),
-                    ("samples".into(), q.samples.to_string()),
-                ],
-                query_ids: vec![q.query_id],
-                frames: vec!["GetCachedPlan".into(), "LockRelationOid".into()],
-                action: "a generic plan locks every relation it may touch before pruning, all partitions \
-                         included: plan_cache_mode = force_custom_plan for this statement plans each \
-                         execution and locks only what the plan keeps; fewer partitions help too \
-                         (`--probes LockRelationOid,GetCachedPlan` counts the locks per execution)"
-                    .into(),
-                cause: Some(StatementCause {
-                    cause: "spend most of their CPU locking relations for their cached plans".into(),
-                    figures: vec![format!("{} of its CPU", percent(share))],
-                    cost_ns: q.plan_locking * period_ns,
-                }),
-            })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -486,19 +443,6 @@ mod tests {
         };
         let weighed = group_and_weigh(found, instance, |_| None);
         assert_eq!(weighed[0].severity, Severity::Info);
-    }
-
-    #[test]
-    fn plan_locking_is_named_from_its_share_of_the_statement() {
-        let statement = |query_id, plan_locking| StatementCpu {
-            query_id: QueryId(query_id),
-            samples: 100,
-            plan_locking,
-            ..StatementCpu::default()
-        };
-        let found = generic_plan_locking(&[statement(7, 60), statement(8, 10), statement(0, 90)], 1);
-        assert_eq!(named(&found), vec![QueryId(7)]);
-        assert_eq!(found[0].severity, Severity::Critical);
     }
 
     #[test]

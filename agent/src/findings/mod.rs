@@ -15,6 +15,7 @@ mod indexes;
 mod jit;
 mod pgss;
 mod phases;
+mod plan_locking;
 mod probes;
 mod spills;
 mod spin_sites;
@@ -113,7 +114,11 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         analysis.seconds(),
     ));
     findings.extend(cpu::spinning(statements, analysis.cpu_samples(), period));
-    findings.extend(cpu::generic_plan_locking(statements, period));
+    findings.extend(plan_locking::generic_plan_locking(
+        statements,
+        &analysis.walls,
+        period,
+    ));
     findings.extend(probes::locks_per_execution(measured.probes));
     findings.extend(pgss::evictions(
         measured.pgss.as_ref(),

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use super::cpu::{statements, supported_share};
 use super::{percent, Finding, Severity, StatementCause};
+use crate::model::wall_clock::waited_in;
 use crate::model::{StatementCpu, StatementWall};
 use crate::postgres::sql::InstanceFacts;
 use crate::postgres::subsystems::{self, Subsystem};
@@ -72,13 +73,7 @@ fn spill_of(
     if share < SPILL_WARN || supported_share(samples, q.samples) < SPILL_SUPPORTED {
         return None;
     }
-    let waited: u64 = walls
-        .iter()
-        .filter(|w| w.query_id == q.query_id)
-        .flat_map(|w| &w.parts)
-        .filter(|part| TEMP_FILE_WAITS.contains(&part.name.as_str()))
-        .map(|part| part.ns)
-        .sum();
+    let waited = waited_in(walls, q.query_id, &TEMP_FILE_WAITS);
     let per_call = mib(written * BLOCK_BYTES / calls);
     let (doing, knob) = match operator.name {
         "sort" => ("sorting", "work_mem"),

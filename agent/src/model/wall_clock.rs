@@ -120,6 +120,18 @@ pub fn statement_walls(statements: &[StatementCpu], period_ns: u64, off_cpu: &Pr
     walls
 }
 
+/// The time `query_id` waited in any of `events` (as pg_stat_activity names them:
+/// `LWLock:LockManager`), from its split; 0 without off-CPU time.
+pub fn waited_in(walls: &[StatementWall], query_id: QueryId, events: &[&str]) -> u64 {
+    walls
+        .iter()
+        .filter(|w| w.query_id == query_id)
+        .flat_map(|w| &w.parts)
+        .filter(|part| events.contains(&part.name.as_str()))
+        .map(|part| part.ns)
+        .sum()
+}
+
 /// The part of `query_id`'s time with `function` anywhere on the stack, counted as the
 /// statement's time is: on-CPU samples × period (pgscope's own probe traps left out) and its
 /// off-CPU time (the client's left out). Time off CPU sampled without a stack (over the
