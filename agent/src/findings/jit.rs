@@ -4,9 +4,8 @@
 //! runs long over many rows. Named where a statement's CPU is under LLVM's functions and its
 //! pg_stat_statements counters show JIT compiled for it over the trace.
 
-use std::collections::BTreeMap;
-
-use super::cpu::{statements, supported_share};
+use super::counted::{per_statement, Deltas};
+use super::cpu::supported_share;
 use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
 use crate::postgres::sql::InstanceFacts;
@@ -27,20 +26,10 @@ pub fn jit_compilation(
     facts: Option<&InstanceFacts>,
     period_ns: u64,
 ) -> Vec<Finding> {
-    let Some(facts) = facts else {
-        return Vec::new();
-    };
-    statements(queries)
-        .filter_map(|q| {
-            let counters = facts.pgss_deltas_by_query.get(&q.query_id.to_string())?;
-            compiling(
-                q,
-                counters,
-                jit_setting(facts, &q.query_id.to_string()),
-                period_ns,
-            )
-        })
-        .collect()
+    per_statement(queries, facts, |q, counters| {
+        let jit = facts.and_then(|facts| jit_setting(facts, &q.query_id.to_string()));
+        compiling(q, counters, jit, period_ns)
+    })
 }
 
 /// `jit` as most of the statement's samples ran with it, read from its backends' memory.
@@ -54,13 +43,8 @@ fn jit_setting<'a>(facts: &'a InstanceFacts, query_id: &str) -> Option<&'a str> 
 }
 
 /// The finding for statement `q`, given its counters' growth over the trace.
-fn compiling(
-    q: &StatementCpu,
-    counters: &BTreeMap<String, f64>,
-    jit: Option<&str>,
-    period_ns: u64,
-) -> Option<Finding> {
-    let get = |name: &str| counters.get(name).copied().unwrap_or(0.0);
+fn compiling(q: &StatementCpu, counters: Deltas<'_>, jit: Option<&str>, period_ns: u64) -> Option<Finding> {
+    let get = |name: &str| counters.get(name);
     let (calls, functions) = (get("calls"), get("jit_functions"));
     if calls < 1.0 || functions <= 0.0 {
         return None;
@@ -71,7 +55,7 @@ fn compiling(
         return None;
     }
     let jit_ms: f64 = counters
-        .iter()
+        .all()
         .filter(|(name, _)| name.starts_with("jit_") && name.ends_with("_time"))
         .map(|(_, ms)| ms)
         .sum();
@@ -145,6 +129,8 @@ fn compiling(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::model::QueryId;
 

@@ -6,6 +6,7 @@
 
 mod blockers;
 mod citations;
+mod counted;
 mod cpu;
 mod facts;
 mod functions;

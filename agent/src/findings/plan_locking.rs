@@ -6,7 +6,7 @@
 
 use super::cpu::statements;
 use super::{percent, Finding, Severity, StatementCause};
-use crate::model::wall_clock::waited_in;
+use crate::model::wall_clock::{total_of, waited_in};
 use crate::model::{StatementCpu, StatementWall};
 
 /// Locking relations inside GetCachedPlan (on CPU, and waiting on the lock manager's LWLocks)
@@ -30,11 +30,7 @@ pub fn generic_plan_locking(
             let cpu_share = q.plan_locking as f64 / q.samples as f64;
             let cpu_ns = q.plan_locking * period_ns;
             let waited = waited_in(walls, q.query_id, &[LOCK_MANAGER_WAIT]);
-            let wall = walls
-                .iter()
-                .find(|w| w.query_id == q.query_id)
-                .map(|w| w.total_ns)
-                .filter(|&total| total > 0);
+            let wall = total_of(walls, q.query_id);
             let time_share = wall.map(|total| (cpu_ns + waited) as f64 / total as f64);
             let share = time_share.unwrap_or(0.0).max(cpu_share);
             if share < PLAN_LOCKS_WARN {

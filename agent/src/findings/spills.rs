@@ -4,9 +4,8 @@
 //! write temporary files for a materialization that costs nothing. Together they do, whatever
 //! the query: the operator is where its time goes, and the temporary blocks say it did not fit.
 
-use std::collections::BTreeMap;
-
-use super::cpu::{statements, supported_share};
+use super::counted::{per_statement, Deltas};
+use super::cpu::supported_share;
 use super::{percent, Finding, Severity, StatementCause};
 use crate::model::wall_clock::waited_in;
 use crate::model::{StatementCpu, StatementWall};
@@ -42,25 +41,19 @@ pub fn spilling_operators(
     walls: &[StatementWall],
     period_ns: u64,
 ) -> Vec<Finding> {
-    let Some(facts) = facts else {
-        return Vec::new();
-    };
-    statements(queries)
-        .filter_map(|q| {
-            let counters = facts.pgss_deltas_by_query.get(&q.query_id.to_string())?;
-            spill_of(q, counters, walls, period_ns)
-        })
-        .collect()
+    per_statement(queries, facts, |q, counters| {
+        spill_of(q, counters, walls, period_ns)
+    })
 }
 
 /// The finding for statement `q`, given its counters' growth over the trace.
 fn spill_of(
     q: &StatementCpu,
-    counters: &BTreeMap<String, f64>,
+    counters: Deltas<'_>,
     walls: &[StatementWall],
     period_ns: u64,
 ) -> Option<Finding> {
-    let get = |name: &str| counters.get(name).copied().unwrap_or(0.0);
+    let get = |name: &str| counters.get(name);
     let (calls, written) = (get("calls"), get("temp_blks_written"));
     if calls < 1.0 || written <= 0.0 {
         return None;
@@ -177,7 +170,10 @@ fn mib(bytes: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
+    use crate::findings::counted::facts_of_statement_7;
     use crate::model::wall_clock::WallPart;
     use crate::model::QueryId;
 
@@ -193,16 +189,7 @@ mod tests {
     }
 
     fn facts(temp_blks_written: f64) -> InstanceFacts {
-        InstanceFacts {
-            pgss_deltas_by_query: BTreeMap::from([(
-                "7".to_string(),
-                BTreeMap::from([
-                    ("calls".to_string(), 4.0),
-                    ("temp_blks_written".to_string(), temp_blks_written),
-                ]),
-            )]),
-            ..InstanceFacts::default()
-        }
+        facts_of_statement_7(&[("calls", 4.0), ("temp_blks_written", temp_blks_written)])
     }
 
     fn walls() -> Vec<StatementWall> {

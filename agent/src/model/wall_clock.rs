@@ -120,6 +120,15 @@ pub fn statement_walls(statements: &[StatementCpu], period_ns: u64, off_cpu: &Pr
     walls
 }
 
+/// `query_id`'s wall-clock time, where off-CPU time was measured and it has any.
+pub fn total_of(walls: &[StatementWall], query_id: QueryId) -> Option<u64> {
+    walls
+        .iter()
+        .find(|w| w.query_id == query_id)
+        .map(|w| w.total_ns)
+        .filter(|&total| total > 0)
+}
+
 /// The time `query_id` waited in any of `events` (as pg_stat_activity names them:
 /// `LWLock:LockManager`), from its split; 0 without off-CPU time.
 pub fn waited_in(walls: &[StatementWall], query_id: QueryId, events: &[&str]) -> u64 {
