@@ -22,7 +22,7 @@ use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, shared_cluster, JsonFinding,
     CPU_TIMEOUT,
 };
-use pgscope_tests::{require_root_and_bpf, PgCluster, SchedTime, Trace};
+use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, SchedTime, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
 const AGREEMENT_FACTOR: f64 = 2.0;
@@ -39,6 +39,8 @@ struct Case {
     setup: &'static str,
     sql: &'static str,
     plan_node: &'static str,
+    /// Run once before the trace (empty: nothing), e.g. to load what a control keeps cached.
+    warm_up: &'static str,
 }
 
 /// What one traced run of a case gave.
@@ -59,6 +61,7 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
         setup,
         sql,
         plan_node,
+        warm_up,
     } = *case;
     fresh_database(cluster, database)?;
     psql_in(cluster, database, setup)?;
@@ -83,6 +86,9 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
         plan.contains(plan_node),
         "case {database} needs a plan with a {plan_node} node with {settings:?}, the planner chose:\n{plan}"
     );
+    if !warm_up.is_empty() {
+        psql_in(cluster, database, warm_up)?;
+    }
     let script = Script::new(sql)?;
     let temp_bytes = || -> Result<f64> {
         let bytes = psql_in(
@@ -185,11 +191,39 @@ fn judge(case: &str, named: Option<&JsonFinding>, control: &CaseRun) -> Result<(
     Ok(())
 }
 
-/// The spill finding of `run` that covers its statement, if any.
-fn spill_of(run: &CaseRun) -> Option<&JsonFinding> {
+/// The warning or critical finding of rule `kind` in `run` that covers its statement, if any.
+fn named_by<'a>(run: &'a CaseRun, kind: &str) -> Option<&'a JsonFinding> {
     run.findings
         .iter()
-        .find(|f| f.kind == "operator_spill" && f.is_alarm() && f.queryids.contains(&run.queryid))
+        .find(|f| f.kind == kind && f.is_alarm() && f.queryids.contains(&run.queryid))
+}
+
+/// Logs what a run of a case found, with the CPU its backends were given.
+fn log_run(what: &str, run: &CaseRun) {
+    eprintln!(
+        "{what}; backends {}; temp_bytes rose by {}:\n{}",
+        describe_cpu(&run.used),
+        run.temp_bytes,
+        describe_findings(&run.findings)
+    );
+}
+
+/// A count of EXPLAIN (ANALYZE, BUFFERS)'s top node for one execution of `case`'s statement:
+/// the number after `key` in the first `Buffers:` line's part from `part` on (`temp ` and
+/// `written=`: the temporary blocks it wrote).
+fn explain_buffers(cluster: &PgCluster, case: &Case, part: &str, key: &str) -> Result<f64> {
+    let explain = psql_in(
+        cluster,
+        case.database,
+        &format!("EXPLAIN (ANALYZE, BUFFERS) {}", case.sql),
+    )?;
+    explain
+        .lines()
+        .filter(|line| line.contains("Buffers:"))
+        .find_map(|line| line.split(part).nth(1)?.split(key).nth(1))
+        .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("EXPLAIN shows no `{part}… {key}` in its buffers:\n{explain}"))
 }
 
 /// Checks a spill finding's blocks written per call against EXPLAIN (ANALYZE, BUFFERS) of one
@@ -198,18 +232,7 @@ fn spill_of(run: &CaseRun) -> Option<&JsonFinding> {
 /// more blocks than its files' sizes, which pg_stat_database counts.)
 fn check_written(cluster: &PgCluster, case: &Case, finding: &JsonFinding, run: &CaseRun) -> Result<()> {
     let per_call = finding.leading_number("temporary blocks written per call")?;
-    let explain = psql_in(
-        cluster,
-        case.database,
-        &format!("EXPLAIN (ANALYZE, BUFFERS) {}", case.sql),
-    )?;
-    let written: f64 = explain
-        .lines()
-        .find_map(|line| line.split("temp ").nth(1))
-        .and_then(|temp| temp.split("written=").nth(1))
-        .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .with_context(|| format!("EXPLAIN shows no temporary blocks written:\n{explain}"))?;
+    let written = explain_buffers(cluster, case, "temp ", "written=")?;
     eprintln!(
         "case={}: {per_call} temporary blocks written per call (pgscope, from pg_stat_statements), \
          EXPLAIN (ANALYZE, BUFFERS) {written}; pg_stat_database.temp_bytes rose by {}",
@@ -229,56 +252,26 @@ fn check_written(cluster: &PgCluster, case: &Case, finding: &JsonFinding, run: &
     Ok(())
 }
 
-/// A sort of 200000 rows by a text key with 1 MB of work_mem, the classic "why is this report
-/// slow": it writes its runs to temporary files and merges them. Control: the same with 64 MB,
-/// where it sorts in memory.
-#[test]
-fn a_sort_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result<()> {
-    require_root_and_bpf();
-    let cluster = shared_cluster(&[])?;
-    let case = Case {
+/// A sort of 200000 rows by a text key, the classic "why is this report slow": with 1 MB of
+/// work_mem it writes its runs to temporary files and merges them; the control has 64 MB and
+/// sorts in memory.
+const SORT_SPILL: SpillCase = SpillCase {
+    case: Case {
         database: "sort_spill",
         setup: "CREATE TABLE events AS SELECT g AS id, md5(g::text) AS tag \
                 FROM generate_series(1, 200000) g",
         sql: "SELECT id, tag FROM events ORDER BY tag OFFSET 199999",
         plan_node: "Sort",
-    };
-    let spill = run_case(&cluster, &case, &[("work_mem", "1MB")])?;
-    eprintln!(
-        "work_mem = 1MB; backends {}:\n{}",
-        describe_cpu(&spill.used),
-        describe_findings(&spill.findings)
-    );
-    let named = spill_of(&spill);
-    if let Some(finding) = named {
-        ensure!(
-            finding.title.contains("sorting"),
-            "the spill finding does not say it is the sort: {finding:#?}"
-        );
-        check_written(&cluster, &case, finding, &spill)?;
-    }
-    let control = run_case(&cluster, &case, &[("work_mem", "64MB")])?;
-    eprintln!(
-        "work_mem = 64MB; backends {}; temp_bytes rose by {}:\n{}",
-        describe_cpu(&control.used),
-        control.temp_bytes,
-        describe_findings(&control.findings)
-    );
-    ensure!(
-        control.temp_bytes == 0.0,
-        "the control wrote {} bytes to temporary files: it is not a control",
-        control.temp_bytes
-    );
-    judge("sort_spill", named, &control)
-}
+        warm_up: "",
+    },
+    work_mem: ("1MB", "64MB"),
+    operator: "sorting",
+};
 
 /// A hash join whose inner side (300000 rows) outgrows 1 MB of work_mem: the join splits into
-/// batches written to temporary files. Control: 256 MB, one batch in memory.
-#[test]
-fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result<()> {
-    require_root_and_bpf();
-    let cluster = shared_cluster(&[])?;
-    let case = Case {
+/// batches written to temporary files; the control has 256 MB, one batch in memory.
+const HASH_SPILL: SpillCase = SpillCase {
+    case: Case {
         database: "hash_spill",
         setup: "CREATE TABLE orders AS SELECT g AS id, g % 1000 AS customer, md5(g::text) AS note \
                 FROM generate_series(1, 300000) g; \
@@ -286,34 +279,76 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
                 FROM generate_series(1, 300000) g",
         sql: "SELECT count(*), max(o.note) FROM lines l JOIN orders o ON o.id = l.order_id",
         plan_node: "Hash Join",
-    };
-    let spill = run_case(&cluster, &case, &[("work_mem", "1MB")])?;
-    eprintln!(
-        "work_mem = 1MB; backends {}:\n{}",
-        describe_cpu(&spill.used),
-        describe_findings(&spill.findings)
-    );
-    let named = spill_of(&spill);
+        warm_up: "",
+    },
+    work_mem: ("1MB", "256MB"),
+    operator: "hash join",
+};
+
+/// An operator that outgrows work_mem: the case, work_mem for it and for its control, and the
+/// words the finding's title names the operator with.
+struct SpillCase {
+    case: Case,
+    work_mem: (&'static str, &'static str),
+    operator: &'static str,
+}
+
+/// Runs `spill` and its control on `cluster` and judges them as case `name`.
+fn spill_case(cluster: &PgCluster, name: &str, spill: &SpillCase) -> Result<()> {
+    let SpillCase {
+        case,
+        work_mem: (small, large),
+        operator,
+    } = spill;
+    let run = run_case(cluster, case, &[("work_mem", small)])?;
+    log_run(&format!("{name}: work_mem = {small}"), &run);
+    let named = named_by(&run, "operator_spill");
     if let Some(finding) = named {
         ensure!(
-            finding.title.contains("hash join"),
-            "the spill finding does not say it is the hash join: {finding:#?}"
+            finding.title.contains(operator),
+            "the spill finding does not say it is the {operator}: {finding:#?}"
         );
-        check_written(&cluster, &case, finding, &spill)?;
+        check_written(cluster, case, finding, &run)?;
     }
-    let control = run_case(&cluster, &case, &[("work_mem", "256MB")])?;
-    eprintln!(
-        "work_mem = 256MB; backends {}; temp_bytes rose by {}:\n{}",
-        describe_cpu(&control.used),
-        control.temp_bytes,
-        describe_findings(&control.findings)
-    );
+    let control = run_case(cluster, case, &[("work_mem", large)])?;
+    log_run(&format!("{name}: work_mem = {large}"), &control);
     ensure!(
         control.temp_bytes == 0.0,
-        "the control wrote {} bytes to temporary files: it is not a control",
+        "the control of {name} wrote {} bytes to temporary files: it is not a control",
         control.temp_bytes
     );
-    judge("hash_spill", named, &control)
+    judge(name, named, &control)
+}
+
+#[test]
+fn a_sort_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    spill_case(&cluster, "sort_spill", &SORT_SPILL)
+}
+
+#[test]
+fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    spill_case(&cluster, "hash_spill", &HASH_SPILL)
+}
+
+/// The same two cases on the upstream build of Postgres 17 (no frame pointers, its own
+/// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
+/// subsystems' functions and the counters as 17 has them.
+#[test]
+fn spills_are_named_on_postgres_17_too() -> Result<()> {
+    require_root_and_bpf();
+    let shared = shared_cluster(&[])?;
+    let install = PgInstall::upstream(17)?;
+    let cluster = PgCluster::start_beside(
+        &install,
+        &[("shared_preload_libraries", "pg_stat_statements")],
+        &shared,
+    )?;
+    spill_case(&cluster, "sort_spill_pg17", &SORT_SPILL)?;
+    spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -347,6 +382,7 @@ fn jit_compiling_more_than_it_saves_is_named_and_its_control_is_quiet() -> Resul
         sql: "SELECT sensor, sum(v1 * 2 + v2), avg(v1 - v2), max(v1 + v2 * 3) FROM readings \
               WHERE v1 > 0.1 GROUP BY sensor",
         plan_node: "Aggregate",
+        warm_up: "",
     };
     let eager = [
         ("jit", "on"),
@@ -355,15 +391,8 @@ fn jit_compiling_more_than_it_saves_is_named_and_its_control_is_quiet() -> Resul
         ("jit_optimize_above_cost", "0"),
     ];
     let compiling = run_case(&cluster, &case, &eager)?;
-    eprintln!(
-        "JIT thresholds at 0; backends {}:\n{}",
-        describe_cpu(&compiling.used),
-        describe_findings(&compiling.findings)
-    );
-    let named = compiling
-        .findings
-        .iter()
-        .find(|f| f.kind == "jit_compilation" && f.is_alarm() && f.queryids.contains(&compiling.queryid));
+    log_run("JIT thresholds at 0", &compiling);
+    let named = named_by(&compiling, "jit_compilation");
     if let Some(finding) = named {
         let pgscope_ms = finding.leading_number("JIT time per call")?;
         let explain_ms = explain_jit_ms(&cluster, case.database, case.sql)?;
@@ -375,10 +404,44 @@ fn jit_compiling_more_than_it_saves_is_named_and_its_control_is_quiet() -> Resul
         );
     }
     let control = run_case(&cluster, &case, &[("jit", "on")])?;
-    eprintln!(
-        "JIT thresholds at their defaults; backends {}:\n{}",
-        describe_cpu(&control.used),
-        describe_findings(&control.findings)
-    );
+    log_run("JIT thresholds at their defaults", &control);
     judge("jit_overhead", named, &control)
+}
+
+/// Scans of a 50 MB table (4 rows a page) with 16 MB of shared_buffers: a table over a quarter of
+/// shared_buffers is scanned through a small ring of buffers, so every scan reads every page in
+/// again (from the kernel's page cache here, from disk on a server whose memory is busy).
+/// Control: 256 MB, with the table loaded before the trace, all hits.
+#[test]
+fn a_working_set_larger_than_shared_buffers_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let case = Case {
+        database: "buffer_misses",
+        setup: "CREATE TABLE items AS SELECT g AS id, repeat('x', 1800) AS payload \
+                FROM generate_series(1, 25000) g",
+        sql: "SELECT count(*) FROM items WHERE id < 0",
+        plan_node: "Seq Scan on items",
+        warm_up: "SELECT count(*) FROM items",
+    };
+    let mut cluster = shared_cluster(&[("shared_buffers", "16MB")])?;
+    let misses = run_case(&cluster, &case, &[])?;
+    log_run("shared_buffers = 16MB", &misses);
+    let named = named_by(&misses, "shared_buffer_misses");
+    if let Some(finding) = named {
+        let per_call = finding.leading_number("blocks read into shared buffers per call")?;
+        let read = explain_buffers(&cluster, &case, "shared ", "read=")?;
+        eprintln!(
+            "case=buffer_misses: {per_call} blocks read per call (pgscope, from pg_stat_statements), \
+             EXPLAIN (ANALYZE, BUFFERS) {read}"
+        );
+        ensure!(
+            per_call / read <= AGREEMENT_FACTOR && read / per_call <= AGREEMENT_FACTOR,
+            "the finding says {per_call} blocks read per call, EXPLAIN (ANALYZE, BUFFERS) \
+             {read}: not within a factor of {AGREEMENT_FACTOR}"
+        );
+    }
+    cluster.configure(&[("shared_buffers", "256MB")])?;
+    let control = run_case(&cluster, &case, &[])?;
+    log_run("shared_buffers = 256MB", &control);
+    judge("buffer_misses", named, &control)
 }

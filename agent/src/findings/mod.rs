@@ -5,6 +5,7 @@
 //! thresholds on shares of the measured time, not on particular workloads.
 
 mod blockers;
+mod buffer_reads;
 mod citations;
 mod counted;
 mod cpu;
@@ -127,6 +128,12 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         analysis.backend_time_ns(),
     ));
     findings.extend(spills::spilling_operators(
+        statements,
+        measured.instance,
+        &analysis.walls,
+        period,
+    ));
+    findings.extend(buffer_reads::shared_buffer_misses(
         statements,
         measured.instance,
         &analysis.walls,

@@ -173,12 +173,9 @@ pub const BUFFER_MANAGER: Subsystem = Subsystem {
         "StartReadBuffers",
         "WaitReadBuffers",
         "BufferAlloc",
-        "StrategyGetBuffer",
         "FlushBuffer",
         "PinBuffer",
         "UnpinBuffer",
-        "mdread",
-        "mdreadv",
     ],
     prefixes: &[],
     modules: &[],
@@ -187,6 +184,32 @@ pub const BUFFER_MANAGER: Subsystem = Subsystem {
                    reading far more pages than the rows it returns need",
     confirmed_by: "shared_blks_read against shared_blks_hit of the statement; reads in pg_stat_io (16+)",
     pgss_columns: &["shared_blks_hit", "shared_blks_read", "shared_blks_dirtied"],
+};
+
+pub const DATA_FILE_READS: Subsystem = Subsystem {
+    name: "data_file_reads",
+    what: "reading pages from the data files into shared buffers (from the kernel's page \
+           cache or the disk), and making room for them",
+    functions: &[
+        "mdread",
+        "mdreadv",
+        "smgrread",
+        "smgrreadv",
+        "FileRead",
+        "FileReadV",
+        "WaitReadBuffers",
+        // Making room for the page: a victim buffer is found (and evicted) for misses only.
+        "StrategyGetBuffer",
+        "GetVictimBuffer",
+        "InvalidateVictimBuffer",
+    ],
+    prefixes: &[],
+    modules: &[],
+    usual_causes: "a working set larger than shared_buffers (shared_blks_read against \
+                   shared_blks_hit), or a plan reading far more pages than its rows need",
+    confirmed_by: "shared_blks_read against shared_blks_hit of the statement; IO:DataFileRead \
+                   waits; reads in pg_stat_io (16+)",
+    pgss_columns: &["shared_blks_read", "shared_blks_hit"],
 };
 
 pub const WAL: Subsystem = Subsystem {
@@ -326,6 +349,7 @@ pub const ALL: &[&Subsystem] = &[
     &JIT,
     &PLANNER,
     &WAL,
+    &DATA_FILE_READS,
     &BUFFER_MANAGER,
     &LOCK_MANAGER,
     &CATALOG_CACHES,
@@ -356,6 +380,8 @@ mod tests {
             Some(&JIT)
         );
         assert_eq!(of_frame("XLogInsertRecord", None), Some(&WAL));
+        assert_eq!(of_frame("mdread", None), Some(&DATA_FILE_READS));
+        assert_eq!(of_frame("ReadBuffer_common", None), Some(&BUFFER_MANAGER));
         assert_eq!(
             of_frame("pgss_store", Some("pg_stat_statements.so")),
             Some(&PG_STAT_STATEMENTS)
