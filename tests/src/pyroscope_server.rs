@@ -19,6 +19,28 @@ pub struct PyroscopeServer {
     owned: Option<(u32, tempfile::TempDir)>,
 }
 
+/// Starts tried before giving up, each on ports found free just before.
+const START_ATTEMPTS: u32 = 5;
+
+/// A loopback port whose next two are free too, as the server needs them.
+fn three_free_ports() -> Result<u16> {
+    use std::net::TcpListener;
+    for _ in 0..100 {
+        let base = TcpListener::bind("127.0.0.1:0")?;
+        let port = base.local_addr()?.port();
+        let Some(last) = port.checked_add(2) else {
+            continue;
+        };
+        let next: Vec<_> = (port + 1..=last)
+            .filter_map(|p| TcpListener::bind(("127.0.0.1", p)).ok())
+            .collect();
+        if next.len() == 2 {
+            return Ok(port);
+        }
+    }
+    bail!("no three consecutive free loopback ports after 100 tries")
+}
+
 impl PyroscopeServer {
     /// The server of `PGSCOPE_TEST_PYROSCOPE_URL`, else a new one on a free loopback port,
     /// its data in a temp dir; returns once it is ready.
@@ -30,21 +52,29 @@ impl PyroscopeServer {
             });
         }
         let dir = tempfile::Builder::new().prefix("pgscope-pyroscope-").tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let script = workspace_root().join("scripts/pyroscope-server.sh");
-        let output = Command::new(&script)
-            .arg("start")
-            .arg(port.to_string())
-            .arg(dir.path())
-            .output()
-            .with_context(|| format!("running {}", script.display()))?;
-        if !output.status.success() {
-            bail!(
-                "cannot start Pyroscope ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
+        // The server listens on PORT, PORT+1 and PORT+2: all three are checked free, and a
+        // start that lost one of them to another process meanwhile (a cluster's or a client's
+        // port) is tried again on others.
+        let mut attempt = 0;
+        let (port, output) = loop {
+            attempt += 1;
+            let port = three_free_ports()?;
+            let output = Command::new(&script)
+                .arg("start")
+                .arg(port.to_string())
+                .arg(dir.path())
+                .output()
+                .with_context(|| format!("running {}", script.display()))?;
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            if output.status.success() {
+                break (port, output);
+            }
+            if attempt < START_ATTEMPTS && stderr.contains("address already in use") {
+                continue;
+            }
+            bail!("cannot start Pyroscope ({}): {stderr}", output.status);
+        };
         let pid: u32 = String::from_utf8_lossy(&output.stdout)
             .trim()
             .parse()
