@@ -229,6 +229,12 @@ pub fn annotate(findings: &mut [Finding], facts: &InstanceFacts) {
                         .push(("JIT over the trace (pg_stat_statements)".into(), shown));
                 }
             }
+            // The rule judged from the counters; the setting is read here like every fact.
+            "jit_compilation" => {
+                if let Some(shown) = jit_of(&finding.query_ids, facts) {
+                    finding.numbers.push(("jit".into(), shown));
+                }
+            }
             _ => {}
         }
         if let Some(shown) = pgss_of(&finding.query_ids, facts).and_then(statement_counts) {
@@ -609,6 +615,11 @@ mod tests {
         );
         assert_eq!(jit(9), None);
         assert_eq!(quoted("phase_dominance", &["PortalDrop"], 7, "jit"), None);
+        // A statement compiling with JIT is told the setting it ran with.
+        assert_eq!(
+            quoted("jit_compilation", &[], 7, "jit").as_deref(),
+            Some("on (as the statement's backends ran it)")
+        );
     }
 
     #[test]

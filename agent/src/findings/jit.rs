@@ -26,24 +26,11 @@ pub fn jit_compilation(
     facts: Option<&InstanceFacts>,
     period_ns: u64,
 ) -> Vec<Finding> {
-    per_statement(queries, facts, |q, counters| {
-        let jit = facts.and_then(|facts| jit_setting(facts, &q.query_id.to_string()));
-        compiling(q, counters, jit, period_ns)
-    })
-}
-
-/// `jit` as most of the statement's samples ran with it, read from its backends' memory.
-fn jit_setting<'a>(facts: &'a InstanceFacts, query_id: &str) -> Option<&'a str> {
-    facts
-        .jit_by_query
-        .get(query_id)?
-        .iter()
-        .max_by_key(|(_, samples)| **samples)
-        .map(|(value, _)| value.as_str())
+    per_statement(queries, facts, |q, counters| compiling(q, counters, period_ns))
 }
 
 /// The finding for statement `q`, given its counters' growth over the trace.
-fn compiling(q: &StatementCpu, counters: Deltas<'_>, jit: Option<&str>, period_ns: u64) -> Option<Finding> {
+fn compiling(q: &StatementCpu, counters: Deltas<'_>, period_ns: u64) -> Option<Finding> {
     let get = |name: &str| counters.get(name);
     let (calls, functions) = (get("calls"), get("jit_functions"));
     if calls < 1.0 || functions <= 0.0 {
@@ -79,9 +66,6 @@ fn compiling(q: &StatementCpu, counters: Deltas<'_>, jit: Option<&str>, period_n
             numbers.push((format!("of which {phase}, per call"), per_call(ms)));
         }
     }
-    if let Some(jit) = jit {
-        numbers.push(("jit (as its backends ran)".into(), jit.to_string()));
-    }
     numbers.push(("samples".into(), q.samples.to_string()));
     Some(Finding {
         kind: "jit_compilation",
@@ -100,14 +84,8 @@ fn compiling(q: &StatementCpu, counters: Deltas<'_>, jit: Option<&str>, period_n
         ),
         numbers,
         query_ids: vec![q.query_id],
-        frames: vec!["jit_compile_expr".into(), "llvm_compile_expr".into()]
-            .into_iter()
-            .filter(|f: &String| {
-                q.hot_paths
-                    .iter()
-                    .any(|p| p.steps.iter().any(|s| *s.frame.name == **f))
-            })
-            .collect(),
+        // Kept where sampled under the statement (`citations`).
+        frames: vec!["jit_compile_expr".into(), "llvm_compile_expr".into()],
         action: "JIT pays for itself only on plans that run long over many rows; this one \
                  compiles at every execution for less than compiling costs. Raise \
                  jit_above_cost above this plan's estimated cost (and jit_inline_above_cost \
@@ -158,7 +136,6 @@ mod tests {
                 "7".to_string(),
                 counters.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
             )]),
-            jit_by_query: BTreeMap::from([("7".to_string(), BTreeMap::from([("on".to_string(), 180)]))]),
             ..InstanceFacts::default()
         }
     }
@@ -176,9 +153,6 @@ mod tests {
             "{}",
             finding.title
         );
-        assert!(finding
-            .numbers
-            .contains(&("jit (as its backends ran)".into(), "on".into())));
         // The advice turns JIT down, never on.
         assert!(finding.action.contains("jit = off") && !finding.action.contains("jit = on"));
         assert_eq!(finding.cause.as_ref().map(|c| c.cost_ns), Some(120 * 10_000_000));
