@@ -3,6 +3,7 @@
 //! the same calls without probes. The duty cycle turns hit rates into CPU time with it.
 
 use std::hint::black_box;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use symbolizer::Symbolizer;
@@ -14,7 +15,18 @@ use crate::bpf::OnCpuProbes;
 /// uprobe + uretprobe pair costs on current x86 kernels.
 pub const FALLBACK_NS_PER_HIT: f64 = 3000.0;
 
-const CALLS: u32 = 20_000;
+/// Calls per timed block: about 3 ms probed, long against the clock's resolution and short
+/// against the spells in which a trap costs more or less.
+const CALLS: u32 = 2_000;
+/// Pairs of blocks, twin then probed. On a VM the cost of a trap switches between levels ~40%
+/// apart (1.1 and 1.6 µs per probed call here) in spells of 10 ms to a second, the same for the
+/// calibration and for the target's calls: one long measurement caught one level and was off by
+/// a quarter for the trace, so the pairs are spread over [`ROUNDS`] × [`PAUSE`] and averaged.
+const ROUNDS: usize = 32;
+const PAUSE: Duration = Duration::from_millis(15);
+/// The share of pairs left out at either end before averaging: an interrupt during a block
+/// only ever adds, a preemption of the twin's block subtracts.
+const TRIMMED: f64 = 0.125;
 
 // The function probed during calibration, global so that the symbol table names it. Written in
 // assembly so that it starts the way Postgres' functions do when built with frame pointers (as
@@ -34,17 +46,34 @@ std::arch::global_asm!(
     "pop rbp",
     "ret",
     ".size pgscope_calibration_target, . - pgscope_calibration_target",
+    ".globl pgscope_calibration_twin",
+    ".type pgscope_calibration_twin, @function",
+    "pgscope_calibration_twin:",
+    "push rbp",
+    "mov rbp, rsp",
+    "imul rax, rdi, 31",
+    "add rax, 7",
+    "pop rbp",
+    "ret",
+    ".size pgscope_calibration_twin, . - pgscope_calibration_twin",
 );
 
 extern "C" {
     /// `x * 31 + 7`, in the assembly above.
     fn pgscope_calibration_target(x: u64) -> u64;
+    /// The same instructions, never probed: the bare cost, timed beside the probed one.
+    fn pgscope_calibration_twin(x: u64) -> u64;
 }
 
 fn call_target(x: u64) -> u64 {
     // SAFETY: the function above reads only its argument register and keeps the stack
     // balanced, as the C calling convention asks.
     unsafe { pgscope_calibration_target(x) }
+}
+
+fn call_twin(x: u64) -> u64 {
+    // SAFETY: as `call_target`.
+    unsafe { pgscope_calibration_twin(x) }
 }
 
 /// CPU time of the calling thread in nanoseconds, user and system: a trap is handled in the
@@ -59,22 +88,41 @@ fn thread_cpu_ns() -> f64 {
     now.tv_sec as f64 * 1e9 + now.tv_nsec as f64
 }
 
-/// CPU time of `CALLS` calls. Wall time would count the time the thread is preempted, which
-/// on a busy machine (the workload pgscope is about to trace shares its cores) made a probed
-/// call look ten times costlier than it is; the fastest of a few runs: cache misses and
-/// interrupts only ever add.
-fn time_calls() -> f64 {
-    (0..3)
-        .map(|_| {
-            let start = thread_cpu_ns();
-            let mut acc = 0u64;
-            for i in 0..CALLS {
-                acc = acc.wrapping_add(call_target(black_box(u64::from(i))));
+/// CPU time of `CALLS` calls of `function`. Wall time would count the time the thread is
+/// preempted, which on a busy machine (the workload pgscope is about to trace shares its
+/// cores) made a probed call look ten times costlier than it is.
+fn time_calls(function: fn(u64) -> u64) -> f64 {
+    let start = thread_cpu_ns();
+    let mut acc = 0u64;
+    for i in 0..CALLS {
+        acc = acc.wrapping_add(function(black_box(u64::from(i))));
+    }
+    black_box(acc);
+    thread_cpu_ns() - start
+}
+
+/// Nanoseconds a probe adds to one call: the trimmed mean over [`ROUNDS`] pairs of blocks, the
+/// unprobed twin timed right before the probed target, so that both see the same moment.
+fn extra_ns_per_call() -> f64 {
+    let mut extra: Vec<f64> = (0..ROUNDS)
+        .map(|round| {
+            if round > 0 {
+                std::thread::sleep(PAUSE);
             }
-            black_box(acc);
-            thread_cpu_ns() - start
+            let bare = time_calls(call_twin);
+            let probed = time_calls(call_target);
+            (probed - bare) / f64::from(CALLS)
         })
-        .fold(f64::INFINITY, f64::min)
+        .collect();
+    trimmed_mean(&mut extra, TRIMMED).max(0.0)
+}
+
+/// The mean of `values` without the `share` lowest and the `share` highest.
+fn trimmed_mean(values: &mut [f64], share: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let cut = (values.len() as f64 * share) as usize;
+    let kept = &values[cut..values.len() - cut];
+    kept.iter().sum::<f64>() / kept.len() as f64
 }
 
 fn calibration_target(symbolizer: &mut Symbolizer) -> Result<symbolizer::FunctionLocation> {
@@ -93,27 +141,43 @@ fn calibration_target(symbolizer: &mut Symbolizer) -> Result<symbolizer::Functio
 /// alone, the floor under any function probe.
 pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
     let location = calibration_target(symbolizer)?;
-    let bare = time_calls();
     let link = probes.attach_empty(&location.path, location.file_offset)?;
-    let probed = time_calls();
+    let extra = extra_ns_per_call();
     probes.detach_empty(link)?;
     symbolizer.forget_process(std::process::id());
-    Ok(((probed - bare) / f64::from(CALLS)).max(0.0))
+    Ok(extra)
 }
 
 /// Nanoseconds one probed call costs (entry + return, full programs), measured.
 pub fn measure_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
     let pid = std::process::id();
     let location = calibration_target(symbolizer)?;
-    let bare = time_calls();
     probes.add_target(pid, TARGET_PROFILE)?;
     let links = probes.attach_calibration(&location.path, location.file_offset);
     let outcome = links.and_then(|links| {
-        let probed = time_calls();
-        probes.detach_function(links).map(|()| probed)
+        let extra = extra_ns_per_call();
+        probes.detach_function(links).map(|()| extra)
     });
     probes.remove_target(pid)?;
-    let probed = outcome?;
+    let extra = outcome?;
     symbolizer.forget_process(pid);
-    Ok(((probed - bare) / f64::from(CALLS)).max(0.0))
+    Ok(extra)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trimmed_mean;
+
+    #[test]
+    fn trimmed_mean_leaves_out_both_ends() {
+        let mut values = [9.0, 1.0, 2.0, 2.0, 2.0, 4.0, 4.0, 100.0];
+        // An eighth of 8 is one value at either end: 1.0 and 100.0 go.
+        assert_eq!(trimmed_mean(&mut values, 0.125), 23.0 / 6.0);
+    }
+
+    #[test]
+    fn trimmed_mean_of_few_values_keeps_them_all() {
+        let mut values = [3.0, 5.0];
+        assert_eq!(trimmed_mean(&mut values, 0.125), 4.0);
+    }
 }
