@@ -62,15 +62,39 @@ pub fn attach(
     stacks_per_cpu_per_s: u64,
     refused: impl Fn(&'static str, anyhow::Error),
 ) -> OffCpuMode {
+    let sampled = load_sampler(probes, wanted, &refused);
+    attach_tracer(probes, wanted, sampled, min_stack, stacks_per_cpu_per_s, refused)
+}
+
+/// Loads the off-CPU sampler's programs, if `wanted`: the verifier's work, a few tenths of a
+/// second, while nothing measures yet (the sampler runs once sampling starts). Returns whether
+/// it is ready.
+pub fn load_sampler(
+    probes: &mut crate::bpf::OnCpuProbes,
+    wanted: OffCpuMode,
+    refused: impl Fn(&'static str, anyhow::Error),
+) -> bool {
+    wanted.samples()
+        && probes
+            .attach_wait_sampler()
+            .map_err(|error| refused("no off-CPU profile", error))
+            .is_ok()
+}
+
+/// Attaches the exact off-CPU tracer, if `wanted` (it measures from now on), beside a sampler
+/// that [`load_sampler`] readied or not (`sampled`), and says which profiles the trace has.
+pub fn attach_tracer(
+    probes: &mut crate::bpf::OnCpuProbes,
+    wanted: OffCpuMode,
+    sampled: bool,
+    min_stack: std::time::Duration,
+    stacks_per_cpu_per_s: u64,
+    refused: impl Fn(&'static str, anyhow::Error),
+) -> OffCpuMode {
     let traced = wanted.traces()
         && probes
             .attach_off_cpu(min_stack.as_nanos() as u64, stacks_per_cpu_per_s)
             .map_err(|error| refused("no exact off-CPU profile", error))
-            .is_ok();
-    let sampled = wanted.samples()
-        && probes
-            .attach_wait_sampler()
-            .map_err(|error| refused("no off-CPU profile", error))
             .is_ok();
     match (sampled, traced) {
         (true, true) => OffCpuMode::Both,

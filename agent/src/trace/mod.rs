@@ -126,6 +126,15 @@ pub async fn run(options: TraceOptions) -> Result<()> {
 
     let mut probes = OnCpuProbes::load()?;
     probes.attach_process_tracking()?;
+    // What a probe hit costs, timed on a thread of its own over half a second while the
+    // instance is read and the stacks' symbol files are parsed; awaited before the off-CPU
+    // programs and the probes are attached, and cut short when no probe will be.
+    let calibration =
+        calibrate::Calibration::start(&mut probes, &mut Symbolizer::new(SymbolizerOptions::default()));
+    // Loaded meanwhile (the verifier's work); it samples only once sampling starts.
+    let off_cpu_sampled = collect::off_cpu::load_sampler(&mut probes, options.off_cpu, |what, error| {
+        note!("pgscope: {what}: {error:#}; on-CPU profiling goes on")
+    });
     let layout_source = target.pid();
     // Targets are flagged for off-CPU now; its programs attach with the sampler, so that both
     // measure the same period (the probes' calibration comes in between).
@@ -189,9 +198,33 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         },
         None => None,
     };
-    // Calibrated and found before the off-CPU programs and the probes are attached.
-    let ns_per_hit = (probe_table.is_some() || triggers_located.is_some()).then(|| {
-        let ns_per_hit = match calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer) {
+    // The session's symbolizer names the stacks (the one above only locates the probes). Both
+    // parse files, which takes seconds in a debug build: done before anything that measures a
+    // period (the off-CPU programs, the probes, the sampler) is attached.
+    let mut stack_symbolizer = Symbolizer::new(SymbolizerOptions {
+        debug_dirs: options.debug_dirs.clone(),
+    });
+    if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut stack_symbolizer, root.pid) {
+        tracing::debug!(
+            offset,
+            "pgss_store named in stacks through pg_stat_statements' hooks"
+        );
+    }
+    if let Some((_, table)) = &version_table {
+        let named = crate::postgres::pointer_tables::name_in_stacks(&mut stack_symbolizer, root.pid, table);
+        tracing::debug!(
+            named,
+            "static functions named through tables of function pointers"
+        );
+    }
+    let probed = probe_table.is_some() || triggers_located.is_some();
+    let calibrated = match calibration {
+        Ok(calibration) if !probed => calibration.cancel(&mut probes).map(|()| None),
+        Ok(calibration) => calibration.finish(&mut probes).map(Some),
+        Err(error) => Err(error),
+    };
+    let ns_per_hit = probed.then(|| {
+        let ns_per_hit = match calibrated.and_then(|ns| ns.context("the calibration was cut short")) {
             Ok(ns) => ns,
             Err(error) => {
                 warn!(
@@ -225,28 +258,10 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         )?),
         _ => None,
     };
-    // The session's symbolizer names the stacks (the one above only locates the probes). Both
-    // parse files, which takes seconds in a debug build: done before anything that measures a
-    // period (the off-CPU programs, the probes, the sampler) is attached.
-    let mut stack_symbolizer = Symbolizer::new(SymbolizerOptions {
-        debug_dirs: options.debug_dirs.clone(),
-    });
-    if let Some(offset) = crate::postgres::pgss_hooks::name_in_stacks(&mut stack_symbolizer, root.pid) {
-        tracing::debug!(
-            offset,
-            "pgss_store named in stacks through pg_stat_statements' hooks"
-        );
-    }
-    if let Some((_, table)) = &version_table {
-        let named = crate::postgres::pointer_tables::name_in_stacks(&mut stack_symbolizer, root.pid, table);
-        tracing::debug!(
-            named,
-            "static functions named through tables of function pointers"
-        );
-    }
-    let off_cpu_measured = collect::off_cpu::attach(
+    let off_cpu_measured = collect::off_cpu::attach_tracer(
         &mut probes,
         options.off_cpu,
+        off_cpu_sampled,
         options.off_cpu_min_stack,
         options.off_cpu_stack_rate,
         |what, error| note!("pgscope: {what}: {error:#}; on-CPU profiling goes on"),

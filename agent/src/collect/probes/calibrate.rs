@@ -3,13 +3,16 @@
 //! the same calls without probes. The duty cycle turns hit rates into CPU time with it.
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use symbolizer::Symbolizer;
 
 use crate::bpf::abi::TARGET_PROFILE;
-use crate::bpf::OnCpuProbes;
+use crate::bpf::{FunctionLinks, OnCpuProbes};
 
 /// Used when calibration cannot run (e.g. a stripped pgscope binary): the upper end of what a
 /// uprobe + uretprobe pair costs on current x86 kernels.
@@ -21,9 +24,10 @@ const CALLS: u32 = 2_000;
 /// Pairs of blocks, twin then probed. On a VM the cost of a trap switches between levels ~40%
 /// apart (1.1 and 1.6 µs per probed call here) in spells of 10 ms to a second, the same for the
 /// calibration and for the target's calls: one long measurement caught one level and was off by
-/// a quarter for the trace, so the pairs are spread over [`ROUNDS`] × [`PAUSE`] and averaged.
+/// a quarter for the trace, so the pairs are spread over [`ROUNDS`] × ([`PAUSE`] + two blocks),
+/// ~0.5 s, and averaged.
 const ROUNDS: usize = 32;
-const PAUSE: Duration = Duration::from_millis(15);
+const PAUSE: Duration = Duration::from_millis(10);
 /// The share of pairs left out at either end before averaging: an interrupt during a block
 /// only ever adds, a preemption of the twin's block subtracts.
 const TRIMMED: f64 = 0.125;
@@ -103,17 +107,20 @@ fn time_calls(function: fn(u64) -> u64) -> f64 {
 
 /// Nanoseconds a probe adds to one call: the trimmed mean over [`ROUNDS`] pairs of blocks, the
 /// unprobed twin timed right before the probed target, so that both see the same moment.
-fn extra_ns_per_call() -> f64 {
-    let mut extra: Vec<f64> = (0..ROUNDS)
-        .map(|round| {
-            if round > 0 {
-                std::thread::sleep(PAUSE);
-            }
-            let bare = time_calls(call_twin);
-            let probed = time_calls(call_target);
-            (probed - bare) / f64::from(CALLS)
-        })
-        .collect();
+/// Stops early, with what it has, when `cancelled` is set.
+fn extra_ns_per_call(cancelled: &AtomicBool) -> f64 {
+    let mut extra: Vec<f64> = Vec::with_capacity(ROUNDS);
+    for round in 0..ROUNDS {
+        if round > 0 {
+            std::thread::sleep(PAUSE);
+        }
+        if cancelled.load(Ordering::Relaxed) {
+            break;
+        }
+        let bare = time_calls(call_twin);
+        let probed = time_calls(call_target);
+        extra.push((probed - bare) / f64::from(CALLS));
+    }
     trimmed_mean(&mut extra, TRIMMED).max(0.0)
 }
 
@@ -122,6 +129,9 @@ fn trimmed_mean(values: &mut [f64], share: f64) -> f64 {
     values.sort_by(f64::total_cmp);
     let cut = (values.len() as f64 * share) as usize;
     let kept = &values[cut..values.len() - cut];
+    if kept.is_empty() {
+        return 0.0;
+    }
     kept.iter().sum::<f64>() / kept.len() as f64
 }
 
@@ -142,7 +152,7 @@ fn calibration_target(symbolizer: &mut Symbolizer) -> Result<symbolizer::Functio
 pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
     let location = calibration_target(symbolizer)?;
     let link = probes.attach_empty(&location.path, location.file_offset)?;
-    let extra = extra_ns_per_call();
+    let extra = extra_ns_per_call(&AtomicBool::new(false));
     probes.detach_empty(link)?;
     symbolizer.forget_process(std::process::id());
     Ok(extra)
@@ -150,18 +160,68 @@ pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbo
 
 /// Nanoseconds one probed call costs (entry + return, full programs), measured.
 pub fn measure_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
-    let pid = std::process::id();
-    let location = calibration_target(symbolizer)?;
-    probes.add_target(pid, TARGET_PROFILE)?;
-    let links = probes.attach_calibration(&location.path, location.file_offset);
-    let outcome = links.and_then(|links| {
-        let extra = extra_ns_per_call();
-        probes.detach_function(links).map(|()| extra)
-    });
-    probes.remove_target(pid)?;
-    let extra = outcome?;
-    symbolizer.forget_process(pid);
-    Ok(extra)
+    Calibration::start(probes, symbolizer)?.finish(probes)
+}
+
+/// A calibration under way: the probe is attached to pgscope's own function and a thread of its
+/// own times the calls, so that the half second the pairs are spread over can overlap other
+/// work (a trace parses its symbol files meanwhile). Its thread's CPU clock is its own, so what
+/// the other threads do does not enter the figure.
+pub struct Calibration {
+    links: FunctionLinks,
+    timing: JoinHandle<f64>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl Calibration {
+    /// Makes pgscope a target, attaches the full function programs to its calibration function
+    /// and starts timing. On error nothing stays attached and pgscope is no target.
+    pub fn start(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<Self> {
+        let pid = std::process::id();
+        let location = calibration_target(symbolizer)?;
+        symbolizer.forget_process(pid);
+        probes.add_target(pid, TARGET_PROFILE)?;
+        let links = match probes.attach_calibration(&location.path, location.file_offset) {
+            Ok(links) => links,
+            Err(error) => {
+                probes.remove_target(pid)?;
+                return Err(error);
+            }
+        };
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancelled);
+        let timing = std::thread::Builder::new()
+            .name("pgscope-calibrate".to_owned())
+            .spawn(move || extra_ns_per_call(&flag));
+        match timing {
+            Ok(timing) => Ok(Self {
+                links,
+                timing,
+                cancelled,
+            }),
+            Err(error) => {
+                probes.detach_function(links)?;
+                probes.remove_target(pid)?;
+                Err(error).context("starting the calibration's thread")
+            }
+        }
+    }
+
+    /// Stops the timing at once (no probe will be attached), detaches and takes pgscope out of
+    /// the targets.
+    pub fn cancel(self, probes: &mut OnCpuProbes) -> Result<()> {
+        self.cancelled.store(true, Ordering::Relaxed);
+        self.finish(probes).map(|_| ())
+    }
+
+    /// Waits for the timing to end, detaches and takes pgscope out of the targets.
+    pub fn finish(self, probes: &mut OnCpuProbes) -> Result<f64> {
+        let extra = self.timing.join();
+        let detached = probes.detach_function(self.links);
+        probes.remove_target(std::process::id())?;
+        detached?;
+        extra.map_err(|_| anyhow::anyhow!("the calibration's thread panicked"))
+    }
 }
 
 #[cfg(test)]
@@ -173,6 +233,11 @@ mod tests {
         let mut values = [9.0, 1.0, 2.0, 2.0, 2.0, 4.0, 4.0, 100.0];
         // An eighth of 8 is one value at either end: 1.0 and 100.0 go.
         assert_eq!(trimmed_mean(&mut values, 0.125), 23.0 / 6.0);
+    }
+
+    #[test]
+    fn trimmed_mean_of_nothing_is_zero() {
+        assert_eq!(trimmed_mean(&mut [], 0.125), 0.0);
     }
 
     #[test]
