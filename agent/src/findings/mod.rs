@@ -6,6 +6,7 @@
 
 mod blockers;
 mod buffer_reads;
+mod causes;
 mod citations;
 mod counted;
 mod cpu;
@@ -87,14 +88,8 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     let mut findings = Vec::new();
     let period = analysis.period_ns();
     findings.extend(cpu::planning_dominated(statements, period));
-    // JIT compiles at executor start: where it is named, a finding on that phase would count
-    // the same cause twice.
-    let compiling = jit::jit_compilation(statements, measured.instance, period);
-    findings.extend(phases::unusual_phase(statements, period).into_iter().filter(|f| {
-        !(f.frames.iter().any(|frame| frame == "standard_ExecutorStart")
-            && compiling.iter().any(|j| j.query_ids == f.query_ids))
-    }));
-    findings.extend(compiling);
+    findings.extend(phases::unusual_phase(statements, period));
+    findings.extend(jit::jit_compilation(statements, measured.instance, period));
     findings.extend(indexes::repeated_descents(statements, period));
     let share_of = match measured.off_cpu {
         Some(off_cpu) => functions::ShareOf::Time {
@@ -140,6 +135,8 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         period,
     ));
     findings.extend(hot_function::unexplained(statements, &findings, period));
+    // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.
+    let findings = causes::one_finding_per_cause(findings);
     let commands = measured.instance.map(|facts| &facts.commands_by_query);
     let mut findings = group::group_and_weigh(
         findings,
