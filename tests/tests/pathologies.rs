@@ -41,6 +41,8 @@ struct Case {
     plan_node: &'static str,
     /// Run once before the trace (empty: nothing), e.g. to load what a control keeps cached.
     warm_up: &'static str,
+    /// Sent as a prepared statement (pgbench `-M prepared`) rather than as text.
+    prepared: bool,
 }
 
 /// What one traced run of a case gave.
@@ -62,6 +64,7 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
         sql,
         plan_node,
         warm_up,
+        prepared,
     } = *case;
     fresh_database(cluster, database)?;
     psql_in(cluster, database, setup)?;
@@ -112,6 +115,8 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
             &clients,
             "-j",
             &clients,
+            "-M",
+            if prepared { "prepared" } else { "simple" },
             "-T",
             "600",
         ];
@@ -263,6 +268,7 @@ const SORT_SPILL: SpillCase = SpillCase {
         sql: "SELECT id, tag FROM events ORDER BY tag OFFSET 199999",
         plan_node: "Sort",
         warm_up: "",
+        prepared: false,
     },
     work_mem: ("1MB", "64MB"),
     operator: "sorting",
@@ -280,6 +286,7 @@ const HASH_SPILL: SpillCase = SpillCase {
         sql: "SELECT count(*), max(o.note) FROM lines l JOIN orders o ON o.id = l.order_id",
         plan_node: "Hash Join",
         warm_up: "",
+        prepared: false,
     },
     work_mem: ("1MB", "256MB"),
     operator: "hash join",
@@ -334,11 +341,11 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
     spill_case(&cluster, "hash_spill", &HASH_SPILL)
 }
 
-/// The same two cases on the upstream build of Postgres 17 (no frame pointers, its own
+/// The spill and planning cases on the upstream build of Postgres 17 (no frame pointers, its own
 /// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
 /// subsystems' functions and the counters as 17 has them.
 #[test]
-fn spills_are_named_on_postgres_17_too() -> Result<()> {
+fn cases_are_named_on_postgres_17_too() -> Result<()> {
     require_root_and_bpf();
     let shared = shared_cluster(&[])?;
     let install = PgInstall::upstream(17)?;
@@ -348,7 +355,8 @@ fn spills_are_named_on_postgres_17_too() -> Result<()> {
         &shared,
     )?;
     spill_case(&cluster, "sort_spill_pg17", &SORT_SPILL)?;
-    spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)
+    spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)?;
+    planning_case(&cluster, "planning_every_execution_pg17")
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -383,6 +391,7 @@ fn jit_compiling_more_than_it_saves_is_named_and_its_control_is_quiet() -> Resul
               WHERE v1 > 0.1 GROUP BY sensor",
         plan_node: "Aggregate",
         warm_up: "",
+        prepared: false,
     };
     let eager = [
         ("jit", "on"),
@@ -422,6 +431,7 @@ fn a_working_set_larger_than_shared_buffers_is_named_and_its_control_is_quiet() 
         sql: "SELECT count(*) FROM items WHERE id < 0",
         plan_node: "Seq Scan on items",
         warm_up: "SELECT count(*) FROM items",
+        prepared: false,
     };
     let mut cluster = shared_cluster(&[("shared_buffers", "16MB")])?;
     let misses = run_case(&cluster, &case, &[])?;
@@ -444,4 +454,87 @@ fn a_working_set_larger_than_shared_buffers_is_named_and_its_control_is_quiet() 
     let control = run_case(&cluster, &case, &[])?;
     log_run("shared_buffers = 256MB", &control);
     judge("buffer_misses", named, &control)
+}
+
+/// The ten tables of [`TEN_WAY_JOIN`], 100 rows each, joined by primary key.
+const TEN_TABLES: &str = "DO $$ BEGIN FOR i IN 1..10 LOOP EXECUTE format('CREATE TABLE t%s \
+     (id int PRIMARY KEY, ref int, v int); INSERT INTO t%s SELECT g, g, g \
+     FROM generate_series(1, 100) g', i, i); END LOOP; END $$";
+
+/// A lookup through ten tables, the shape an ORM gives a page that loads an object with its
+/// relations: every join order the planner weighs (join_collapse_limit is 8) for one row each.
+const TEN_WAY_JOIN: &str = "SELECT count(*) FROM t1 JOIN t2 ON t2.id = t1.ref \
+     JOIN t3 ON t3.id = t2.ref JOIN t4 ON t4.id = t3.ref JOIN t5 ON t5.id = t4.ref \
+     JOIN t6 ON t6.id = t5.ref JOIN t7 ON t7.id = t6.ref JOIN t8 ON t8.id = t7.ref \
+     JOIN t9 ON t9.id = t8.ref JOIN t10 ON t10.id = t9.ref WHERE t1.id = 5";
+
+/// EXPLAIN (ANALYZE, SUMMARY)'s planning and execution times of one execution of `case`'s
+/// statement, in ms, from the third in one session (the first ones also fill the catalog
+/// caches).
+fn explain_summary(cluster: &PgCluster, case: &Case) -> Result<(f64, f64)> {
+    let explain = format!("EXPLAIN (ANALYZE, SUMMARY) {}", case.sql);
+    let out = psql_in(cluster, case.database, &[explain.as_str(); 3].join("; "))?;
+    let last = |label: &str| -> Result<f64> {
+        out.rsplit(label)
+            .next()
+            .filter(|_| out.contains(label))
+            .and_then(|tail| tail.split_whitespace().next())
+            .and_then(|ms| ms.parse().ok())
+            .with_context(|| format!("EXPLAIN shows no `{label}`:\n{out}"))
+    };
+    Ok((last("Planning Time:")?, last("Execution Time:")?))
+}
+
+/// A statement sent as text is parsed and planned at every execution: here 1.5 ms of planning
+/// against 0.2 ms of execution by EXPLAIN, the "fast in EXPLAIN ANALYZE, slow in the
+/// application" of a many-join query. pg_stat_statements times its execution only
+/// (track_planning is off by default, parsing is never timed). Control: the same statement
+/// prepared (`-M prepared`), planned once per session.
+fn planning_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "planning",
+        setup: TEN_TABLES,
+        sql: TEN_WAY_JOIN,
+        plan_node: "Nested Loop",
+        warm_up: "",
+        prepared: false,
+    };
+    let planned = run_case(cluster, &case, &[])?;
+    log_run("sent as text", &planned);
+    let named = named_by(&planned, "planning_dominated");
+    if let Some(finding) = named {
+        let share = finding.leading_number("planning")? / 100.0;
+        let (plan_ms, exec_ms) = explain_summary(cluster, &case)?;
+        let explain_share = plan_ms / (plan_ms + exec_ms);
+        eprintln!(
+            "case={name}: planning {:.1}% of the statement's CPU (pgscope), {:.1}% of planning \
+             and execution by EXPLAIN (ANALYZE, SUMMARY) ({plan_ms} ms and {exec_ms} ms)",
+            100.0 * share,
+            100.0 * explain_share
+        );
+        ensure!(
+            share / explain_share <= AGREEMENT_FACTOR && explain_share / share <= AGREEMENT_FACTOR,
+            "the finding says planning is {:.1}% of the statement's CPU, EXPLAIN {:.1}% of its \
+             planning and execution: not within a factor of {AGREEMENT_FACTOR}",
+            100.0 * share,
+            100.0 * explain_share
+        );
+    }
+    let control = run_case(
+        cluster,
+        &Case {
+            prepared: true,
+            ..case
+        },
+        &[],
+    )?;
+    log_run("prepared", &control);
+    judge(name, named, &control)
+}
+
+#[test]
+fn planning_at_every_execution_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    planning_case(&cluster, "planning_every_execution")
 }
