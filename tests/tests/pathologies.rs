@@ -43,6 +43,8 @@ struct Case {
     warm_up: &'static str,
     /// Sent as a prepared statement (pgbench `-M prepared`) rather than as text.
     prepared: bool,
+    /// Statements run after `sql` in the same transaction (empty: `sql` alone, autocommitted).
+    then: &'static str,
 }
 
 /// What one traced run of a case gave.
@@ -65,6 +67,7 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
         plan_node,
         warm_up,
         prepared,
+        then,
     } = *case;
     fresh_database(cluster, database)?;
     psql_in(cluster, database, setup)?;
@@ -92,7 +95,11 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
     if !warm_up.is_empty() {
         psql_in(cluster, database, warm_up)?;
     }
-    let script = Script::new(sql)?;
+    let script = if then.is_empty() {
+        Script::new(sql)?
+    } else {
+        Script::new(&format!("BEGIN;\n{sql};\n{then};\nCOMMIT"))?
+    };
     let temp_bytes = || -> Result<f64> {
         let bytes = psql_in(
             cluster,
@@ -269,6 +276,7 @@ const SORT_SPILL: SpillCase = SpillCase {
         plan_node: "Sort",
         warm_up: "",
         prepared: false,
+        then: "",
     },
     work_mem: ("1MB", "64MB"),
     operator: "sorting",
@@ -287,6 +295,7 @@ const HASH_SPILL: SpillCase = SpillCase {
         plan_node: "Hash Join",
         warm_up: "",
         prepared: false,
+        then: "",
     },
     work_mem: ("1MB", "256MB"),
     operator: "hash join",
@@ -392,6 +401,7 @@ fn jit_compiling_more_than_it_saves_is_named_and_its_control_is_quiet() -> Resul
         plan_node: "Aggregate",
         warm_up: "",
         prepared: false,
+        then: "",
     };
     let eager = [
         ("jit", "on"),
@@ -432,6 +442,7 @@ fn a_working_set_larger_than_shared_buffers_is_named_and_its_control_is_quiet() 
         plan_node: "Seq Scan on items",
         warm_up: "SELECT count(*) FROM items",
         prepared: false,
+        then: "",
     };
     let mut cluster = shared_cluster(&[("shared_buffers", "16MB")])?;
     let misses = run_case(&cluster, &case, &[])?;
@@ -498,6 +509,7 @@ fn planning_case(cluster: &PgCluster, name: &str) -> Result<()> {
         plan_node: "Nested Loop",
         warm_up: "",
         prepared: false,
+        then: "",
     };
     let planned = run_case(cluster, &case, &[])?;
     log_run("sent as text", &planned);
@@ -537,4 +549,81 @@ fn planning_at_every_execution_is_named_and_its_control_is_quiet() -> Result<()>
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     planning_case(&cluster, "planning_every_execution")
+}
+
+/// pg_stat_statements' mean execution time of `queryid` in `database`, in ms.
+fn mean_exec_ms(cluster: &PgCluster, database: &str, queryid: &str) -> Result<f64> {
+    let mean = psql_in(
+        cluster,
+        database,
+        &format!(
+            "SELECT mean_exec_time FROM pg_stat_statements WHERE queryid = {queryid} AND \
+             dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ),
+    )?;
+    mean.trim()
+        .parse()
+        .with_context(|| format!("mean_exec_time of {queryid} is `{mean}`"))
+}
+
+/// A counter every session increments, kept in one row, updated first in a transaction that
+/// then does its other work (here 2 ms of it): each UPDATE waits for the transaction before it
+/// to commit (`Lock:transactionid`), the queue behind an order counter, a stock level or a
+/// rate limit. Commits are asynchronous here, so that the queue is the row's, not the WAL
+/// flush's. Control: the same statement with the counter spread over 100000 rows (the slot
+/// is the backend's pid modulo the slots), the constant the advice names; the two clients
+/// then never meet.
+///
+/// Independent figure: pg_stat_statements' mean execution time against the control's, whose
+/// executions do the same work without the queue: 1 - control/case is the share of the case's
+/// executions spent waiting.
+fn hot_row_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "hot_row",
+        setup: "CREATE TABLE counters (slot int PRIMARY KEY, n bigint NOT NULL); \
+                INSERT INTO counters SELECT g, 0 FROM generate_series(0, 99999) g",
+        sql: "UPDATE counters SET n = n + 1 WHERE slot = pg_backend_pid() % 1",
+        plan_node: "Update on counters",
+        warm_up: "",
+        prepared: false,
+        then: "SELECT count(*) FROM generate_series(1, 20000)",
+    };
+    let asynchronous = [("synchronous_commit", "off")];
+    let queued = run_case(cluster, &case, &asynchronous)?;
+    log_run("one row", &queued);
+    let named = named_by(&queued, "row_lock_contention");
+    let queued_ms = mean_exec_ms(cluster, case.database, &queued.queryid)?;
+    let spread = Case {
+        sql: "UPDATE counters SET n = n + 1 WHERE slot = pg_backend_pid() % 100000",
+        ..case
+    };
+    let control = run_case(cluster, &spread, &asynchronous)?;
+    log_run("100000 rows", &control);
+    let spread_ms = mean_exec_ms(cluster, case.database, &control.queryid)?;
+    if let Some(finding) = named {
+        let share = finding.leading_number("waiting for row locks, of its time")? / 100.0;
+        let waiting = 1.0 - spread_ms / queued_ms;
+        eprintln!(
+            "case={name}: waiting for row locks {:.1}% of its time (pgscope); pg_stat_statements' \
+             mean execution {queued_ms:.3} ms on one row, {spread_ms:.3} ms spread: {:.1}% of it \
+             waiting",
+            100.0 * share,
+            100.0 * waiting
+        );
+        ensure!(
+            waiting > 0.0 && share / waiting <= AGREEMENT_FACTOR && waiting / share <= AGREEMENT_FACTOR,
+            "the finding says {:.1}% of its time waiting for row locks, pg_stat_statements' mean \
+             execution times {:.1}%: not within a factor of {AGREEMENT_FACTOR}",
+            100.0 * share,
+            100.0 * waiting
+        );
+    }
+    judge(name, named, &control)
+}
+
+#[test]
+fn sessions_queueing_on_one_hot_row_are_named_and_their_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    hot_row_case(&cluster, "hot_row")
 }

@@ -20,6 +20,7 @@ mod pgss;
 mod phases;
 mod plan_locking;
 mod probes;
+mod row_locks;
 mod spills;
 mod spin_sites;
 mod waits;
@@ -134,6 +135,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         &analysis.walls,
         period,
     ));
+    findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.
     let findings = causes::one_finding_per_cause(findings);
