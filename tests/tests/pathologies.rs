@@ -22,7 +22,7 @@ use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, shared_cluster, JsonFinding,
     CPU_TIMEOUT,
 };
-use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, SchedTime, Trace};
+use pgscope_tests::{perf_record, require_root_and_bpf, PgCluster, PgInstall, SchedTime, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
 const AGREEMENT_FACTOR: f64 = 2.0;
@@ -350,7 +350,7 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
     spill_case(&cluster, "hash_spill", &HASH_SPILL)
 }
 
-/// The spill and planning cases on the upstream build of Postgres 17 (no frame pointers, its own
+/// The spill, planning and collation cases on the upstream build of Postgres 17 (no frame pointers, its own
 /// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
 /// subsystems' functions and the counters as 17 has them.
 #[test]
@@ -365,7 +365,8 @@ fn cases_are_named_on_postgres_17_too() -> Result<()> {
     )?;
     spill_case(&cluster, "sort_spill_pg17", &SORT_SPILL)?;
     spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)?;
-    planning_case(&cluster, "planning_every_execution_pg17")
+    planning_case(&cluster, "planning_every_execution_pg17")?;
+    collation_case(&cluster, "collation_sort_pg17")
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -626,4 +627,119 @@ fn sessions_queueing_on_one_hot_row_are_named_and_their_control_is_quiet() -> Re
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     hot_row_case(&cluster, "hot_row")
+}
+
+/// Functions of the collation providers and of Postgres' calls into them, as `perf` names
+/// them: ICU's (`ucol_…`, and its C++ internals in the `icu_NN` namespace), the C library's
+/// locale comparisons, and Postgres' comparator and collation entry points.
+fn in_collation(frame: &str) -> bool {
+    frame.starts_with("ucol_")
+        || frame.starts_with("icu_")
+        || [
+            "varstr_cmp",
+            "varstrfastcmp_locale",
+            "pg_strcoll",
+            "pg_strncoll",
+            "pg_strxfrm",
+            "pg_strnxfrm",
+            "pg_strxfrm_prefix",
+            "pg_strnxfrm_prefix",
+            "strcoll_l",
+            "__strcoll_l",
+            "strxfrm_l",
+            "__strxfrm_l",
+        ]
+        .contains(&frame)
+}
+
+/// CPU perf put under the collation's functions while one client ran `case`'s statement (in
+/// its database as [`run_case`] left it, with the case's settings): the share of its samples
+/// of that backend with one of them on the stack.
+fn perf_collation_share(cluster: &PgCluster, case: &Case) -> Result<f64> {
+    let script = Script::new(case.sql)?;
+    let pgbench = cluster.spawn_pgbench_in(
+        case.database,
+        &["-n", "-f", script.path(), "-c", "1", "-T", "600"],
+        1,
+    )?;
+    let backend = match pgbench.backend_pids()?.as_slice() {
+        [pid] => *pid,
+        pids => anyhow::bail!("pgbench's one client has backends {pids:?}"),
+    };
+    let dir = tempfile::tempdir()?;
+    let profile = perf_record(backend, PERF_SECONDS, PERF_HZ, dir.path())?;
+    pgbench.stop()?;
+    let total = profile.total();
+    ensure!(
+        total >= MIN_PERF_SAMPLES,
+        "perf recorded only {total} samples of backend {backend}"
+    );
+    Ok(profile.count_where(|stack| stack.frames.iter().any(|f| in_collation(f))) as f64 / total as f64)
+}
+
+/// perf's recording of one backend for the collation's share: ~600 samples, a share known
+/// within ±4 points.
+const PERF_SECONDS: Duration = Duration::from_secs(3);
+const PERF_HZ: u32 = 199;
+const MIN_PERF_SAMPLES: u64 = 200;
+
+/// Text sorted under ICU's English collation: every comparison of the sort goes through ICU,
+/// which weighs letters, accents and case in passes, where byte order would do for these
+/// values (hashes used as keys). Control: the same column in the "C" collation, compared with
+/// memcmp. Both sort in memory (64 MB of work_mem), so that the only difference is the
+/// collation.
+///
+/// Independent figure: `perf record --call-graph dwarf` of one backend running the case, the
+/// share of its samples under the providers' and Postgres' collation functions. (Not the
+/// control's time against the case's: under "C" the sort still makes its keys and compares
+/// them, so the difference is what the collation costs beyond that, not its share.)
+fn collation_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "icu_sort",
+        setup: "CREATE TABLE customers AS SELECT g AS id, \
+                md5(g::text) COLLATE \"en-x-icu\" AS name \
+                FROM generate_series(1, 100000) g",
+        sql: "SELECT name FROM customers ORDER BY name OFFSET 99999",
+        plan_node: "Sort",
+        warm_up: "",
+        prepared: false,
+        then: "",
+    };
+    let in_memory = [("work_mem", "64MB")];
+    let icu = run_case(cluster, &case, &in_memory)?;
+    log_run("ICU collation", &icu);
+    let named = named_by(&icu, "collation_comparisons");
+    if let Some(finding) = named {
+        let share = finding.leading_number("CPU comparing text")? / 100.0;
+        let perf = perf_collation_share(cluster, &case)?;
+        eprintln!(
+            "case={name}: comparing text {:.1}% of its CPU (pgscope), {:.1}% of one backend's \
+             samples by perf",
+            100.0 * share,
+            100.0 * perf
+        );
+        ensure!(
+            perf > 0.0 && share / perf <= AGREEMENT_FACTOR && perf / share <= AGREEMENT_FACTOR,
+            "the finding says {:.1}% of its CPU comparing text, perf {:.1}%: not within a factor \
+             of {AGREEMENT_FACTOR}",
+            100.0 * share,
+            100.0 * perf
+        );
+    }
+    let bytes = Case {
+        setup: "CREATE TABLE customers AS SELECT g AS id, \
+                md5(g::text) COLLATE \"C\" AS name \
+                FROM generate_series(1, 100000) g",
+        ..case
+    };
+    let control = run_case(cluster, &bytes, &in_memory)?;
+    log_run("C collation", &control);
+    judge(name, named, &control)
+}
+
+#[test]
+fn text_sorted_under_a_linguistic_collation_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    collation_case(&cluster, "collation_sort")
 }

@@ -8,6 +8,7 @@ mod blockers;
 mod buffer_reads;
 mod causes;
 mod citations;
+mod collation;
 mod counted;
 mod cpu;
 mod facts;
@@ -135,6 +136,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         &analysis.walls,
         period,
     ));
+    findings.extend(collation::collation_comparisons(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.

@@ -141,6 +141,35 @@ pub const JIT: Subsystem = Subsystem {
     ],
 };
 
+pub const COLLATION: Subsystem = Subsystem {
+    name: "collation",
+    what: "comparing text under a linguistic collation (ICU, or the C library's strcoll)",
+    // Postgres' entry points to the provider (`pg_strcoll` and kin from 16, `varstr_cmp` and
+    // the sort's comparator before), and the providers' own functions.
+    functions: &[
+        "varstr_cmp",
+        "varstrfastcmp_locale",
+        "pg_strcoll",
+        "pg_strncoll",
+        "pg_strxfrm",
+        "pg_strnxfrm",
+        "pg_strxfrm_prefix",
+        "pg_strnxfrm_prefix",
+        "strcoll_l",
+        "__strcoll_l",
+        "strxfrm_l",
+        "__strxfrm_l",
+    ],
+    prefixes: &["ucol_"],
+    modules: &["libicui18n", "libicuuc"],
+    usual_causes: "text sorted, grouped, deduplicated or searched in a B-tree under a \
+                   linguistic collation, where byte order would serve (codes, identifiers, \
+                   hashes): each comparison goes through the provider instead of a memcmp",
+    confirmed_by: "the collation of the column or database (pg_attribute.attcollation, \
+                   pg_database.datcollate); EXPLAIN ANALYZE of the statement with COLLATE \"C\"",
+    pgss_columns: &[],
+};
+
 pub const PLANNER: Subsystem = Subsystem {
     name: "planner",
     what: "planning (choosing join orders, paths and indexes)",
@@ -348,6 +377,7 @@ pub const ALL: &[&Subsystem] = &[
     &HASH_JOIN,
     &JIT,
     &PLANNER,
+    &COLLATION,
     &WAL,
     &DATA_FILE_READS,
     &BUFFER_MANAGER,
@@ -380,6 +410,11 @@ mod tests {
             Some(&JIT)
         );
         assert_eq!(of_frame("XLogInsertRecord", None), Some(&WAL));
+        assert_eq!(of_frame("varstr_cmp", None), Some(&COLLATION));
+        assert_eq!(
+            of_frame("ucol_strcollIter_72", Some("libicui18n.so.72")),
+            Some(&COLLATION)
+        );
         assert_eq!(of_frame("mdread", None), Some(&DATA_FILE_READS));
         assert_eq!(of_frame("ReadBuffer_common", None), Some(&BUFFER_MANAGER));
         assert_eq!(
