@@ -79,7 +79,6 @@ mod vdso;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use framehop::x86_64::CacheX86_64;
 
@@ -95,9 +94,6 @@ pub use unwind::MAX_DEPTH;
 
 use cache::{FileSource, ModuleCache};
 use process::ProcessState;
-
-/// Minimum time between two re-reads of one process's maps caused by unknown addresses.
-const MAPS_REFRESH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// framehop's cache generations are 16 bits: replace the rule cache well before they wrap.
 const MODULES_PER_RULE_CACHE: u64 = 16_384;
@@ -222,8 +218,9 @@ impl Symbolizer {
     }
 
     /// Unwind a user-stack snapshot of process `pid` (the bytes start at `regs.sp`). Reads
-    /// `/proc/PID/maps` on first use, and again (at most once a second) when an address falls
-    /// outside the known mappings. If the process is already gone on first use, the result is
+    /// `/proc/PID/maps` on first use, and again when an address falls outside the known
+    /// mappings: 10 ms after the last read at first, backing off to once a second while the
+    /// reads find nothing new. If the process is already gone on first use, the result is
     /// the bare `ip` with [`UnwindEnd::NoUnwindInfo`] (see [`Symbolizer::unwind_as`]).
     pub fn unwind(&mut self, pid: u32, regs: &UserRegs, stack: &[u8]) -> UnwoundStack {
         if !self.ensure_process(pid) {
@@ -242,10 +239,15 @@ impl Symbolizer {
         let source = live_source(pid);
         let modules = &mut self.modules;
         let mut refresh = |state: &mut ProcessState| {
-            if state.loaded_at.elapsed() < MAPS_REFRESH_INTERVAL {
+            if state.loaded_at.elapsed() < state.refresh_after {
                 return false;
             }
             match read_maps(pid) {
+                Ok(maps) if maps == state.maps => {
+                    state.loaded_at = std::time::Instant::now();
+                    state.refresh_after = ProcessState::next_refresh_after(state.refresh_after, false);
+                    false
+                }
                 Ok(maps) => {
                     *state = ProcessState::new(maps, &source, modules);
                     true

@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use framehop::x86_64::UnwinderX86_64;
 use framehop::{ExplicitModuleSectionInfo, Module, Unwinder};
@@ -39,7 +39,15 @@ pub(crate) struct ProcessState {
     pub modules: Vec<PlacedModule>,
     pub unwinder: UnwinderX86_64<Bytes>,
     pub loaded_at: Instant,
+    /// How long after `loaded_at` an unknown address may have the maps read again: short after
+    /// a read that found new mappings, doubled after each that found none (see
+    /// [`ProcessState::next_refresh_after`]).
+    pub refresh_after: Duration,
 }
+
+/// The first wait before maps are read again for an unknown address, and the longest.
+pub(crate) const REFRESH_AFTER_MIN: Duration = Duration::from_millis(10);
+pub(crate) const REFRESH_AFTER_MAX: Duration = Duration::from_secs(1);
 
 impl ProcessState {
     pub fn new(mut maps: Vec<MapEntry>, source: &FileSource, cache: &mut ModuleCache) -> Self {
@@ -70,6 +78,21 @@ impl ProcessState {
             modules,
             unwinder,
             loaded_at: Instant::now(),
+            refresh_after: REFRESH_AFTER_MIN,
+        }
+    }
+
+    /// The wait before the next re-read, after one that found the mappings `changed` or not.
+    /// A backend maps a library when it first needs it (a procedural language, an extension),
+    /// and its samples there are unknown until the maps are read again: at once, not a second
+    /// later (a second of each new connection's PL/pgSQL samples was lost without its stack).
+    /// An address no mapping will ever hold (a corrupt stack) backs the reads off to one a
+    /// second.
+    pub fn next_refresh_after(previous: Duration, changed: bool) -> Duration {
+        if changed {
+            REFRESH_AFTER_MIN
+        } else {
+            (previous * 2).min(REFRESH_AFTER_MAX)
         }
     }
 
@@ -171,4 +194,21 @@ fn framehop_module(placed: &PlacedModule) -> Option<Module<Bytes>> {
         placed.bias,
         info,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_are_read_again_soon_after_a_change_and_back_off_while_nothing_changes() {
+        let mut wait = REFRESH_AFTER_MIN;
+        let mut waits = Vec::new();
+        for _ in 0..9 {
+            wait = ProcessState::next_refresh_after(wait, false);
+            waits.push(wait.as_millis());
+        }
+        assert_eq!(waits, [20, 40, 80, 160, 320, 640, 1000, 1000, 1000]);
+        assert_eq!(ProcessState::next_refresh_after(wait, true), REFRESH_AFTER_MIN);
+    }
 }
