@@ -350,7 +350,7 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
     spill_case(&cluster, "hash_spill", &HASH_SPILL)
 }
 
-/// The spill, planning and collation cases on the upstream build of Postgres 17 (no frame pointers, its own
+/// The spill, planning, collation and PL/pgSQL cases on the upstream build of Postgres 17 (no frame pointers, its own
 /// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
 /// subsystems' functions and the counters as 17 has them.
 #[test]
@@ -366,7 +366,8 @@ fn cases_are_named_on_postgres_17_too() -> Result<()> {
     spill_case(&cluster, "sort_spill_pg17", &SORT_SPILL)?;
     spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)?;
     planning_case(&cluster, "planning_every_execution_pg17")?;
-    collation_case(&cluster, "collation_sort_pg17")
+    collation_case(&cluster, "collation_sort_pg17")?;
+    plpgsql_case(&cluster, "plpgsql_per_row_pg17")
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -742,4 +743,90 @@ fn text_sorted_under_a_linguistic_collation_is_named_and_its_control_is_quiet() 
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     collation_case(&cluster, "collation_sort")
+}
+
+/// A number from one row of `sql` in `database`.
+fn number_in(cluster: &PgCluster, database: &str, sql: &str) -> Result<f64> {
+    let value = psql_in(cluster, database, sql)?;
+    value
+        .trim()
+        .parse()
+        .with_context(|| format!("`{sql}` gave `{value}`, not a number"))
+}
+
+/// A WHERE clause calling a PL/pgSQL function for each of 20000 rows, the helper that "keeps
+/// the rule in one place": its interpreter runs at every call. Control: the same function in
+/// LANGUAGE sql, which the planner inlines into the filter.
+///
+/// Independent figure: the function's time in pg_stat_user_functions (track_functions = 'pl',
+/// timed by Postgres around each call) against the statement's execution time in
+/// pg_stat_statements.
+fn plpgsql_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "plpgsql_filter",
+        setup: "CREATE TABLE accounts AS SELECT g AS id, \
+                (ARRAY['active', 'trial', 'closed', 'frozen'])[g % 4 + 1] AS status \
+                FROM generate_series(1, 20000) g; \
+                CREATE FUNCTION is_open(s text) RETURNS boolean LANGUAGE plpgsql IMMUTABLE \
+                AS $$ BEGIN RETURN s IN ('active', 'trial'); END $$",
+        sql: "SELECT count(*) FROM accounts WHERE is_open(status)",
+        plan_node: "Seq Scan on accounts",
+        warm_up: "",
+        prepared: false,
+        then: "",
+    };
+    let timed = [("track_functions", "pl")];
+    let interpreted = run_case(cluster, &case, &timed)?;
+    log_run("PL/pgSQL", &interpreted);
+    let named = named_by(&interpreted, "plpgsql_calls");
+    if let Some(finding) = named {
+        let share = finding.leading_number("CPU running PL/pgSQL")? / 100.0;
+        let function_ms = number_in(
+            cluster,
+            case.database,
+            "SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'is_open'",
+        )?;
+        let statement_ms = number_in(
+            cluster,
+            case.database,
+            &format!(
+                "SELECT total_exec_time FROM pg_stat_statements WHERE queryid = {} AND \
+                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                interpreted.queryid
+            ),
+        )?;
+        let counted = function_ms / statement_ms;
+        eprintln!(
+            "case={name}: in PL/pgSQL {:.1}% of its CPU (pgscope); is_open {function_ms:.0} ms \
+             in pg_stat_user_functions of the statement's {statement_ms:.0} ms in \
+             pg_stat_statements: {:.1}%",
+            100.0 * share,
+            100.0 * counted
+        );
+        ensure!(
+            counted > 0.0 && share / counted <= AGREEMENT_FACTOR && counted / share <= AGREEMENT_FACTOR,
+            "the finding says {:.1}% of its CPU in PL/pgSQL, pg_stat_user_functions {:.1}% of its \
+             execution: not within a factor of {AGREEMENT_FACTOR}",
+            100.0 * share,
+            100.0 * counted
+        );
+    }
+    let inlined = Case {
+        setup: "CREATE TABLE accounts AS SELECT g AS id, \
+                (ARRAY['active', 'trial', 'closed', 'frozen'])[g % 4 + 1] AS status \
+                FROM generate_series(1, 20000) g; \
+                CREATE FUNCTION is_open(s text) RETURNS boolean LANGUAGE sql IMMUTABLE \
+                AS $$ SELECT s IN ('active', 'trial') $$",
+        ..case
+    };
+    let control = run_case(cluster, &inlined, &timed)?;
+    log_run("LANGUAGE sql", &control);
+    judge(name, named, &control)
+}
+
+#[test]
+fn a_plpgsql_function_called_per_row_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    plpgsql_case(&cluster, "plpgsql_per_row")
 }

@@ -1,65 +1,103 @@
-//! Statements that spend their CPU comparing text under a linguistic collation. Sorting,
-//! grouping, DISTINCT, merge joins and B-tree searches on text compare values again and again;
-//! under the "C" collation each comparison is a memcmp, under ICU or the C library's locales
-//! it goes through the provider, which weighs accents, case and punctuation in several passes.
-//! Where the order is only needed to be consistent (codes, identifiers, hashes, keys joined on)
-//! that work buys nothing. Named where a statement's CPU is under the catalogue's `collation`
-//! family.
+//! Statements that spend their CPU in a part of Postgres whose cost has one usual cause, named
+//! from the catalogue's family (`postgres::subsystems`) and its share of the statement's CPU:
+//! - `collation_comparisons`: text compared under a linguistic collation. Sorting, grouping,
+//!   DISTINCT, merge joins and B-tree searches on text compare values again and again; under
+//!   "C" each comparison is a memcmp, under ICU or the C library's locales it goes through the
+//!   provider, which weighs accents, case and punctuation in several passes.
+//! - `plpgsql_calls`: PL/pgSQL functions called by the statement, usually once per row: the
+//!   interpreter runs at every call, where an expression or an inlinable SQL function would be
+//!   evaluated inside the executor.
 
 use super::cpu::supported_share;
 use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
-use crate::postgres::subsystems::COLLATION;
+use crate::postgres::subsystems::{Subsystem, COLLATION, PLPGSQL};
 
-/// The collation's share of a statement's CPU from which it is worth acting on: a quarter of a
-/// statement spent ordering text the way a dictionary would. Half of it is critical.
-const COLLATION_WARN: f64 = 0.25;
-const COLLATION_CRITICAL: f64 = 0.50;
+/// A family's share of a statement's CPU from which it is worth acting on: a quarter of a
+/// statement spent in work with a known cheaper form. Half of it is critical.
+const FAMILY_WARN: f64 = 0.25;
+const FAMILY_CRITICAL: f64 = 0.50;
 /// The share the samples must support with 95% confidence.
-const COLLATION_SUPPORTED: f64 = 0.15;
+const FAMILY_SUPPORTED: f64 = 0.15;
 
-/// The statements of `queries` with [`COLLATION_WARN`] of their CPU under the collation
-/// providers.
-pub fn collation_comparisons(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
-    super::cpu::statements(queries)
-        .filter_map(|q| {
-            let samples = q.in_subsystem(&COLLATION);
-            let share = samples as f64 / q.samples as f64;
-            (share >= COLLATION_WARN && supported_share(samples, q.samples) >= COLLATION_SUPPORTED)
-                .then(|| finding(q, samples, share, period_ns))
-        })
-        .collect()
+/// One rule: the family it reads and what it says.
+struct FamilyRule {
+    kind: &'static str,
+    family: &'static Subsystem,
+    /// Read after "queryid N spends X% of its CPU ".
+    doing: &'static str,
+    /// Read after "N statements ".
+    cause: &'static str,
+    action: &'static str,
 }
 
-fn finding(q: &StatementCpu, samples: u64, share: f64, period_ns: u64) -> Finding {
-    Finding {
+const RULES: [FamilyRule; 2] = [
+    FamilyRule {
         kind: "collation_comparisons",
-        severity: if share >= COLLATION_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
-        title: format!(
-            "queryid {} spends {} of its CPU comparing text under a linguistic collation",
-            q.query_id,
-            percent(share)
-        ),
-        numbers: vec![
-            (format!("CPU {}", COLLATION.what), percent(share)),
-            ("samples".into(), q.samples.to_string()),
-        ],
-        query_ids: vec![q.query_id],
-        // Kept where sampled under the statement (`citations`).
-        frames: COLLATION.functions.iter().map(|f| f.to_string()).collect(),
+        family: &COLLATION,
+        doing: "comparing text under a linguistic collation",
+        cause: "compare text under a linguistic collation",
         action: "the text it sorts, groups or searches is compared through the collation's \
                  provider, not byte by byte. Where the order only has to be consistent (codes, \
                  identifiers, hashes, join keys), COLLATE \"C\" on the column, in the index or \
                  in the ORDER BY makes each comparison a memcmp (an index in \"C\" also serves \
                  LIKE 'prefix%'); where people read the order, sort fewer rows (a LIMIT under \
-                 an index in that collation)"
-            .into(),
+                 an index in that collation)",
+    },
+    FamilyRule {
+        kind: "plpgsql_calls",
+        family: &PLPGSQL,
+        doing: "in PL/pgSQL functions it calls",
+        cause: "spend their CPU in the PL/pgSQL functions they call",
+        action: "a PL/pgSQL function called for each row runs its interpreter at every call. \
+                 Where it computes an expression, write it in the query or as a LANGUAGE sql \
+                 function of one SELECT, which the planner inlines (declared IMMUTABLE or STABLE \
+                 as it truly is, without SECURITY DEFINER or SET); where it runs a query per \
+                 call, join instead. track_functions = 'pl' counts its calls and time in \
+                 pg_stat_user_functions",
+    },
+];
+
+/// The statements of `queries` with [`FAMILY_WARN`] of their CPU under one rule's family, each
+/// named by that rule.
+pub fn family_costs(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
+    RULES
+        .iter()
+        .flat_map(|rule| {
+            super::cpu::statements(queries).filter_map(move |q| {
+                let samples = q.in_subsystem(rule.family);
+                let share = samples as f64 / q.samples as f64;
+                (share >= FAMILY_WARN && supported_share(samples, q.samples) >= FAMILY_SUPPORTED)
+                    .then(|| finding(rule, q, samples, share, period_ns))
+            })
+        })
+        .collect()
+}
+
+fn finding(rule: &FamilyRule, q: &StatementCpu, samples: u64, share: f64, period_ns: u64) -> Finding {
+    Finding {
+        kind: rule.kind,
+        severity: if share >= FAMILY_CRITICAL {
+            Severity::Critical
+        } else {
+            Severity::Warning
+        },
+        title: format!(
+            "queryid {} spends {} of its CPU {}",
+            q.query_id,
+            percent(share),
+            rule.doing
+        ),
+        numbers: vec![
+            (format!("CPU {}", rule.family.what), percent(share)),
+            ("samples".into(), q.samples.to_string()),
+        ],
+        query_ids: vec![q.query_id],
+        // Kept where sampled under the statement (`citations`).
+        frames: rule.family.functions.iter().map(|f| f.to_string()).collect(),
+        action: rule.action.into(),
         cause: Some(StatementCause {
-            cause: "compare text under a linguistic collation".into(),
+            cause: rule.cause.into(),
             figures: vec![format!("{} of its CPU", percent(share))],
             cost_ns: samples * period_ns,
         }),
@@ -74,19 +112,27 @@ mod tests {
     use crate::findings::tests::named;
     use crate::model::QueryId;
 
-    fn statement(query_id: i64, collation_samples: u64) -> StatementCpu {
+    fn statement(query_id: i64, family: &'static str, samples: u64) -> StatementCpu {
         StatementCpu {
             query_id: QueryId(query_id),
             samples: 200,
-            subsystems: BTreeMap::from([("collation", collation_samples)]),
+            subsystems: BTreeMap::from([(family, samples)]),
             ..StatementCpu::default()
         }
     }
 
     #[test]
     fn statements_comparing_text_under_a_collation_are_named_from_their_share() {
-        let found = collation_comparisons(&[statement(7, 110), statement(8, 30), statement(9, 60)], 1);
+        let found = family_costs(
+            &[
+                statement(7, "collation", 110),
+                statement(8, "collation", 30),
+                statement(9, "collation", 60),
+            ],
+            1,
+        );
         assert_eq!(named(&found), vec![QueryId(7), QueryId(9)]);
+        assert!(found.iter().all(|f| f.kind == "collation_comparisons"));
         assert_eq!(found[0].severity, Severity::Critical);
         assert_eq!(found[1].severity, Severity::Warning);
         assert_eq!(found[0].cause.as_ref().map(|c| c.cost_ns), Some(110));
@@ -97,6 +143,14 @@ mod tests {
     }
 
     #[test]
+    fn statements_in_plpgsql_are_named_by_their_own_rule() {
+        let found = family_costs(&[statement(7, "plpgsql", 120), statement(8, "sort", 150)], 1);
+        assert_eq!(named(&found), vec![QueryId(7)]);
+        assert_eq!(found[0].kind, "plpgsql_calls");
+        assert!(found[0].title.contains("in PL/pgSQL functions it calls"));
+    }
+
+    #[test]
     fn a_share_the_samples_do_not_support_is_not_named() {
         let few = StatementCpu {
             query_id: QueryId(7),
@@ -104,6 +158,6 @@ mod tests {
             subsystems: BTreeMap::from([("collation", 5)]),
             ..StatementCpu::default()
         };
-        assert!(collation_comparisons(&[few], 1).is_empty());
+        assert!(family_costs(&[few], 1).is_empty());
     }
 }

@@ -8,10 +8,10 @@ mod blockers;
 mod buffer_reads;
 mod causes;
 mod citations;
-mod collation;
 mod counted;
 mod cpu;
 mod facts;
+mod families;
 mod functions;
 mod group;
 mod hot_function;
@@ -136,7 +136,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         &analysis.walls,
         period,
     ));
-    findings.extend(collation::collation_comparisons(statements, period));
+    findings.extend(families::family_costs(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.

@@ -170,6 +170,24 @@ pub const COLLATION: Subsystem = Subsystem {
     pgss_columns: &[],
 };
 
+pub const PLPGSQL: Subsystem = Subsystem {
+    name: "plpgsql",
+    what: "running PL/pgSQL functions (its interpreter, and the statements it runs through SPI)",
+    functions: &[
+        "plpgsql_call_handler",
+        "plpgsql_exec_function",
+        "plpgsql_inline_handler",
+    ],
+    prefixes: &["plpgsql_", "exec_stmt_"],
+    modules: &["plpgsql"],
+    usual_causes: "a function called once per row (in WHERE, the select list or a join \
+                   condition) whose body the planner cannot inline: the interpreter's setup and \
+                   its expressions run at every call; or a function that runs a query per call",
+    confirmed_by: "calls and self_time of the function in pg_stat_user_functions (track_functions \
+                   = 'pl'); EXPLAIN VERBOSE shows the call in the filter or target list",
+    pgss_columns: &[],
+};
+
 pub const PLANNER: Subsystem = Subsystem {
     name: "planner",
     what: "planning (choosing join orders, paths and indexes)",
@@ -377,6 +395,7 @@ pub const ALL: &[&Subsystem] = &[
     &HASH_JOIN,
     &JIT,
     &PLANNER,
+    &PLPGSQL,
     &COLLATION,
     &WAL,
     &DATA_FILE_READS,
@@ -411,6 +430,7 @@ mod tests {
         );
         assert_eq!(of_frame("XLogInsertRecord", None), Some(&WAL));
         assert_eq!(of_frame("varstr_cmp", None), Some(&COLLATION));
+        assert_eq!(of_frame("plpgsql.so+0x1f2a0", Some("plpgsql.so")), Some(&PLPGSQL));
         assert_eq!(
             of_frame("ucol_strcollIter_72", Some("libicui18n.so.72")),
             Some(&COLLATION)
@@ -457,7 +477,7 @@ mod tests {
                 .collect();
             for family in ALL
                 .iter()
-                .filter(|f| !["jit", "pg_stat_statements"].contains(&f.name))
+                .filter(|f| !["jit", "pg_stat_statements", "plpgsql"].contains(&f.name))
             {
                 assert!(
                     names.iter().any(|name| family.holds(name, None)),
