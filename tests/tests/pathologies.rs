@@ -22,7 +22,7 @@ use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, shared_cluster, JsonFinding,
     CPU_TIMEOUT,
 };
-use pgscope_tests::{perf_record, require_root_and_bpf, PgCluster, PgInstall, SchedTime, Trace};
+use pgscope_tests::{perf_record, require_root_and_bpf, wait_for, PgCluster, PgInstall, SchedTime, Trace};
 
 /// The largest ratio between pgscope's figure and the independent one, either way.
 const AGREEMENT_FACTOR: f64 = 2.0;
@@ -350,7 +350,8 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
     spill_case(&cluster, "hash_spill", &HASH_SPILL)
 }
 
-/// The spill, planning, collation and PL/pgSQL cases on the upstream build of Postgres 17 (no frame pointers, its own
+/// The spill, planning, collation, PL/pgSQL and idle-transaction cases on the upstream build of
+/// Postgres 17 (no frame pointers, its own
 /// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
 /// subsystems' functions and the counters as 17 has them.
 #[test]
@@ -367,7 +368,8 @@ fn cases_are_named_on_postgres_17_too() -> Result<()> {
     spill_case(&cluster, "hash_spill_pg17", &HASH_SPILL)?;
     planning_case(&cluster, "planning_every_execution_pg17")?;
     collation_case(&cluster, "collation_sort_pg17")?;
-    plpgsql_case(&cluster, "plpgsql_per_row_pg17")
+    plpgsql_case(&cluster, "plpgsql_per_row_pg17")?;
+    idle_in_transaction_case(&cluster, "idle_in_transaction_pg17")
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -829,4 +831,240 @@ fn a_plpgsql_function_called_per_row_is_named_and_its_control_is_quiet() -> Resu
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     plpgsql_case(&cluster, "plpgsql_per_row")
+}
+
+/// A session that opened a transaction, changed a row and went idle: `psql` in `database` fed
+/// the statements through its stdin, which stays open. Dropping it closes stdin: psql exits,
+/// and its transaction rolls back.
+struct IdleInTransaction {
+    child: std::process::Child,
+    /// Its backend's pid, as it printed it.
+    pid: u32,
+}
+
+impl IdleInTransaction {
+    fn start(cluster: &PgCluster, database: &str, statements: &str) -> Result<Self> {
+        let mut child = cluster
+            .psql_command()
+            .args(["-d", database, "-At"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("cannot start psql for the idle transaction")?;
+        child
+            .stdin
+            .as_mut()
+            .context("psql has no stdin")?
+            .write_all(format!("SELECT pg_backend_pid();\nBEGIN;\n{statements};\n").as_bytes())?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().context("psql has no stdout")?),
+            &mut line,
+        )?;
+        let pid = line
+            .trim()
+            .parse()
+            .with_context(|| format!("psql printed `{line}` for its backend's pid"))?;
+        Ok(Self { child, pid })
+    }
+}
+
+impl Drop for IdleInTransaction {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// The pid of the session of `database` in `state`, once there is one.
+fn session_in_state(cluster: &PgCluster, database: &str, state: &str) -> Result<u32> {
+    wait_for(&format!("a session of {database} {state}"), LOCK_TIMEOUT, || {
+        let pid = psql_in(
+            cluster,
+            database,
+            &format!(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+                     AND state = '{state}' LIMIT 1"
+            ),
+        )?;
+        Ok(pid.trim().parse().ok())
+    })
+}
+
+/// The update's execution time in pg_stat_statements the control runs to once the idle session
+/// is gone: as long as the case's queued, so that the 100 ms it queued before the session was
+/// ended is a small part of its time, as it would be of any workload's.
+const CONTROL_EXEC_MS: f64 = 2000.0;
+/// Bounds every wait of the lock cases.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the waiter must have queued: four of pgscope's polls of pg_blocking_pids() (every
+/// 0.5 s), twice what its rule needs to call a lock held across polls.
+const QUEUED: Duration = Duration::from_secs(2);
+
+/// A client that began a transaction, updated an order and went idle without ending it (an
+/// application waiting on something else, a forgotten console): the next update of that order
+/// queues on `Lock:transactionid` for as long as it stays open. Control: the same with
+/// `idle_in_transaction_session_timeout = 100ms` on the database, which ends such a session
+/// before anyone queues long.
+///
+/// Independent figure: `pg_blocking_pids()` of the waiting update, read by the test while it
+/// waits, names the idle session the finding names. The update is prepared (`-M prepared`): sent
+/// as text, a one-row update spends over 40% of its CPU parsing and planning, another finding.
+fn idle_in_transaction_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    const DATABASE: &str = "idle_tx";
+    let run = |timeout: Option<&str>| -> Result<(Vec<JsonFinding>, u32, Vec<u32>)> {
+        fresh_database(cluster, DATABASE)?;
+        psql_in(
+            cluster,
+            DATABASE,
+            "CREATE TABLE orders (id int PRIMARY KEY, status text); \
+             INSERT INTO orders SELECT g, 'new' FROM generate_series(1, 100) g",
+        )?;
+        // Commits that do not wait for their WAL flush: the update's time is its own and its
+        // queue's.
+        psql_in(
+            cluster,
+            DATABASE,
+            &format!("ALTER DATABASE {DATABASE} SET synchronous_commit = off"),
+        )?;
+        if let Some(timeout) = timeout {
+            psql_in(
+                cluster,
+                DATABASE,
+                &format!("ALTER DATABASE {DATABASE} SET idle_in_transaction_session_timeout = '{timeout}'"),
+            )?;
+        }
+        let script = Script::new("UPDATE orders SET status = 'shipped' WHERE id = 1")?;
+        let traced = findings_while(Trace::instance(cluster.data_dir()), || {
+            let holder = IdleInTransaction::start(
+                cluster,
+                DATABASE,
+                "UPDATE orders SET status = 'held' WHERE id = 1",
+            )?;
+            // The control's session is ended 100 ms after it goes idle, often before a poll
+            // could see it: only the case's is looked up.
+            let idle = match timeout {
+                None => session_in_state(cluster, DATABASE, "idle in transaction")?,
+                Some(_) => 0,
+            };
+            let pgbench = cluster.spawn_pgbench_in(
+                DATABASE,
+                &[
+                    "-n",
+                    "-M",
+                    "prepared",
+                    "-f",
+                    script.path(),
+                    "-c",
+                    "1",
+                    "-T",
+                    "600",
+                ],
+                1,
+            )?;
+            let waiter = match pgbench.backend_pids()?.as_slice() {
+                [pid] => *pid,
+                pids => anyhow::bail!("pgbench's one client has backends {pids:?}"),
+            };
+            let blockers = match timeout {
+                // Until the update has queued for QUEUED.
+                None => wait_for(
+                    &format!("the update to have queued for {QUEUED:?}"),
+                    LOCK_TIMEOUT,
+                    || {
+                        let row = psql_in(
+                            cluster,
+                            DATABASE,
+                            &format!(
+                                "SELECT coalesce(wait_event_type, ''), \
+                                 extract(epoch FROM now() - query_start) >= {}, \
+                                 array_to_string(pg_blocking_pids({waiter}), ' ') \
+                                 FROM pg_stat_activity WHERE pid = {waiter}",
+                                QUEUED.as_secs_f64()
+                            ),
+                        )?;
+                        Ok(match row.split('|').collect::<Vec<_>>().as_slice() {
+                            ["Lock", "t", blockers] => Some(
+                                blockers
+                                    .split_whitespace()
+                                    .filter_map(|p| p.parse().ok())
+                                    .collect::<Vec<u32>>(),
+                            ),
+                            _ => None,
+                        })
+                    },
+                )?,
+                // Until the server has ended the idle session; then the updates run on for as
+                // long as the case's queued.
+                Some(_) => {
+                    wait_for("the idle session to be ended", LOCK_TIMEOUT, || {
+                        let left = number_in(
+                            cluster,
+                            DATABASE,
+                            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {}", holder.pid),
+                        )?;
+                        Ok((left == 0.0).then_some(()))
+                    })?;
+                    wait_for(
+                        &format!("{CONTROL_EXEC_MS} ms of updates after the idle session ended"),
+                        LOCK_TIMEOUT,
+                        || {
+                            let ms = number_in(
+                                cluster,
+                                DATABASE,
+                                "SELECT coalesce(sum(total_exec_time), 0) FROM pg_stat_statements \
+                                 WHERE query LIKE 'UPDATE orders SET status%' AND \
+                                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                            )?;
+                            Ok((ms >= CONTROL_EXEC_MS).then_some(()))
+                        },
+                    )?;
+                    Vec::new()
+                }
+            };
+            // The transaction first: the queued update ends only once it does.
+            drop(holder);
+            pgbench.stop()?;
+            Ok((idle, blockers))
+        })?;
+        let (idle, blockers) = traced.measured;
+        Ok((traced.findings, idle, blockers))
+    };
+    let (findings, idle, blockers) = run(None)?;
+    eprintln!(
+        "{name}: session {idle} idle in transaction; pg_blocking_pids() of the update: {blockers:?}\n{}",
+        describe_findings(&findings)
+    );
+    let named = findings
+        .iter()
+        .find(|f| f.kind == "lock_blocker" && f.is_alarm() && f.title.contains(&format!("session {idle},")));
+    if named.is_some() {
+        eprintln!("case={name}: the finding names session {idle}; pg_blocking_pids() of the waiting update: {blockers:?}");
+        ensure!(
+            blockers.contains(&idle),
+            "pg_blocking_pids() of the waiting update named {blockers:?}, not the idle session {idle}"
+        );
+    }
+    let (control, _, _) = run(Some("100ms"))?;
+    eprintln!(
+        "{name}: idle_in_transaction_session_timeout = 100ms\n{}",
+        describe_findings(&control)
+    );
+    let control_alarms = control.iter().filter(|f| f.is_alarm()).count();
+    let line = format!(
+        "\ncase={name} named={} control_alarms={control_alarms}\n",
+        if named.is_some() { "yes" } else { "no" }
+    );
+    std::io::stdout().lock().write_all(line.as_bytes())?;
+    ensure!(named.is_some(), "case {name} was not named");
+    ensure!(control_alarms == 0, "the control of case {name} raised alarms");
+    Ok(())
+}
+
+#[test]
+fn a_session_idle_in_its_transaction_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    idle_in_transaction_case(&cluster, "idle_in_transaction")
 }

@@ -31,6 +31,8 @@ const HELD_ACROSS_POLLS: u32 = 2;
 struct HeldBy {
     same_statement: u32,
     all: u32,
+    /// Polls that saw it behind a session idle in its transaction.
+    behind_idle: u32,
     idle_session: bool,
 }
 
@@ -49,6 +51,9 @@ fn held_by(evidence: Option<&BlockerEvidence>, query_id: QueryId) -> HeldBy {
         held.all += polls;
         if blocker.query_id == Some(query_id.0) {
             held.same_statement += polls;
+        }
+        if blocker.idle_in_transaction_polls > 0 {
+            held.behind_idle += polls;
         }
         held.idle_session |= blocker.mostly_idle_in_transaction() && blocker.polls >= HELD_ACROSS_POLLS;
     }
@@ -87,8 +92,12 @@ pub fn row_lock_contention(walls: &[StatementWall], evidence: Option<&BlockerEvi
             }
             let whom = if own {
                 "its own executions in other sessions"
-            } else {
+            } else if 2 * held.behind_idle > held.all {
+                "sessions idle in their transactions"
+            } else if held.all > 0 {
                 "other running transactions"
+            } else {
+                "other transactions"
             };
             Some(Finding {
                 kind: "row_lock_contention",
@@ -214,6 +223,23 @@ mod tests {
         // Without polls the waits alone say it is row locking, not by whom.
         let found = row_lock_contention(&walls, None);
         assert_eq!(named(&found), vec![QueryId(7)]);
-        assert!(found[0].title.contains("other running transactions"));
+        assert!(
+            found[0].title.ends_with("locked by other transactions"),
+            "{}",
+            found[0].title
+        );
+        // Seen once behind a session idle in its transaction (ended before a second poll):
+        // named, and said so.
+        let once = BlockerEvidence {
+            polls: 10,
+            interval_seconds: 0.5,
+            blockers: vec![blocker(5, true, 1, 7)],
+        };
+        let found = row_lock_contention(&walls, Some(&once));
+        assert!(
+            found[0].title.contains("sessions idle in their transactions"),
+            "{}",
+            found[0].title
+        );
     }
 }
