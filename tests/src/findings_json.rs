@@ -34,6 +34,8 @@ pub struct JsonFinding {
     pub numbers: Vec<(String, String)>,
     /// The functions it names.
     pub functions: Vec<String>,
+    /// What it advises.
+    pub action: String,
 }
 
 impl JsonFinding {
@@ -124,6 +126,7 @@ fn parse(finding: &Value) -> Result<JsonFinding> {
         queryids: strings("queryids")?,
         numbers,
         functions: strings("functions")?,
+        action: text("action")?,
     })
 }
 

@@ -350,8 +350,8 @@ fn a_hash_join_outgrowing_work_mem_is_named_and_its_control_is_quiet() -> Result
     spill_case(&cluster, "hash_spill", &HASH_SPILL)
 }
 
-/// The spill, planning, collation, PL/pgSQL and idle-transaction cases on the upstream build of
-/// Postgres 17 (no frame pointers, its own
+/// The spill, planning, collation, PL/pgSQL, idle-transaction and migration-queue cases on the
+/// upstream build of Postgres 17 (no frame pointers, its own
 /// pg_stat_statements columns), in a cluster beside the shared one: the rules read the
 /// subsystems' functions and the counters as 17 has them.
 #[test]
@@ -369,7 +369,8 @@ fn cases_are_named_on_postgres_17_too() -> Result<()> {
     planning_case(&cluster, "planning_every_execution_pg17")?;
     collation_case(&cluster, "collation_sort_pg17")?;
     plpgsql_case(&cluster, "plpgsql_per_row_pg17")?;
-    idle_in_transaction_case(&cluster, "idle_in_transaction_pg17")
+    idle_in_transaction_case(&cluster, "idle_in_transaction_pg17")?;
+    ddl_lock_queue_case(&cluster, "ddl_lock_queue_pg17")
 }
 
 /// JIT's time per execution as EXPLAIN ANALYZE reports it (`Timing: … Total N ms`), from the
@@ -833,17 +834,19 @@ fn a_plpgsql_function_called_per_row_is_named_and_its_control_is_quiet() -> Resu
     plpgsql_case(&cluster, "plpgsql_per_row")
 }
 
-/// A session that opened a transaction, changed a row and went idle: `psql` in `database` fed
-/// the statements through its stdin, which stays open. Dropping it closes stdin: psql exits,
-/// and its transaction rolls back.
-struct IdleInTransaction {
+/// A session in a transaction the test holds open: `psql` in `database` fed the statements
+/// through its stdin, which stays open (idle in the transaction once they are done, or still
+/// running the last). Dropping it terminates its backend (a statement still running would
+/// hold psql and the locks), then ends psql: the transaction rolls back.
+struct IdleInTransaction<'a> {
+    cluster: &'a PgCluster,
     child: std::process::Child,
     /// Its backend's pid, as it printed it.
     pid: u32,
 }
 
-impl IdleInTransaction {
-    fn start(cluster: &PgCluster, database: &str, statements: &str) -> Result<Self> {
+impl<'a> IdleInTransaction<'a> {
+    fn start(cluster: &'a PgCluster, database: &str, statements: &str) -> Result<Self> {
         let mut child = cluster
             .psql_command()
             .args(["-d", database, "-At"])
@@ -866,12 +869,17 @@ impl IdleInTransaction {
             .trim()
             .parse()
             .with_context(|| format!("psql printed `{line}` for its backend's pid"))?;
-        Ok(Self { child, pid })
+        Ok(Self { cluster, child, pid })
     }
 }
 
-impl Drop for IdleInTransaction {
+impl Drop for IdleInTransaction<'_> {
     fn drop(&mut self) {
+        let _ = psql_in(
+            self.cluster,
+            "postgres",
+            &format!("SELECT pg_terminate_backend({})", self.pid),
+        );
         drop(self.child.stdin.take());
         let _ = self.child.wait();
     }
@@ -1067,4 +1075,154 @@ fn a_session_idle_in_its_transaction_is_named_and_its_control_is_quiet() -> Resu
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     idle_in_transaction_case(&cluster, "idle_in_transaction")
+}
+
+/// A migration's `ALTER TABLE` behind a long transaction that read the table: the ALTER waits
+/// for its ACCESS EXCLUSIVE lock, and every session that touches the table then queues behind
+/// the ALTER (`Lock:relation`), though none conflicts with the long transaction itself: the
+/// table stops for everyone. Control: the ALTER run with `lock_timeout = 200ms`, as migrations
+/// should, which gives up rather than stall the table.
+///
+/// Independent figure: `pg_blocking_pids()` read by the test while the readers wait: theirs
+/// names the ALTER, the ALTER's names the long transaction, which the finding names.
+fn ddl_lock_queue_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    const DATABASE: &str = "ddl_queue";
+    let run = |lock_timeout: Option<&str>| -> Result<(Vec<JsonFinding>, u32, Vec<u32>)> {
+        fresh_database(cluster, DATABASE)?;
+        psql_in(
+            cluster,
+            DATABASE,
+            "CREATE TABLE products AS SELECT g AS id, md5(g::text) AS name FROM generate_series(1, 100) g",
+        )?;
+        let script = Script::new("SELECT count(*) FROM products")?;
+        let traced = findings_while(Trace::instance(cluster.data_dir()), || {
+            // BEGIN is sent first: the long transaction reads the table, then sleeps in it.
+            let long = IdleInTransaction::start(
+                cluster,
+                DATABASE,
+                "SELECT count(*) FROM products; SELECT pg_sleep(600)",
+            )?;
+            let alter = IdleInTransaction::start(
+                cluster,
+                DATABASE,
+                &format!(
+                    "SET lock_timeout = '{}'; ALTER TABLE products ADD COLUMN note text",
+                    lock_timeout.unwrap_or("0")
+                ),
+            )?;
+            let pgbench = cluster.spawn_pgbench_in(
+                DATABASE,
+                &[
+                    "-n",
+                    "-M",
+                    "prepared",
+                    "-f",
+                    script.path(),
+                    "-c",
+                    "2",
+                    "-j",
+                    "2",
+                    "-T",
+                    "600",
+                ],
+                2,
+            )?;
+            let readers = pgbench.backend_pids()?;
+            let reader = *readers.first().context("pgbench has no backends")?;
+            let chain = match lock_timeout {
+                None => wait_for(
+                    &format!("the readers to have queued for {QUEUED:?}"),
+                    LOCK_TIMEOUT,
+                    || {
+                        let row = psql_in(
+                            cluster,
+                            DATABASE,
+                            &format!(
+                                "SELECT coalesce(wait_event, ''), \
+                                 extract(epoch FROM now() - query_start) >= {}, \
+                                 array_to_string(pg_blocking_pids({reader}), ' '), \
+                                 array_to_string(pg_blocking_pids({}), ' ') \
+                                 FROM pg_stat_activity WHERE pid = {reader}",
+                                QUEUED.as_secs_f64(),
+                                alter.pid
+                            ),
+                        )?;
+                        Ok(match row.split('|').collect::<Vec<_>>().as_slice() {
+                            ["relation", "t", readers_blockers, alters_blockers] => {
+                                let pids = |text: &str| -> Vec<u32> {
+                                    text.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+                                };
+                                Some([pids(readers_blockers), pids(alters_blockers)].concat())
+                            }
+                            _ => None,
+                        })
+                    },
+                )?,
+                Some(_) => {
+                    wait_for(
+                        &format!("{CONTROL_EXEC_MS} ms of the readers' selects"),
+                        LOCK_TIMEOUT,
+                        || {
+                            let ms = number_in(
+                                cluster,
+                                DATABASE,
+                                "SELECT coalesce(sum(total_exec_time), 0) FROM pg_stat_statements \
+                                 WHERE query LIKE 'SELECT count(*) FROM products%' AND \
+                                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                            )?;
+                            Ok((ms >= CONTROL_EXEC_MS).then_some(()))
+                        },
+                    )?;
+                    Vec::new()
+                }
+            };
+            let long_pid = long.pid;
+            // The long transaction first: then the ALTER, then the readers go on.
+            drop(long);
+            drop(alter);
+            pgbench.stop()?;
+            Ok((long_pid, chain))
+        })?;
+        let (long_pid, chain) = traced.measured;
+        Ok((traced.findings, long_pid, chain))
+    };
+    let (findings, long_pid, chain) = run(None)?;
+    eprintln!(
+        "{name}: long transaction {long_pid}; pg_blocking_pids() of a reader, then of the ALTER: \
+         {chain:?}\n{}",
+        describe_findings(&findings)
+    );
+    // Named: the long transaction by pid, and the queue behind the ALTER's request with the
+    // setting that prevents it.
+    let named = findings.iter().find(|f| {
+        f.kind == "lock_blocker"
+            && f.is_alarm()
+            && f.title.contains(&format!("session {long_pid} "))
+            && f.action.contains("lock_timeout")
+    });
+    if named.is_some() {
+        eprintln!("case={name}: the finding names session {long_pid}; pg_blocking_pids(): {chain:?}");
+        ensure!(
+            chain.last() == Some(&long_pid),
+            "pg_blocking_pids() of the ALTER named {chain:?}, not the long transaction {long_pid}"
+        );
+    }
+    let (control, _, _) = run(Some("200ms"))?;
+    eprintln!("{name}: lock_timeout = 200ms\n{}", describe_findings(&control));
+    let control_alarms = control.iter().filter(|f| f.is_alarm()).count();
+    let line = format!(
+        "\ncase={name} named={} control_alarms={control_alarms}\n",
+        if named.is_some() { "yes" } else { "no" }
+    );
+    std::io::stdout().lock().write_all(line.as_bytes())?;
+    ensure!(named.is_some(), "case {name} was not named");
+    ensure!(control_alarms == 0, "the control of case {name} raised alarms");
+    Ok(())
+}
+
+#[test]
+fn a_migration_queued_behind_a_long_transaction_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    ddl_lock_queue_case(&cluster, "ddl_lock_queue")
 }

@@ -18,6 +18,8 @@ const MIN_POLLS: u32 = 2;
 /// Shares of the backends' time (on CPU and blocked) spent waiting behind one session.
 const WARN_SHARE: f64 = 0.05;
 const CRITICAL_SHARE: f64 = 0.20;
+/// The wait of a session queued for a lock on a relation.
+const TABLE_LOCK_WAIT: &str = "Lock:relation";
 /// Blockers reported at most, the costliest first.
 const MAX_BLOCKERS: usize = 5;
 /// Pids listed in a finding at most.
@@ -119,6 +121,30 @@ fn finding(blocker: &LockBlocker, evidence: &BlockerEvidence, waited_ns: f64, sh
             figures.push("waiting".to_string());
         }
     }
+    // Sessions queued behind a waiting request for a table lock (a DDL statement's ACCESS
+    // EXCLUSIVE): they would not conflict with this transaction, yet wait as long as it runs.
+    let table_queue: Vec<String> = blocker
+        .queued_behind
+        .iter()
+        .filter(|(_, event)| event.as_str() == TABLE_LOCK_WAIT)
+        .map(|(pid, _)| pid.to_string())
+        .collect();
+    if !table_queue.is_empty() {
+        numbers.push((
+            "sessions queued behind a waiting table lock request of".to_string(),
+            format!("pid {}", table_queue.join(", ")),
+        ));
+    }
+    let queue_advice = (!table_queue.is_empty()).then(|| {
+        format!(
+            "session {} waits for a lock on a table this transaction uses (a DDL statement such \
+             as ALTER TABLE needs ACCESS EXCLUSIVE), and every later statement on that table \
+             queues behind its request though it does not conflict with this transaction: run \
+             DDL with SET lock_timeout = '2s' and retry it, so that it gives up rather than stop \
+             the table; and ",
+            table_queue.join(", ")
+        )
+    });
     let action = match (blocker.pid, idle) {
         (0, _) => "a prepared transaction holds its locks until it is finished: COMMIT PREPARED or \
                    ROLLBACK PREPARED it (pg_prepared_xacts names it); whatever prepared it and \
@@ -134,6 +160,10 @@ fn finding(blocker: &LockBlocker, evidence: &BlockerEvidence, waited_ns: f64, sh
                        its statement, above), or have the sessions that wait take their locks in \
                        the same order"
             .to_string(),
+    };
+    let action = match queue_advice {
+        Some(queue) => format!("{queue}{action}"),
+        None => action,
     };
     Finding {
         kind: "lock_blocker",
@@ -178,8 +208,34 @@ mod tests {
                 transaction_seconds: Some(12.0),
                 state_seconds: Some(11.5),
                 waiters: BTreeMap::from([(1, held("Lock:transactionid")), (2, held("Lock:tuple"))]),
+                queued_behind: BTreeMap::new(),
             }],
         }
+    }
+
+    #[test]
+    fn a_queue_behind_a_waiting_table_lock_request_names_the_request_and_lock_timeout() {
+        let mut evidence = evidence("active", 0, 20);
+        evidence.blockers[0].queued_behind = BTreeMap::from([(3, "Lock:relation".to_string())]);
+        let found = blocking_sessions(Some(&evidence), 40_000_000_000);
+        let f = &found[0];
+        assert!(
+            f.action.starts_with("session 3 waits for a lock on a table"),
+            "{}",
+            f.action
+        );
+        assert!(f.action.contains("lock_timeout"), "{}", f.action);
+        assert!(f
+            .numbers
+            .iter()
+            .any(|(what, value)| what.starts_with("sessions queued behind") && value == "pid 3"));
+        // Without such a queue, no word of it.
+        let plain = blocking_sessions(Some(&evidence_plain()), 40_000_000_000);
+        assert!(!plain[0].action.contains("lock_timeout"), "{}", plain[0].action);
+    }
+
+    fn evidence_plain() -> BlockerEvidence {
+        evidence("active", 0, 20)
     }
 
     #[test]

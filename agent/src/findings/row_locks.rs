@@ -136,6 +136,8 @@ mod tests {
     use super::*;
     use crate::findings::tests::named;
     use crate::model::wall_clock::{WallPart, CPU};
+    use std::collections::BTreeMap;
+
     use crate::postgres::blockers::{HeldUp, LockBlocker};
 
     fn wall(query_id: i64, cpu_ms: u64, waits: &[(&str, u64)]) -> StatementWall {
@@ -174,6 +176,7 @@ mod tests {
                 },
             )]
             .into(),
+            queued_behind: BTreeMap::new(),
         }
     }
 

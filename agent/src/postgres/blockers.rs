@@ -100,6 +100,11 @@ pub struct LockBlocker {
     pub state_seconds: Option<f64>,
     /// The sessions it held up, by pid.
     pub waiters: BTreeMap<i32, HeldUp>,
+    /// Sessions between it and some of its waiters: themselves waiting for a lock it holds,
+    /// with others queued behind their request (a DDL statement's ACCESS EXCLUSIVE request, which
+    /// every later lock on the table queues behind), by pid, with their wait event.
+    #[serde(default)]
+    pub queued_behind: BTreeMap<i32, String>,
 }
 
 impl LockBlocker {
@@ -172,8 +177,19 @@ impl BlockerLog {
             if ends.is_empty() {
                 ends = waits_for[waiter].clone();
             }
+            // The waiter's direct blockers that wait themselves: it queues behind their request.
+            let between: Vec<(i32, String)> = waits_for[waiter]
+                .iter()
+                .filter_map(|b| waiters.get(&b.pid).map(|p| (b.pid, p.wait_event.clone())))
+                .collect();
             for blocker in ends {
                 self.charge(pair, blocker, elapsed_seconds, &mut blocking_now);
+                let key = (blocker.pid, blocker.transaction_start.map_or(0, f64::to_bits));
+                if let Some(entry) = self.blockers.get_mut(&key) {
+                    entry
+                        .queued_behind
+                        .extend(between.iter().filter(|(pid, _)| *pid != blocker.pid).cloned());
+                }
             }
         }
     }
@@ -196,6 +212,7 @@ impl BlockerLog {
             transaction_seconds: None,
             state_seconds: None,
             waiters: BTreeMap::new(),
+            queued_behind: BTreeMap::new(),
         });
         let held = entry.waiters.entry(pair.waiter).or_default();
         held.polls += 1;
@@ -307,6 +324,26 @@ mod tests {
         );
         assert!((root.waiter_seconds() - 3.0).abs() < 1e-9);
         assert_eq!(log.polls, 3);
+    }
+
+    #[test]
+    fn sessions_queued_behind_a_waiting_request_say_whose_request() {
+        // An ALTER (2) waits for a long transaction (1); readers (3, 4) queue behind the
+        // ALTER's request.
+        let poll = [
+            pair(2, "Lock:relation", blocker(1, "active")),
+            pair(3, "Lock:relation", blocker(2, "active")),
+            pair(4, "Lock:relation", blocker(2, "active")),
+        ];
+        let mut log = BlockerLog::new(0.5);
+        log.record(&poll, 0.5);
+        let blockers = log.blockers();
+        assert_eq!(blockers.len(), 1, "{blockers:?}");
+        assert_eq!(blockers[0].pid, 1);
+        assert_eq!(
+            blockers[0].queued_behind,
+            BTreeMap::from([(2, "Lock:relation".to_string())])
+        );
     }
 
     #[test]
