@@ -12,7 +12,13 @@ use anyhow::Result;
 use crate::cluster::PgCluster;
 use crate::process::children_of;
 
-/// A background thread listing the postmaster's children every 20 ms.
+/// How often the children are listed. pgscope's own connections (its counters at the start,
+/// its blocker polls) are backends of the cluster that can live a few tens of milliseconds and
+/// be sampled: at 20 ms one was missed and its samples taken for another cluster's (CI,
+/// 2026-11-29). A listing reads one small /proc file.
+const WATCH_INTERVAL: Duration = Duration::from_millis(2);
+
+/// A background thread listing the postmaster's children every [`WATCH_INTERVAL`].
 pub struct ProcessWatch {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<BTreeSet<u32>>>,
@@ -31,7 +37,7 @@ impl PgCluster {
                 if flag.load(Ordering::Relaxed) {
                     return seen;
                 }
-                thread::sleep(Duration::from_millis(20));
+                thread::sleep(WATCH_INTERVAL);
             }
         });
         Ok(ProcessWatch {
