@@ -1226,3 +1226,63 @@ fn a_migration_queued_behind_a_long_transaction_is_named_and_its_control_is_quie
     let cluster = shared_cluster(&[])?;
     ddl_lock_queue_case(&cluster, "ddl_lock_queue")
 }
+
+/// Events logged one row per transaction, each INSERT committed on its own with
+/// `synchronous_commit = on` and the WAL flushed to disk (`fsync = on` in this case's cluster,
+/// whose other cases run without it): every execution waits for the WAL device's flush
+/// (`IO:WALSync`), which pg_stat_statements' execution time does not include. Control:
+/// `synchronous_commit = off` on the database, the value the advice gives where losing the last
+/// transactions on a crash is acceptable.
+///
+/// Independent figure: Postgres' own timing of its WAL writes and flushes over the run
+/// (pg_stat_wal's `wal_write_time + wal_sync_time`, with `track_wal_io_timing` on), against the
+/// time the finding counts waiting for them.
+fn commit_flush_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "commit_flush",
+        setup: "CREATE TABLE events (id bigserial PRIMARY KEY, at timestamptz DEFAULT now(), kind int)",
+        sql: "INSERT INTO events (kind) VALUES (1)",
+        plan_node: "Insert on events",
+        warm_up: "",
+        prepared: true,
+        then: "",
+    };
+    let wal_io_ms = || {
+        number_in(
+            cluster,
+            "postgres",
+            "SELECT wal_write_time + wal_sync_time FROM pg_stat_wal",
+        )
+    };
+    let before = wal_io_ms()?;
+    let flushed = run_case(
+        cluster,
+        &case,
+        &[("synchronous_commit", "on"), ("track_wal_io_timing", "on")],
+    )?;
+    let wal_ms = wal_io_ms()? - before;
+    log_run("synchronous_commit = on", &flushed);
+    let named = named_by(&flushed, "commit_flush_waits");
+    if let Some(finding) = named {
+        let waited_ms = finding.leading_number("ms waiting for WAL flushes")?;
+        eprintln!(
+            "case={name}: {waited_ms:.0} ms waiting for WAL flushes (pgscope); pg_stat_wal's \
+             write and sync time {wal_ms:.0} ms"
+        );
+        ensure!(
+            wal_ms > 0.0 && waited_ms / wal_ms <= AGREEMENT_FACTOR && wal_ms / waited_ms <= AGREEMENT_FACTOR,
+            "the finding says {waited_ms:.0} ms waiting for WAL flushes, pg_stat_wal {wal_ms:.0} ms \
+             writing and syncing WAL: not within a factor of {AGREEMENT_FACTOR}"
+        );
+    }
+    let control = run_case(cluster, &case, &[("synchronous_commit", "off")])?;
+    log_run("synchronous_commit = off", &control);
+    judge(name, named, &control)
+}
+
+#[test]
+fn commits_waiting_for_their_wal_flush_are_named_and_their_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[("fsync", "on")])?;
+    commit_flush_case(&cluster, "commit_flush")
+}

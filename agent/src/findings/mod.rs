@@ -8,6 +8,7 @@ mod blockers;
 mod buffer_reads;
 mod causes;
 mod citations;
+mod commit_waits;
 mod counted;
 mod cpu;
 mod facts;
@@ -138,6 +139,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     ));
     findings.extend(families::family_costs(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
+    findings.extend(commit_waits::commit_flush_waits(&analysis.walls));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.
     let findings = causes::one_finding_per_cause(findings);
