@@ -124,7 +124,9 @@ fn check_all_attributed(profile: &Profile, cluster_pids: &BTreeSet<u32>) -> Resu
         .collect();
     ensure!(
         foreign.is_empty(),
-        "samples from pids {foreign:?}, which are not processes of this cluster {cluster_pids:?}"
+        "samples from pids {foreign:?}, which are not processes of this cluster {cluster_pids:?}; \
+         their stacks (what the process was doing tells which it was):\n{}",
+        profile.examples_where(|s| s.process_pid().is_some_and(|pid| foreign.contains(&pid)), 5)
     );
     Ok(())
 }
