@@ -6,7 +6,7 @@
 //! pg_stat_statements, which times the executor, does not show it.
 
 use super::{percent, Finding, Severity, StatementCause};
-use crate::model::wall_clock::{total_of, waited_in};
+use crate::model::wall_clock::waiting_shares;
 use crate::model::StatementWall;
 
 /// The waits of flushing WAL at commit, as pg_stat_activity names them.
@@ -19,15 +19,11 @@ const FLUSH_CRITICAL: f64 = 0.50;
 /// The statements of `walls` that spend [`FLUSH_WARN`] of their time waiting for WAL flushes.
 /// Without off-CPU time there are no waits to read.
 pub fn commit_flush_waits(walls: &[StatementWall]) -> Vec<Finding> {
-    walls
-        .iter()
-        .filter(|w| w.query_id.is_statement())
-        .filter_map(|wall| {
+    waiting_shares(walls, &FLUSH_WAITS)
+        .filter(|&(_, _, share)| share >= FLUSH_WARN)
+        .map(|(wall, waited, share)| {
             let query_id = wall.query_id;
-            let waited = waited_in(walls, query_id, &FLUSH_WAITS);
-            let total = total_of(walls, query_id)?;
-            let share = waited as f64 / total as f64;
-            (share >= FLUSH_WARN).then(|| Finding {
+            Finding {
                 kind: "commit_flush_waits",
                 severity: if share >= FLUSH_CRITICAL {
                     Severity::Critical
@@ -57,7 +53,7 @@ pub fn commit_flush_waits(walls: &[StatementWall]) -> Vec<Finding> {
                     figures: vec![format!("{} of its time", percent(share))],
                     cost_ns: waited,
                 }),
-            })
+            }
         })
         .collect()
 }

@@ -10,7 +10,7 @@
 //! that are running, which no single session causes.
 
 use super::{percent, Finding, Severity, StatementCause};
-use crate::model::wall_clock::{total_of, waited_in};
+use crate::model::wall_clock::waiting_shares;
 use crate::model::{QueryId, StatementWall};
 use crate::postgres::blockers::BlockerEvidence;
 
@@ -63,14 +63,9 @@ fn held_by(evidence: Option<&BlockerEvidence>, query_id: QueryId) -> HeldBy {
 /// The statements of `walls` that spend [`ROW_LOCKS_WARN`] of their time waiting for other
 /// running transactions' row locks. Without off-CPU time there are no waits to read.
 pub fn row_lock_contention(walls: &[StatementWall], evidence: Option<&BlockerEvidence>) -> Vec<Finding> {
-    walls
-        .iter()
-        .filter(|w| w.query_id.0 != 0)
-        .filter_map(|wall| {
+    waiting_shares(walls, &ROW_LOCK_WAITS)
+        .filter_map(|(wall, waited, share)| {
             let query_id = wall.query_id;
-            let waited = waited_in(walls, query_id, &ROW_LOCK_WAITS);
-            let total = total_of(walls, query_id)?;
-            let share = waited as f64 / total as f64;
             let held = held_by(evidence, query_id);
             // Behind a session idle in its transaction: that session's finding.
             if share < ROW_LOCKS_WARN || held.idle_session {

@@ -50,6 +50,15 @@ impl StatementWall {
         }
     }
 
+    /// Its time in any of `events`.
+    pub fn waited(&self, events: &[&str]) -> u64 {
+        self.parts
+            .iter()
+            .filter(|part| events.contains(&part.name.as_str()))
+            .map(|part| part.ns)
+            .sum()
+    }
+
     /// `CPU 38% · LWLock:pg_stat_statements 41% · preempted 9%`: parts of at least 1%, the
     /// rest summed.
     pub fn render(&self) -> String {
@@ -135,10 +144,23 @@ pub fn waited_in(walls: &[StatementWall], query_id: QueryId, events: &[&str]) ->
     walls
         .iter()
         .filter(|w| w.query_id == query_id)
-        .flat_map(|w| &w.parts)
-        .filter(|part| events.contains(&part.name.as_str()))
-        .map(|part| part.ns)
+        .map(|w| w.waited(events))
         .sum()
+}
+
+/// Each statement (queryid 0 left out) with time measured, its time in any of `events` and
+/// that time's share of its own: what the rules on one kind of wait read.
+pub fn waiting_shares<'a>(
+    walls: &'a [StatementWall],
+    events: &'a [&str],
+) -> impl Iterator<Item = (&'a StatementWall, u64, f64)> + 'a {
+    walls
+        .iter()
+        .filter(|w| w.query_id.is_statement() && w.total_ns > 0)
+        .map(|w| {
+            let waited = w.waited(events);
+            (w, waited, waited as f64 / w.total_ns as f64)
+        })
 }
 
 /// The part of `query_id`'s time with `function` anywhere on the stack, counted as the

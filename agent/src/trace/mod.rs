@@ -136,8 +136,8 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         note!("pgscope: {what}: {error:#}; on-CPU profiling goes on")
     });
     let layout_source = target.pid();
-    // Targets are flagged for off-CPU now; its programs attach with the sampler, so that both
-    // measure the same period (the probes' calibration comes in between).
+    // Targets are flagged for off-CPU now; the exact tracer attaches just before sampling
+    // starts (after the calibration), so that both off-CPU profiles measure the same period.
     let off_cpu_flag = if options.off_cpu.traces() {
         TARGET_OFF_CPU
     } else {
