@@ -89,11 +89,7 @@ fn misses(
     numbers.push(("samples".into(), q.samples.to_string()));
     Some(Finding {
         kind: "shared_buffer_misses",
-        severity: if share >= READS_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
+        severity: Severity::warning_or_critical(share, READS_CRITICAL),
         title: format!(
             "queryid {} spends {} of its {of} reading pages shared buffers did not hold: {} of \
              the blocks it touched were read in ({:.0} per call)",

@@ -25,11 +25,7 @@ pub fn commit_flush_waits(walls: &[StatementWall]) -> Vec<Finding> {
             let query_id = wall.query_id;
             Finding {
                 kind: "commit_flush_waits",
-                severity: if share >= FLUSH_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(share, FLUSH_CRITICAL),
                 title: format!(
                     "queryid {query_id} spends {} of its time waiting for WAL to be flushed to disk at commit",
                     percent(share)

@@ -185,7 +185,7 @@ pub fn planning_dominated(queries: &[StatementCpu], period_ns: u64) -> Vec<Findi
             let named = (share >= PLANNING_WARN && supported > PLANNING_USUAL) || replans;
             named.then(|| Finding {
                 kind: "planning_dominated",
-                severity: if share >= PLANNING_CRITICAL { Severity::Critical } else { Severity::Warning },
+                severity: Severity::warning_or_critical(share, PLANNING_CRITICAL),
                 title: format!(
                     "queryid {} spends {} of its CPU parsing and planning, which pg_stat_statements does not time by default",
                     q.query_id,
@@ -277,11 +277,7 @@ pub fn spinning(queries: &[StatementCpu], total: u64, period_ns: u64) -> Vec<Fin
     }
     vec![Finding {
         kind: "spinlock_contention",
-        severity: if share >= SPIN_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
+        severity: Severity::warning_or_critical(share, SPIN_CRITICAL),
         title: format!(
             "{} of the CPU is spent spinning on spinlocks (s_lock)",
             percent(share)

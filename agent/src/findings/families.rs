@@ -77,11 +77,7 @@ pub fn family_costs(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
 fn finding(rule: &FamilyRule, q: &StatementCpu, samples: u64, share: f64, period_ns: u64) -> Finding {
     Finding {
         kind: rule.kind,
-        severity: if share >= FAMILY_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
+        severity: Severity::warning_or_critical(share, FAMILY_CRITICAL),
         title: format!(
             "queryid {} spends {} of its CPU {}",
             q.query_id,

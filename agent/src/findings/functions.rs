@@ -118,11 +118,7 @@ pub fn dominating(
         }
         findings.push(Finding {
             kind: "function_dominance",
-            severity: if share >= CRITICAL {
-                Severity::Critical
-            } else {
-                Severity::Warning
-            },
+            severity: Severity::warning_or_critical(share, CRITICAL),
             title: format!(
                 "queryid {query_id} spends {} of its {of} in {}",
                 percent(share.min(1.0)),

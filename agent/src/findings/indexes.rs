@@ -20,11 +20,7 @@ pub fn repeated_descents(queries: &[StatementCpu], period_ns: u64) -> Vec<Findin
             let share = q.index_descents as f64 / q.samples as f64;
             (share >= DESCENTS_WARN).then(|| Finding {
                 kind: "index_descents",
-                severity: if share >= DESCENTS_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(share, DESCENTS_CRITICAL),
                 title: format!(
                     "queryid {} spends {} of its CPU descending B-tree indexes from their root, starting index scans over and over",
                     q.query_id,

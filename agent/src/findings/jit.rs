@@ -69,11 +69,7 @@ fn compiling(q: &StatementCpu, counters: Deltas<'_>, period_ns: u64) -> Option<F
     numbers.push(("samples".into(), q.samples.to_string()));
     Some(Finding {
         kind: "jit_compilation",
-        severity: if share >= JIT_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
+        severity: Severity::warning_or_critical(share, JIT_CRITICAL),
         title: format!(
             "queryid {} spends {} of its CPU compiling its plan with JIT: {} of JIT per call \
              against {} of execution",

@@ -45,6 +45,15 @@ pub enum Severity {
 }
 
 impl Severity {
+    /// A rule's verdict once its figure passed its warning bar: critical from `critical` on.
+    pub fn warning_or_critical(figure: f64, critical: f64) -> Self {
+        if figure >= critical {
+            Severity::Critical
+        } else {
+            Severity::Warning
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Severity::Info => "info",

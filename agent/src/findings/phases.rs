@@ -126,11 +126,7 @@ pub fn unusual_phase(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
             };
             findings.push(Finding {
                 kind: "phase_dominance",
-                severity: if share >= CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(share, CRITICAL),
                 title: format!(
                     "queryid {} spends {} of its CPU in {}, not running the statement",
                     q.query_id,

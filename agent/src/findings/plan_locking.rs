@@ -61,11 +61,7 @@ pub fn generic_plan_locking(
             };
             Some(Finding {
                 kind: "generic_plan_locking",
-                severity: if share >= PLAN_LOCKS_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(share, PLAN_LOCKS_CRITICAL),
                 title: format!(
                     "queryid {} spends {figure} locking relations for its cached plan",
                     q.query_id

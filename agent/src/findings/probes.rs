@@ -36,11 +36,7 @@ pub fn locks_per_execution(rows: &[ProbeRow]) -> Vec<Finding> {
             let per_execution = locks as f64 / executions as f64;
             (per_execution >= LOCKS_WARN).then(|| Finding {
                 kind: "generic_plan_locks",
-                severity: if per_execution >= LOCKS_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(per_execution, LOCKS_CRITICAL),
                 title: format!(
                     "queryid {query_id} takes {per_execution:.0} relation locks per execution of its cached plan"
                 ),

@@ -96,11 +96,7 @@ pub fn row_lock_contention(walls: &[StatementWall], evidence: Option<&BlockerEvi
             };
             Some(Finding {
                 kind: "row_lock_contention",
-                severity: if share >= ROW_LOCKS_CRITICAL {
-                    Severity::Critical
-                } else {
-                    Severity::Warning
-                },
+                severity: Severity::warning_or_critical(share, ROW_LOCKS_CRITICAL),
                 title: format!(
                     "queryid {query_id} spends {} of its time waiting for rows locked by {whom}",
                     percent(share)

@@ -106,11 +106,7 @@ fn spill_of(
     numbers.push(("samples".into(), q.samples.to_string()));
     Some(Finding {
         kind: "operator_spill",
-        severity: if share >= SPILL_CRITICAL {
-            Severity::Critical
-        } else {
-            Severity::Warning
-        },
+        severity: Severity::warning_or_critical(share, SPILL_CRITICAL),
         title: format!(
             "queryid {} spends {} of its CPU {doing}, and spills to temporary files: {per_call} \
              written per call, more than {knob} holds",
