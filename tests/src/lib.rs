@@ -19,6 +19,7 @@ pub mod cpu_window;
 pub mod debuginfod;
 pub mod fault_pyroscope;
 pub mod findings_json;
+pub mod fork_events;
 pub mod freeze;
 pub mod gdb;
 pub mod install;

@@ -7,37 +7,51 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::cluster::PgCluster;
+use crate::fork_events::{ForkEvents, Received};
 use crate::process::children_of;
 
-/// How often the children are listed. pgscope's own connections (its counters at the start,
-/// its blocker polls) are backends of the cluster that can live a few tens of milliseconds and
-/// be sampled: at 20 ms one was missed and its samples taken for another cluster's (CI,
-/// 2026-11-29). A listing reads one small /proc file.
-const WATCH_INTERVAL: Duration = Duration::from_millis(2);
+/// How long one wait for events lasts: how soon a stop is noticed.
+const RECEIVE_TIMEOUT: Duration = Duration::from_millis(20);
 
-/// A background thread listing the postmaster's children every [`WATCH_INTERVAL`].
+/// A background thread following the kernel's fork events from the postmaster and its
+/// descendants. Listing `/proc` every 2 ms still missed a backend that lived less than that
+/// (CI, twice): pgscope's own connections are short backends of the cluster that can be sampled.
 pub struct ProcessWatch {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<BTreeSet<u32>>>,
+    thread: Option<JoinHandle<Result<BTreeSet<u32>>>>,
 }
 
 impl PgCluster {
-    /// Starts recording the postmaster and every child it has from now on.
+    /// Starts recording the postmaster and every process it (or a child of it) forks from now
+    /// on, with its children of the moment.
     pub fn watch_processes(&self) -> Result<ProcessWatch> {
         let postmaster = self.postmaster_pid()?;
+        // Subscribed before the listing: a child forked in between is in one or the other.
+        let events = ForkEvents::subscribe(RECEIVE_TIMEOUT)?;
+        let mut seen = BTreeSet::from([postmaster]);
+        seen.extend(children_of(postmaster));
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let thread = thread::spawn(move || {
-            let mut seen = BTreeSet::from([postmaster]);
-            loop {
-                seen.extend(children_of(postmaster));
-                if flag.load(Ordering::Relaxed) {
-                    return seen;
+        let thread = thread::spawn(move || loop {
+            match events.receive()? {
+                Received::Forks(forks) => {
+                    for fork in forks {
+                        if seen.contains(&fork.parent_tgid) {
+                            seen.insert(fork.child_tgid);
+                        }
+                    }
                 }
-                thread::sleep(WATCH_INTERVAL);
+                Received::Nothing => {}
+                Received::Overflowed => bail!(
+                    "the kernel dropped process events (the watcher's buffer overflowed): the \
+                     cluster's processes are not all known"
+                ),
+            }
+            if flag.load(Ordering::Relaxed) {
+                return Ok(seen);
             }
         });
         Ok(ProcessWatch {
@@ -49,9 +63,13 @@ impl PgCluster {
 
 impl ProcessWatch {
     /// Stops watching; returns every pid seen (postmaster included).
-    pub fn stop(mut self) -> BTreeSet<u32> {
+    pub fn stop(mut self) -> Result<BTreeSet<u32>> {
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => bail!("the process watcher panicked"),
+            None => bail!("the process watcher was already stopped"),
+        }
     }
 }
 

@@ -29,7 +29,7 @@ fn samples_are_attributed_to_their_backend() -> Result<()> {
         .folded(&folded)
         .pprof(&pprof)
         .run()?;
-    let cluster_pids = watch.stop();
+    let cluster_pids = watch.stop()?;
     ensure!(
         md5.is_active()? && numeric.is_active()?,
         "a workload ended during the trace"
@@ -94,7 +94,7 @@ fn instance_by_postmaster_pid() -> Result<()> {
         .frequency(FREQUENCY)
         .folded(&folded)
         .run()?;
-    let cluster_pids = watch.stop();
+    let cluster_pids = watch.stop()?;
 
     let profile = Profile::read_folded(&folded)?;
     check_all_attributed(&profile, &cluster_pids)?;
