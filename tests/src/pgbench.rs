@@ -1,7 +1,10 @@
 //! `pgbench` running in the background while a trace records it.
 
+use std::io::Read;
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -11,6 +14,47 @@ use crate::cpu_window::{CpuWindow, SchedTime};
 use crate::process::{describe, wait_for};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The end of pgbench's stderr kept for error messages.
+const STDERR_KEPT: usize = 16 << 10;
+
+/// pgbench's stderr, read as it comes: a script whose statements raise notices ("relation …
+/// already exists, skipping") fills a pipe nobody reads within a few hundred transactions,
+/// and pgbench then blocks with its backends idle in their transactions.
+struct StderrTail {
+    kept: Arc<Mutex<Vec<u8>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl StderrTail {
+    fn start<R: Read + Send + 'static>(pipe: Option<R>) -> Self {
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let shared = Arc::clone(&kept);
+        let reader = pipe.map(|mut pipe| {
+            thread::spawn(move || {
+                let mut chunk = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut kept = shared.lock().unwrap_or_else(PoisonError::into_inner);
+                    kept.extend_from_slice(&chunk[..n]);
+                    let excess = kept.len().saturating_sub(STDERR_KEPT);
+                    kept.drain(..excess);
+                }
+            })
+        });
+        Self { kept, reader }
+    }
+
+    /// What was kept, once pgbench has exited and its pipe is read to its end.
+    fn after_exit(&mut self) -> String {
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        String::from_utf8_lossy(&kept).trim().to_string()
+    }
+}
 
 /// A `pgbench` run the test does not wait for. Dropping it kills pgbench and waits until its
 /// connections are gone from `pg_stat_activity`.
@@ -19,6 +63,7 @@ pub struct BackgroundPgbench<'a> {
     child: Child,
     tag: String,
     line: String,
+    stderr: StderrTail,
 }
 
 impl PgCluster {
@@ -51,23 +96,24 @@ impl PgCluster {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         let line = describe(&cmd);
-        let child = cmd.spawn().with_context(|| format!("cannot start `{line}`"))?;
+        let mut child = cmd.spawn().with_context(|| format!("cannot start `{line}`"))?;
+        let stderr = StderrTail::start(child.stderr.take());
         let mut pgbench = BackgroundPgbench {
             cluster: self,
             child,
             tag,
             line: line.clone(),
+            stderr,
         };
         wait_for(
             &format!("{clients} connections of `{line}`"),
             CONNECT_TIMEOUT,
             || {
                 if let Some(status) = pgbench.child.try_wait()? {
-                    let mut stderr = String::new();
-                    if let Some(pipe) = pgbench.child.stderr.as_mut() {
-                        let _ = std::io::Read::read_to_string(pipe, &mut stderr);
-                    }
-                    bail!("`{line}` exited ({status}) before it ran: {}", stderr.trim());
+                    bail!(
+                        "`{line}` exited ({status}) before it ran: {}",
+                        pgbench.stderr.after_exit()
+                    );
                 }
                 Ok((pgbench.connections()? >= clients).then_some(()))
             },
@@ -90,7 +136,11 @@ impl BackgroundPgbench<'_> {
     /// Fails if pgbench exited (an error, or a `-T` shorter than the test's wait).
     pub fn ensure_running(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
-            bail!("`{}` exited ({status}) while the test measured it", self.line);
+            bail!(
+                "`{}` exited ({status}) while the test measured it: {}",
+                self.line,
+                self.stderr.after_exit()
+            );
         }
         Ok(())
     }
