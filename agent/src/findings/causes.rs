@@ -30,6 +30,13 @@ const MECHANISMS: &[Mechanism] = &[
         frames: &["standard_ExecutorStart"],
         by_frame: &["phase_dominance"],
     },
+    // A relation dropped at commit (ON COMMIT DROP, DROP in the transaction) is removed by the
+    // commit: the commit phase's work is the catalog churn's.
+    Mechanism {
+        rules: &["catalog_churn", "phase_dominance"],
+        frames: &["smgrDoPendingDeletes"],
+        by_frame: &["phase_dominance"],
+    },
 ];
 
 /// The label of a folded finding's title among the one that stays's figures.
@@ -126,6 +133,29 @@ mod tests {
                 cost_ns,
             }),
         }
+    }
+
+    #[test]
+    fn a_commit_that_drops_the_relations_its_transaction_created_is_one_cause() {
+        let findings = vec![
+            finding(
+                "phase_dominance",
+                7,
+                &["PreCommit_on_commit_actions", "smgrDoPendingDeletes"],
+                90,
+            ),
+            finding("catalog_churn", 7, &["performMultipleDeletions"], 91),
+            // Deferred triggers at commit: another cause.
+            finding("phase_dominance", 8, &["AfterTriggerFireDeferred"], 50),
+        ];
+        let merged = one_finding_per_cause(findings);
+        let kinds: Vec<&str> = merged.iter().map(|f| f.kind).collect();
+        assert_eq!(kinds, vec!["catalog_churn", "phase_dominance"]);
+        assert_eq!(merged[1].query_ids, vec![QueryId(8)]);
+        assert!(merged[0]
+            .numbers
+            .iter()
+            .any(|(label, value)| label == CONFIRMED_BY && value == "phase_dominance of 7"));
     }
 
     #[test]

@@ -7,11 +7,17 @@
 //! - `plpgsql_calls`: PL/pgSQL functions called by the statement, usually once per row: the
 //!   interpreter runs at every call, where an expression or an inlinable SQL function would be
 //!   evaluated inside the executor.
+//! - `toast_values`: large values decompressed and reassembled at every read, compressed and
+//!   rewritten whole at every change, usually for a small part of each.
+//! - `pattern_matches`: text matched against a LIKE pattern or a regular expression in every
+//!   row a scan reads, where no index narrows the rows.
+//! - `catalog_churn`: relations created and dropped as the statements run (temporary tables
+//!   per transaction): system-catalog rows, files and invalidations each time.
 
 use super::cpu::supported_share;
 use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
-use crate::postgres::subsystems::{Subsystem, COLLATION, PLPGSQL};
+use crate::postgres::subsystems::{Subsystem, CATALOG_CHANGES, COLLATION, PATTERN_MATCHING, PLPGSQL, TOAST};
 
 /// A family's share of a statement's CPU from which it is worth acting on: a quarter of a
 /// statement spent in work with a known cheaper form. Half of it is critical.
@@ -31,7 +37,7 @@ struct FamilyRule {
     action: &'static str,
 }
 
-const RULES: [FamilyRule; 2] = [
+const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "collation_comparisons",
         family: &COLLATION,
@@ -55,6 +61,44 @@ const RULES: [FamilyRule; 2] = [
                  as it truly is, without SECURITY DEFINER or SET); where it runs a query per \
                  call, join instead. track_functions = 'pl' counts its calls and time in \
                  pg_stat_user_functions",
+    },
+    FamilyRule {
+        kind: "toast_values",
+        family: &TOAST,
+        doing: "decompressing or compressing large values (TOAST)",
+        cause: "spend their CPU decompressing or compressing large values (TOAST)",
+        action: "each read of a value stored compressed or out of line (jsonb, text or bytea \
+                 over about 2 kB) decompresses and reassembles all of it, even for one key, and \
+                 each change compresses and writes all of it again. Keep the fields read for \
+                 every row in columns of their own (a generated column, or an expression index \
+                 the query can use), read the large column only for the rows returned, and \
+                 split documents changed piece by piece; toast_blks_hit and toast_blks_read in \
+                 pg_statio_user_tables count the reads",
+    },
+    FamilyRule {
+        kind: "pattern_matches",
+        family: &PATTERN_MATCHING,
+        doing: "matching text against patterns (LIKE, regular expressions)",
+        cause: "match text against patterns row by row",
+        action: "a pattern no B-tree serves (a leading wildcard, ILIKE, a regular expression) \
+                 is tested against every row the scan reads. A trigram index (the pg_trgm \
+                 extension, a GIN index with gin_trgm_ops) finds the candidate rows; a pattern \
+                 anchored at its start (LIKE 'abc%') can use a B-tree in the \"C\" collation or \
+                 with text_pattern_ops; a pattern tested again and again can be computed once \
+                 into a column",
+    },
+    FamilyRule {
+        kind: "catalog_churn",
+        family: &CATALOG_CHANGES,
+        doing: "creating and dropping relations (writing the system catalogs)",
+        cause: "create and drop relations as they run",
+        action: "a table created and dropped in every transaction (a temporary table ON COMMIT \
+                 DROP, a staging table) writes rows of pg_class, pg_attribute and pg_type, \
+                 creates and unlinks its files and invalidates every session's caches each \
+                 time, and bloats the catalogs. Keep the rows in a CTE, a VALUES list or an \
+                 array (unnest), or create the table once per session and empty it with DELETE \
+                 (TRUNCATE and ON COMMIT DELETE ROWS rebuild its files and indexes at every \
+                 commit); pg_stat_sys_tables counts the catalogs' inserted and deleted rows",
     },
 ];
 
@@ -144,6 +188,32 @@ mod tests {
         assert_eq!(named(&found), vec![QueryId(7)]);
         assert_eq!(found[0].kind, "plpgsql_calls");
         assert!(found[0].title.contains("in PL/pgSQL functions it calls"));
+    }
+
+    #[test]
+    fn toast_pattern_and_catalog_work_are_each_named_by_their_rule() {
+        let found = family_costs(
+            &[
+                statement(7, "toast", 120),
+                statement(8, "pattern_matching", 90),
+                statement(9, "catalog_changes", 180),
+                statement(10, "catalog_caches", 180),
+            ],
+            1,
+        );
+        let kinds: Vec<(&str, QueryId)> = found.iter().map(|f| (f.kind, f.query_ids[0])).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("toast_values", QueryId(7)),
+                ("pattern_matches", QueryId(8)),
+                ("catalog_churn", QueryId(9)),
+            ]
+        );
+        // The advice is not the cause: no compression method for TOAST, no DDL per
+        // transaction for the catalog.
+        assert!(!found[0].action.contains("lz4"));
+        assert!(found[2].action.contains("a CTE") && found[2].action.contains("empty it with DELETE"));
     }
 
     #[test]

@@ -188,6 +188,115 @@ pub const PLPGSQL: Subsystem = Subsystem {
     pgss_columns: &[],
 };
 
+pub const TOAST: Subsystem = Subsystem {
+    name: "toast",
+    what: "reading and writing large values compressed or out of line (TOAST)",
+    // Each read of a compressed or out-of-line value goes through `detoast_attr` (or its slice
+    // and external forms); each write compresses in `toast_compress_datum` and stores the
+    // chunks in `toast_save_datum`. The compressors themselves are not listed: LZ4's are also
+    // WAL compression's, and pglz's are not exported by the distro build (their callers are).
+    functions: &[
+        "detoast_attr",
+        "detoast_attr_slice",
+        "detoast_external_attr",
+        "heap_fetch_toast_slice",
+        "toast_fetch_datum",
+        "toast_fetch_datum_slice",
+        "toast_decompress_datum",
+        "toast_decompress_datum_slice",
+        "pglz_decompress",
+        "toast_compress_datum",
+        "toast_save_datum",
+        "toast_delete_datum",
+        "toast_tuple_try_compression",
+        "toast_tuple_externalize",
+        "heap_toast_insert_or_update",
+    ],
+    prefixes: &[],
+    modules: &[],
+    usual_causes: "a large value (jsonb, text, bytea over about 2 kB) read whole for a small \
+                   part of it in every row (one key of a document), or rewritten whole for a \
+                   small change: each access decompresses and reassembles it",
+    confirmed_by: "toast_blks_hit and toast_blks_read of the table in pg_statio_user_tables; \
+                   pg_column_size() of the values against their length",
+    pgss_columns: &[],
+};
+
+pub const PATTERN_MATCHING: Subsystem = Subsystem {
+    name: "pattern_matching",
+    what: "matching text against LIKE patterns and regular expressions",
+    // The operators' and functions' entry points (LIKE's matcher is inlined into them) and the
+    // regular-expression engine's exported ones; its internals are static. Not `pg_regcomp`:
+    // pg_trgm compiles each pattern with it to choose the trigrams its index reads, the work of
+    // the remedy, not of the cause.
+    functions: &[
+        "textlike",
+        "textnlike",
+        "texticlike",
+        "texticnlike",
+        "bpcharlike",
+        "bpcharnlike",
+        "bpchariclike",
+        "bpcharicnlike",
+        "namelike",
+        "namenlike",
+        "nameiclike",
+        "nameicnlike",
+        "bytealike",
+        "byteanlike",
+        "nameregexeq",
+        "nameregexne",
+        "nameicregexeq",
+        "nameicregexne",
+        "RE_compile_and_cache",
+        "RE_compile_and_execute",
+        "pg_regexec",
+    ],
+    prefixes: &["textregex", "texticregex", "regexp_"],
+    modules: &[],
+    usual_causes: "a pattern no B-tree can serve (a leading wildcard, ILIKE, a regular \
+                   expression) tested against the text of every row a scan reads",
+    confirmed_by: "EXPLAIN ANALYZE: a Seq Scan or Filter with the pattern and its Rows Removed \
+                   by Filter; pg_trgm's GIN or GiST index serves such patterns",
+    pgss_columns: &[],
+};
+
+pub const CATALOG_CHANGES: Subsystem = Subsystem {
+    name: "catalog_changes",
+    what: "creating and dropping relations (rows of the system catalogs, their files, \
+           invalidations)",
+    // Not `PreCommit_on_commit_actions`: it also truncates the tables ON COMMIT DELETE ROWS, the
+    // temporary table kept for the session that the advice recommends; the drops it makes go
+    // through `performMultipleDeletions`.
+    functions: &[
+        "heap_create_with_catalog",
+        "heap_create",
+        "heap_drop_with_catalog",
+        "DefineRelation",
+        "RemoveRelations",
+        "performDeletion",
+        "performMultipleDeletions",
+        "index_create",
+        "index_drop",
+        "InsertPgAttributeTuples",
+        "InsertPgClassTuple",
+        "RelationCreateStorage",
+        "RelationDropStorage",
+        "smgrdounlinkall",
+        "smgrDoPendingDeletes",
+        "NewRelationCreateToastTable",
+        "AlterTableCreateToastTable",
+    ],
+    prefixes: &["CatalogTuple"],
+    modules: &[],
+    usual_causes: "tables (often temporary ones) created and dropped in every transaction: each \
+                   writes rows of pg_class, pg_attribute and pg_type, creates and unlinks files \
+                   and sends every session invalidations",
+    confirmed_by: "n_tup_ins and n_tup_del of pg_class and pg_attribute in pg_stat_sys_tables \
+                   against the transactions (xact_commit of pg_stat_database)",
+    pgss_columns: &[],
+};
+
 pub const PLANNER: Subsystem = Subsystem {
     name: "planner",
     what: "planning (choosing join orders, paths and indexes)",
@@ -397,6 +506,9 @@ pub const ALL: &[&Subsystem] = &[
     &PLANNER,
     &PLPGSQL,
     &COLLATION,
+    &TOAST,
+    &PATTERN_MATCHING,
+    &CATALOG_CHANGES,
     &WAL,
     &DATA_FILE_READS,
     &BUFFER_MANAGER,
@@ -436,6 +548,10 @@ mod tests {
             Some(&COLLATION)
         );
         assert_eq!(of_frame("mdread", None), Some(&DATA_FILE_READS));
+        assert_eq!(of_frame("detoast_attr", None), Some(&TOAST));
+        assert_eq!(of_frame("textregexeq", None), Some(&PATTERN_MATCHING));
+        assert_eq!(of_frame("regexp_replace", None), Some(&PATTERN_MATCHING));
+        assert_eq!(of_frame("CatalogTupleInsert", None), Some(&CATALOG_CHANGES));
         assert_eq!(of_frame("ReadBuffer_common", None), Some(&BUFFER_MANAGER));
         assert_eq!(
             of_frame("pgss_store", Some("pg_stat_statements.so")),
