@@ -23,6 +23,7 @@ mod phases;
 mod plan_locking;
 mod probes;
 mod row_locks;
+mod sessions;
 mod spills;
 mod spin_sites;
 mod waits;
@@ -149,6 +150,11 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     findings.extend(families::family_costs(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(commit_waits::commit_flush_waits(&analysis.walls));
+    findings.extend(sessions::connection_churn(
+        measured.on_cpu,
+        measured.instance,
+        analysis.seconds(),
+    ));
     findings.extend(hot_function::unexplained(statements, &findings, period));
     // Rules that measure one mechanism their own ways, on one statement: one finding, one cost.
     let findings = causes::one_finding_per_cause(findings);

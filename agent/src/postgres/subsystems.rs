@@ -297,6 +297,35 @@ pub const CATALOG_CHANGES: Subsystem = Subsystem {
     pgss_columns: &[],
 };
 
+pub const SESSIONS: Subsystem = Subsystem {
+    name: "sessions",
+    what: "starting and ending sessions (forking a backend, authenticating it, filling its \
+           caches, exiting)",
+    // The postmaster's fork, the new backend's setup up to its first statement, and its exit.
+    // Not what the whole session runs under (`BackendRun`, `BackendMain`,
+    // `postmaster_child_launch`, `PostgresMain`): only work that a kept connection does not
+    // repeat.
+    functions: &[
+        "fork_process",
+        "BackendInitialize",
+        "ProcessStartupPacket",
+        "ClientAuthentication",
+        "PerformAuthentication",
+        "InitProcess",
+        "InitPostgres",
+        "pq_init",
+        "proc_exit",
+    ],
+    prefixes: &[],
+    modules: &[],
+    usual_causes: "an application that opens a connection per request or per transaction \
+                   (no connection pool): each one forks a backend, authenticates it, loads its \
+                   catalog caches and exits",
+    confirmed_by: "sessions in pg_stat_database (14+): sessions opened by the hundred each \
+                   second where connections are not kept",
+    pgss_columns: &[],
+};
+
 pub const PLANNER: Subsystem = Subsystem {
     name: "planner",
     what: "planning (choosing join orders, paths and indexes)",
@@ -509,6 +538,7 @@ pub const ALL: &[&Subsystem] = &[
     &TOAST,
     &PATTERN_MATCHING,
     &CATALOG_CHANGES,
+    &SESSIONS,
     &WAL,
     &DATA_FILE_READS,
     &BUFFER_MANAGER,
@@ -552,6 +582,9 @@ mod tests {
         assert_eq!(of_frame("textregexeq", None), Some(&PATTERN_MATCHING));
         assert_eq!(of_frame("regexp_replace", None), Some(&PATTERN_MATCHING));
         assert_eq!(of_frame("CatalogTupleInsert", None), Some(&CATALOG_CHANGES));
+        assert_eq!(of_frame("InitPostgres", None), Some(&SESSIONS));
+        // What a whole session runs under is not its setup.
+        assert_eq!(of_frame("PostgresMain", None), None);
         assert_eq!(of_frame("ReadBuffer_common", None), Some(&BUFFER_MANAGER));
         assert_eq!(
             of_frame("pgss_store", Some("pg_stat_statements.so")),
