@@ -1532,3 +1532,139 @@ fn a_temporary_table_per_transaction_is_named_and_its_control_is_quiet() -> Resu
     let cluster = shared_cluster(&[])?;
     catalog_churn_case(&cluster, "temp_table_churn")
 }
+
+/// CPU time the cluster's processes have used so far, read from the postmaster's
+/// `/proc/PID/stat`: its own and that of its children it has reaped (`cutime`, `cstime`), which
+/// are the backends of connections already closed. A workload of short sessions is measured
+/// by it where the backends' own times end with them.
+fn cluster_cpu(cluster: &PgCluster) -> Result<Duration> {
+    let postmaster = cluster.postmaster_pid()?;
+    let path = format!("/proc/{postmaster}/stat");
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("cannot read `{path}`"))?;
+    // Fields from the state (field 3) on: the command name before them may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // utime, stime, cutime, cstime: fields 14 to 17, 11 to 14 after the state's.
+    let ticks: u64 = fields
+        .get(11..15)
+        .with_context(|| format!("`{path}` has too few fields: {stat}"))?
+        .iter()
+        .map(|f| f.parse::<u64>().with_context(|| format!("`{f}` in `{path}`")))
+        .sum::<Result<u64>>()?;
+    // SAFETY: sysconf only reads a constant of the system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) gave {per_second}");
+    Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
+}
+
+/// A number pgbench's report prints after `label` (`average connection time = 5.438 ms`).
+fn pgbench_figure(report: &str, label: &str) -> Result<f64> {
+    report
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix(label)?
+                .trim()
+                .strip_prefix('=')?
+                .split_whitespace()
+                .next()
+        })
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("pgbench's report has no `{label} = …`:\n{report}"))
+}
+
+/// A connection opened for every transaction (`pgbench -C`), the application without a
+/// connection pool: each transaction forks a backend that authenticates, fills its caches for
+/// one lookup by primary key, and exits. Control: the same transactions over kept connections.
+///
+/// Independent figure: pgbench's own timing of an untraced run, its average connection time
+/// against its average latency (which includes the reconnection): the share of each
+/// transaction spent connecting, against the finding's share of the instance's CPU.
+fn connection_churn_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    let case = Case {
+        database: "connection_churn",
+        setup: "CREATE TABLE accounts AS SELECT g AS id, 0 AS balance FROM generate_series(1, 10000) g; \
+                ALTER TABLE accounts ADD PRIMARY KEY (id)",
+        sql: "SELECT balance FROM accounts WHERE id = 42",
+        plan_node: "Index Scan using accounts_pkey",
+        warm_up: "",
+        prepared: true,
+        then: "",
+    };
+    // The control first: it also creates the database and its table, which the case reuses.
+    let control = run_case(cluster, &case, &[])?;
+    log_run("kept connections", &control);
+    let script = Script::new(case.sql)?;
+    let clients = CLIENTS.to_string();
+    let args = [
+        "-n",
+        "-C",
+        "-M",
+        "prepared",
+        "-f",
+        script.path(),
+        "-c",
+        &clients,
+        "-j",
+        &clients,
+    ];
+    let before = cluster_cpu(cluster)?;
+    let traced = findings_while(Trace::instance(cluster.data_dir()), || {
+        let mut pgbench =
+            cluster.spawn_pgbench_in(case.database, &[&args[..], &["-T", "600"]].concat(), 0)?;
+        let used = wait_for(
+            &format!("the cluster's processes to use {CASE_CPU:?} of CPU under `pgbench -C`"),
+            CPU_TIMEOUT,
+            || Ok((cluster_cpu(cluster)? - before >= CASE_CPU).then_some(())),
+        );
+        pgbench.ensure_running()?;
+        pgbench.stop()?;
+        used
+    })?;
+    eprintln!(
+        "a connection per transaction:\n{}",
+        describe_findings(&traced.findings)
+    );
+    let named = traced
+        .findings
+        .iter()
+        .find(|f| f.kind == "connection_churn" && f.is_alarm());
+    if let Some(finding) = named {
+        let share = finding.leading_number("CPU starting and ending sessions")? / 100.0;
+        let mut untraced = cluster.client("pgbench");
+        untraced.args(args).args(["-T", "3", case.database]);
+        let output = untraced.output().context("running pgbench -C untraced")?;
+        let report = String::from_utf8_lossy(&output.stdout);
+        ensure!(
+            output.status.success(),
+            "pgbench -C failed: {report}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let connecting =
+            pgbench_figure(&report, "average connection time")? / pgbench_figure(&report, "latency average")?;
+        eprintln!(
+            "case={name}: starting and ending sessions {:.1}% of the instance's CPU (pgscope); \
+             pgbench spent {:.1}% of each transaction connecting",
+            100.0 * share,
+            100.0 * connecting
+        );
+        ensure!(
+            connecting > 0.0
+                && share / connecting <= AGREEMENT_FACTOR
+                && connecting / share <= AGREEMENT_FACTOR,
+            "the finding says {:.1}% of the CPU starting and ending sessions, pgbench {:.1}% of \
+             each transaction connecting: not within a factor of {AGREEMENT_FACTOR}",
+            100.0 * share,
+            100.0 * connecting
+        );
+    }
+    judge(name, named, &control)
+}
+
+#[test]
+fn a_connection_per_transaction_is_named_and_its_control_is_quiet() -> Result<()> {
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    connection_churn_case(&cluster, "connection_churn")
+}
