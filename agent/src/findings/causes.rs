@@ -30,6 +30,13 @@ const MECHANISMS: &[Mechanism] = &[
         frames: &["standard_ExecutorStart"],
         by_frame: &["phase_dominance"],
     },
+    // A foreign key's checks run as AFTER triggers when the statement finishes: the finish phase
+    // is the checks.
+    Mechanism {
+        rules: &["unindexed_foreign_key", "phase_dominance"],
+        frames: &["standard_ExecutorFinish"],
+        by_frame: &["phase_dominance"],
+    },
     // A relation dropped at commit (ON COMMIT DROP, DROP in the transaction) is removed by the
     // commit: the commit phase's work is the catalog churn's.
     Mechanism {

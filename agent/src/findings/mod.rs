@@ -13,6 +13,7 @@ mod counted;
 mod cpu;
 mod facts;
 mod families;
+mod foreign_keys;
 mod functions;
 mod group;
 mod hot_function;
@@ -148,6 +149,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         period,
     ));
     findings.extend(families::family_costs(statements, period));
+    findings.extend(foreign_keys::unindexed_foreign_keys(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(commit_waits::commit_flush_waits(&analysis.walls));
     findings.extend(sessions::connection_churn(

@@ -43,6 +43,10 @@ pub struct StatementCpu {
     /// Samples of work deferred to commit: deferred triggers and constraints, ON COMMIT
     /// actions, NOTIFY, dropped relations' files (the commit's own WAL flush is not here).
     pub deferred_to_commit: u64,
+    /// Samples in foreign keys' queries of the other table (`RI_FKey_noaction_del`,
+    /// `SPI_execute_snapshot`, …): above all the checks and changes a DELETE or an UPDATE of
+    /// referenced rows makes in the referencing table.
+    pub fk_actions: ForeignKeyActions,
     /// Samples in each trigger of the statement, by its `trigger` label (`constraint <name>`,
     /// `trigger <name>`): the triggers the samples were taken in, not a list of the table's.
     pub triggers: BTreeMap<String, u64>,
@@ -141,6 +145,19 @@ impl StatementCpu {
         }) {
             self.deferred_to_commit += count;
         }
+        if let Some(action) = names.iter().position(|n| is_referenced_side_action(n)) {
+            let below = &names[action..];
+            self.fk_actions.samples += count;
+            if below.contains(&"heap_getnextslot") {
+                self.fk_actions.sequential += count;
+            }
+            if below
+                .iter()
+                .any(|n| matches!(*n, "index_getnext_slot" | "index_getnext_tid" | "btgettuple"))
+            {
+                self.fk_actions.by_index += count;
+            }
+        }
         if let Some(plan) = names.iter().position(|n| *n == "GetCachedPlan") {
             if names[plan..].contains(&"LockRelationOid") {
                 self.plan_locking += count;
@@ -153,6 +170,37 @@ impl StatementCpu {
             }
         }
     }
+}
+
+/// Samples of a statement in the foreign-key actions of the tables it changes, and how the
+/// referencing table was read under them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForeignKeyActions {
+    pub samples: u64,
+    /// Fetching the referencing table's rows one after the other (`heap_getnextslot`, a
+    /// sequential scan's). The scan's qual is evaluated outside it, so this is a part of the
+    /// scan's time: it tells how the table was read, not how long.
+    pub sequential: u64,
+    /// Fetching them through an index (`index_getnext_slot`, `btgettuple`).
+    pub by_index: u64,
+}
+
+/// The functions of a foreign key's queries of the other table. On its referenced table the
+/// trigger functions (`RI_FKey_noaction_del`, …) run for each row deleted or whose key is
+/// updated, and query the referencing table for the rows pointing to it; but they tail-call
+/// their static helpers (`ri_restrict`), so an optimized build's stacks show only the helper
+/// (named from a symbol table) and the SPI call it makes, `SPI_execute_snapshot`, which nothing
+/// else in Postgres calls. (The referencing side's checks, `RI_FKey_check_ins`, query the
+/// referenced key, whose unique index the constraint requires.)
+fn is_referenced_side_action(function: &str) -> bool {
+    matches!(
+        function,
+        "SPI_execute_snapshot" | "ri_PerformCheck" | "ri_restrict" | "ri_set"
+    ) || function.strip_prefix("RI_FKey_").is_some_and(|action| {
+        ["noaction_", "restrict_", "cascade_", "setnull_", "setdefault_"]
+            .iter()
+            .any(|kind| action.starts_with(kind))
+    })
 }
 
 /// Callers of a statement's hottest function shown with it.
