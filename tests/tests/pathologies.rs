@@ -47,7 +47,8 @@ struct Case {
     warm_up: &'static str,
     /// Sent as a prepared statement (pgbench `-M prepared`) rather than as text.
     prepared: bool,
-    /// Statements run after `sql` in the same transaction (empty: `sql` alone, autocommitted).
+    /// Statements run after `sql` in the same transaction (empty: `sql` alone, autocommitted),
+    /// then COMMIT, unless they end the transaction themselves (`ROLLBACK`).
     then: &'static str,
 }
 
@@ -105,6 +106,8 @@ fn run_case(cluster: &PgCluster, case: &Case, settings: &[(&str, &str)]) -> Resu
     }
     let script = if then.is_empty() {
         Script::new(sql)?
+    } else if then.ends_with("ROLLBACK") {
+        Script::new(&format!("BEGIN;\n{sql};\n{then}"))?
     } else {
         Script::new(&format!("BEGIN;\n{sql};\n{then};\nCOMMIT"))?
     };
@@ -1667,4 +1670,76 @@ fn a_connection_per_transaction_is_named_and_its_control_is_quiet() -> Result<()
     require_root_and_bpf();
     let cluster = shared_cluster(&[])?;
     connection_churn_case(&cluster, "connection_churn")
+}
+
+/// Parents deleted while 200000 child rows reference the table through a foreign key with no
+/// index on the referencing column, the migration that forgot it: each deleted parent makes
+/// the key's NO ACTION check scan the child table whole. (Each client deletes a parent no
+/// child references, its own by its backend's pid, and rolls back: the check runs every time,
+/// and the clients never wait for each other's rows.) Control: the index on child.parent_id,
+/// the advice's remedy.
+///
+/// Independent figure: the child table's seq_scan in pg_stat_user_tables against the DELETE's
+/// calls in pg_stat_statements: one scan of the referencing table per deleted row.
+fn foreign_key_case(cluster: &PgCluster, name: &str) -> Result<()> {
+    const TABLES: &str = "CREATE TABLE parent (id int PRIMARY KEY); \
+         INSERT INTO parent SELECT generate_series(1, 2000); \
+         CREATE TABLE child (id bigint, parent_id int REFERENCES parent); \
+         INSERT INTO child SELECT g, g % 1000 + 1 FROM generate_series(1, 200000) g";
+    let case = Case {
+        database: "fk_unindexed",
+        setup: TABLES,
+        sql: "DELETE FROM parent WHERE id = 1001 + pg_backend_pid() % 1000",
+        plan_node: "Delete on parent",
+        warm_up: "",
+        prepared: false,
+        then: "ROLLBACK",
+    };
+    let scanned = run_case(cluster, &case, &[])?;
+    log_run("no index on child.parent_id", &scanned);
+    let named = named_by(&scanned, "unindexed_foreign_key");
+    if named.is_some() {
+        let scans = number_in(
+            cluster,
+            case.database,
+            "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'child'",
+        )?;
+        let calls = number_in(
+            cluster,
+            case.database,
+            &format!(
+                "SELECT calls FROM pg_stat_statements WHERE queryid = {} AND \
+                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                scanned.queryid
+            ),
+        )?;
+        eprintln!(
+            "case={name}: {scans} sequential scans of child (pg_stat_user_tables) for {calls} \
+             DELETEs (pg_stat_statements)"
+        );
+        ensure!(
+            calls > 0.0 && scans / calls <= AGREEMENT_FACTOR && calls / scans <= AGREEMENT_FACTOR,
+            "pg_stat_user_tables counted {scans} sequential scans of child for {calls} DELETEs: \
+             not one per deleted row within a factor of {AGREEMENT_FACTOR}"
+        );
+    }
+    let indexed = Case {
+        setup: "CREATE TABLE parent (id int PRIMARY KEY); \
+                INSERT INTO parent SELECT generate_series(1, 2000); \
+                CREATE TABLE child (id bigint, parent_id int REFERENCES parent); \
+                INSERT INTO child SELECT g, g % 1000 + 1 FROM generate_series(1, 200000) g; \
+                CREATE INDEX child_parent_id ON child (parent_id)",
+        ..case
+    };
+    let control = run_case(cluster, &indexed, &[])?;
+    log_run("child.parent_id indexed", &control);
+    judge(name, named, &control)
+}
+
+#[test]
+fn a_foreign_key_without_an_index_on_its_referencing_column_is_named_and_its_control_is_quiet() -> Result<()>
+{
+    require_root_and_bpf();
+    let cluster = shared_cluster(&[])?;
+    foreign_key_case(&cluster, "unindexed_foreign_key")
 }
