@@ -35,13 +35,27 @@ struct {
 	__type(value, struct pgscope_pg_layout);
 } pg_layouts SEC(".maps");
 
-/* A sample is 17 KiB: too large for the 512-byte BPF stack, so it is built here. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct pgscope_sample);
-} scratch SEC(".maps");
+/* A record buffer: a sample is 65 KiB, too large for the 512-byte BPF stack and for a per-CPU
+ * map's value (32 KiB at most), so each buffer is an array with one entry per possible CPU
+ * (the loader sets max_entries), taken by the running CPU: BPF programs run with migration
+ * disabled, as they would use a per-CPU map's slot. */
+#define PGSCOPE_RECORD_BUFFERS(name)                                                                       \
+	struct {                                                                                           \
+		__uint(type, BPF_MAP_TYPE_ARRAY);                                                          \
+		__uint(max_entries, 1);                                                                    \
+		__type(key, __u32);                                                                        \
+		__type(value, struct pgscope_sample);                                                      \
+	} name SEC(".maps")
+
+/* This CPU's buffer of `buffers`, one of the PGSCOPE_RECORD_BUFFERS maps. */
+static __always_inline struct pgscope_sample *this_cpu_buffer(void *buffers)
+{
+	__u32 cpu = bpf_get_smp_processor_id();
+	return bpf_map_lookup_elem(buffers, &cpu);
+}
+
+/* The on-CPU sampler's. */
+PGSCOPE_RECORD_BUFFERS(scratch);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

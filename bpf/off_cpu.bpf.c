@@ -37,13 +37,8 @@ struct {
 	__type(value, __u64);
 } off_cpu_config SEC(".maps");
 
-/* Its own record buffer: the on-CPU sampler's could be in use on this CPU. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct pgscope_sample);
-} off_cpu_scratch SEC(".maps");
+/* Its own record buffers: the on-CPU sampler's could be in use on this CPU. */
+PGSCOPE_RECORD_BUFFERS(off_cpu_scratch);
 
 /* Per CPU: the stack rate limit's credit (ns of allowance) and when it was last topped up. */
 struct stack_credit {
@@ -98,8 +93,7 @@ static __always_inline bool stack_allowed(__u64 now)
 /* Sends prev's stacks now, as the start of a wait whose blocked time follows. */
 static __always_inline void send_wait_start(void *ctx, struct pgscope_off_cpu_task *task)
 {
-	__u32 zero = 0;
-	struct pgscope_sample *s = bpf_map_lookup_elem(&off_cpu_scratch, &zero);
+	struct pgscope_sample *s = this_cpu_buffer(&off_cpu_scratch);
 
 	if (!s) {
 		count(PGSCOPE_CNT_NO_SCRATCH);

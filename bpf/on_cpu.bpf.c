@@ -35,8 +35,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
 		return 0;
 	count(PGSCOPE_CNT_SAMPLES);
 
-	__u32 zero = 0;
-	struct pgscope_sample *s = bpf_map_lookup_elem(&scratch, &zero);
+	struct pgscope_sample *s = this_cpu_buffer(&scratch);
 	if (!s) {
 		count(PGSCOPE_CNT_NO_SCRATCH);
 		return 0;

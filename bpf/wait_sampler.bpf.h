@@ -79,13 +79,8 @@ struct {
 	__type(value, struct pgscope_wait_sample_task);
 } wait_sample_tasks SEC(".maps");
 
-/* Its own record buffer: the iterator may sleep in a read, and other programs run meanwhile. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct pgscope_sample);
-} wait_sample_scratch SEC(".maps");
+/* Its own record buffers: the iterator may sleep in a read, and other programs run meanwhile. */
+PGSCOPE_RECORD_BUFFERS(wait_sample_scratch);
 
 /* The threads of targets a run of the kfunc passes visits after its walk (wait_targets.bpf.c),
  * and those its first pass left to the second. Defined here so that the main object
@@ -287,8 +282,7 @@ static __always_inline void flush_deferred(struct pgscope_wait_sample_task *stat
 static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *state, struct task_struct *task,
 					     __u32 tgid, __u32 tid, struct pt_regs *regs, __u64 weight)
 {
-	__u32 zero = 0;
-	struct pgscope_sample *s = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
+	struct pgscope_sample *s = this_cpu_buffer(&wait_sample_scratch);
 
 	if (!s) {
 		count(PGSCOPE_CNT_NO_SCRATCH);

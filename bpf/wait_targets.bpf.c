@@ -353,7 +353,7 @@ int target_waits(struct pgscope_wait_run *args)
 	/* The scratch record's stack buffer holds each batch in turn: the words, taken before the
 	 * status entries are read; then those, until the first pass ends. The second pass, which
 	 * copies stacks into it, comes after. */
-	struct pgscope_sample *scratch = bpf_map_lookup_elem(&wait_sample_scratch, &zero);
+	struct pgscope_sample *scratch = this_cpu_buffer(&wait_sample_scratch);
 	if (scratch) {
 		ctx.words.bytes = scratch->user_stack;
 		ctx.words.start = list->batch_start;

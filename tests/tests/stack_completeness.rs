@@ -35,6 +35,56 @@ fn no_frame_pointer_build_stacks_reach_the_root() -> Result<()> {
     check_completeness(&PgInstall::no_frame_pointers()?, Statics::Named)
 }
 
+/// A backend matching a regular expression row after row: the engine keeps its DFAs on the
+/// stack (tens of KiB), and a sample whose copy of the stack stopped short of them lost every
+/// frame above the engine (half of them with a 16 KiB copy).
+#[test]
+fn stacks_reach_the_root_through_the_regular_expression_engine() -> Result<()> {
+    require_root_and_bpf();
+    let install = PgInstall::distro()?;
+    let cluster = PgCluster::start(&install)?;
+    let session = cluster.spawn_session(
+        // generate_series in the select list streams its rows (in FROM it would store them all
+        // first).
+        "SELECT count(*) FROM (SELECT generate_series(1, 2000000000) AS g) s \
+         WHERE md5(g::text) ~ '(a|b)+[0-9]{3}c'",
+    )?;
+    let dir = tempfile::tempdir()?;
+    let folded = dir.path().join("stacks.folded");
+    let running = Trace::pid(session.pid())
+        .duration_secs(600)
+        .frequency(FREQUENCY)
+        .folded(&folded)
+        .spawn()?;
+    let window = CpuWindow::start(&[session.pid()])?;
+    let used = window.await_cpu(Duration::from_secs(3), CPU_TIMEOUT)?;
+    running.interrupt()?;
+    ensure!(session.is_active()?, "the workload ended during the trace");
+    let profile = Profile::read_folded(&folded)?;
+    ensure_samples_cover("regex", profile.total(), used.on_cpu, FREQUENCY, 0.5)?;
+    let in_engine = |s: &Stack| s.user_frames().iter().any(|f| f == "pg_regexec");
+    let engine = profile.count_where(in_engine);
+    let rooted = profile.count_where(|s| in_engine(s) && s.starts_at_process_root());
+    eprintln!(
+        "regex: {engine} of {} samples in pg_regexec, {rooted} of them unwound to the process root",
+        profile.total()
+    );
+    // The statement's work is hashing and matching: about half of it is the engine (45%).
+    ensure!(
+        engine * 4 >= profile.total(),
+        "only {engine} of {} samples under pg_regexec; top stacks:\n{}",
+        profile.total(),
+        profile.examples_where(|_| true, 5)
+    );
+    ensure!(
+        rooted as f64 >= 0.95 * engine as f64,
+        "only {rooted} of {engine} samples in the regular-expression engine reach the process root; \
+         examples:\n{}",
+        profile.examples_where(|s| in_engine(s) && !s.starts_at_process_root(), 5)
+    );
+    Ok(())
+}
+
 fn check_completeness(install: &PgInstall, statics: Statics) -> Result<()> {
     let label = install.label;
     let cluster = PgCluster::start(install)?;

@@ -32,6 +32,9 @@ use abi::{
     SpinSiteKey, SpinSiteStats, TriggerStack, PROBE_SLOTS,
 };
 
+/// The maps of record buffers, one per possible CPU each (`PGSCOPE_RECORD_BUFFERS`).
+const RECORD_BUFFERS: [&str; 3] = ["scratch", "off_cpu_scratch", "wait_sample_scratch"];
+
 static PROFILE_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pgscope.bpf.o"));
 
 /// Set to `iterators`, the wait sampler's passes are task iterators visiting every thread of
@@ -89,13 +92,19 @@ impl OnCpuProbes {
     pub fn load() -> Result<Self> {
         // Task storage (off_cpu_tasks) is a map type aya has no wrapper for: it is read
         // through raw bpf(2) calls (`task_storage`).
-        let ebpf = aya::EbpfLoader::new()
-            .allow_unsupported_maps()
-            .load(PROFILE_OBJECT)
-            .context(
-                "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
+        // The record buffers are arrays of one entry per possible CPU (`bpf/maps.bpf.h`).
+        let cpus = aya::util::nr_cpus()
+            .map_err(|(path, error)| anyhow::anyhow!("reading {path}: {error}"))
+            .context("counting the possible CPUs")?;
+        let cpus = u32::try_from(cpus).context("the number of possible CPUs")?;
+        let mut loader = aya::EbpfLoader::new();
+        for buffers in RECORD_BUFFERS {
+            loader.map_max_entries(buffers, cpus);
+        }
+        let ebpf = loader.allow_unsupported_maps().load(PROFILE_OBJECT).context(
+            "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
              ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
-            )?;
+        )?;
         Ok(Self {
             ebpf,
             free_gates: Vec::new(),
