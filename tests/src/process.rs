@@ -136,21 +136,33 @@ pub fn parent_of(pid: u32) -> Option<u32> {
 /// CPU time (user + system) `pid` has used so far, from `/proc/PID/stat`: what the kernel
 /// accounted to it, whatever share of the machine it was given.
 pub fn cpu_time(pid: u32) -> Result<Duration> {
+    // utime and stime.
+    stat_cpu_time(pid, &[14, 15])
+}
+
+/// [`cpu_time`] with that of the children `pid` has waited for (`cutime`, `cstime`): for a
+/// postmaster, the backends of connections already closed, whose own times end with them.
+pub fn cpu_time_with_reaped_children(pid: u32) -> Result<Duration> {
+    stat_cpu_time(pid, &[14, 15, 16, 17])
+}
+
+/// The sum of the clock-tick fields `fields` (1-based, as proc(5) numbers them) of
+/// `/proc/PID/stat`.
+fn stat_cpu_time(pid: u32, fields: &[usize]) -> Result<Duration> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).with_context(|| format!("cannot read `{path}`"))?;
     // Fields from the state (field 3) on: the command name before them may hold spaces.
-    let fields: Vec<&str> = stat
+    let after_name: Vec<&str> = stat
         .rsplit_once(')')
         .map(|(_, rest)| rest.split_whitespace().collect())
         .unwrap_or_default();
-    // utime and stime, fields 14 and 15, in clock ticks.
-    let ticks = |field: usize| -> Result<u64> {
-        fields
+    let mut ticks = 0u64;
+    for &field in fields {
+        ticks += after_name
             .get(field - 3)
-            .and_then(|f| f.parse().ok())
-            .with_context(|| format!("`{path}` has no number in field {field}: `{stat}`"))
-    };
-    let ticks = ticks(14)? + ticks(15)?;
+            .and_then(|f| f.parse::<u64>().ok())
+            .with_context(|| format!("`{path}` has no number in field {field}: `{stat}`"))?;
+    }
     // SAFETY: sysconf has no preconditions.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) returned {per_second}");

@@ -22,6 +22,7 @@ use pgscope_tests::findings_json::{
     describe_cpu, describe_findings, findings_while, fresh_database, queryid_in, shared_cluster, JsonFinding,
     CPU_TIMEOUT,
 };
+use pgscope_tests::process::cpu_time_with_reaped_children;
 use pgscope_tests::{
     expected_samples, perf_record, require_root_and_bpf, wait_for, CpuWindow, PgCluster, PgInstall,
     SchedTime, Trace,
@@ -1539,30 +1540,11 @@ fn a_temporary_table_per_transaction_is_named_and_its_control_is_quiet() -> Resu
     catalog_churn_case(&cluster, "temp_table_churn")
 }
 
-/// CPU time the cluster's processes have used so far, read from the postmaster's
-/// `/proc/PID/stat`: its own and that of its children it has reaped (`cutime`, `cstime`), which
-/// are the backends of connections already closed. A workload of short sessions is measured
-/// by it where the backends' own times end with them.
+/// CPU time the cluster's processes have used so far: the postmaster's own and that of the
+/// backends it has reaped. A workload of short sessions is measured by it where the backends'
+/// own times end with them.
 fn cluster_cpu(cluster: &PgCluster) -> Result<Duration> {
-    let postmaster = cluster.postmaster_pid()?;
-    let path = format!("/proc/{postmaster}/stat");
-    let stat = std::fs::read_to_string(&path).with_context(|| format!("cannot read `{path}`"))?;
-    // Fields from the state (field 3) on: the command name before them may hold spaces.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    // utime, stime, cutime, cstime: fields 14 to 17, 11 to 14 after the state's.
-    let ticks: u64 = fields
-        .get(11..15)
-        .with_context(|| format!("`{path}` has too few fields: {stat}"))?
-        .iter()
-        .map(|f| f.parse::<u64>().with_context(|| format!("`{f}` in `{path}`")))
-        .sum::<Result<u64>>()?;
-    // SAFETY: sysconf only reads a constant of the system.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) gave {per_second}");
-    Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
+    cpu_time_with_reaped_children(cluster.postmaster_pid()?)
 }
 
 /// A number pgbench's report prints after `label` (`average connection time = 5.438 ms`).

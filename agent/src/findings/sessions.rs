@@ -95,32 +95,13 @@ fn sessions_opened(instance: &InstanceFacts) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-    use std::sync::Arc;
-
-    use exporters::{Frame, ProfileMeta, StackSample};
 
     use super::*;
+    use crate::model::fixtures::{labelled, profile};
 
-    fn sample(functions: &[&str], count: u64) -> StackSample {
-        StackSample {
-            frames: functions
-                .iter()
-                .map(|name| Frame {
-                    name: Arc::from(*name),
-                    kind: FrameKind::User,
-                    module: Some(Arc::from("postgres")),
-                })
-                .collect(),
-            labels: Vec::new(),
-            count,
-        }
-    }
-
-    fn profile(samples: Vec<StackSample>) -> Profile {
-        Profile {
-            samples,
-            meta: ProfileMeta::cpu(99, 0, 3_000_000_000),
-        }
+    /// A sample of no statement (a session's setup runs before its first).
+    fn sample(functions: &[&str], count: u64) -> exporters::StackSample {
+        labelled(functions, &[], count)
     }
 
     fn facts(sessions: Option<f64>, commits: f64) -> InstanceFacts {
