@@ -11,6 +11,7 @@ use crate::bpf::abi::OffCpuClass;
 use crate::model::labels::is_deliberate_sleep;
 use crate::model::waits::{QueryWait, QueryWaits};
 use crate::model::{QueryId, StatementWall, WaitTables};
+use crate::postgres::wait_events;
 
 /// Statements named, at most, and the share of all waiting a statement needs to be named.
 const TOP: usize = 3;
@@ -80,9 +81,18 @@ pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall]) -> Vec<F
                 numbers,
                 query_ids: vec![query.query_id],
                 frames: Vec::new(),
-                action: "the off-CPU flamegraph filtered on this queryid shows where it waits; the \
-                         wait event names what it waited for (a lock, I/O, …)"
-                    .into(),
+                action: match main.and_then(|m| wait_events::meaning_of(&m.wait)) {
+                    Some(meaning) => format!(
+                        "{} is waiting for {}; first check {}. The off-CPU flamegraph filtered on \
+                         this queryid shows where it waits",
+                        main.map_or("", |m| m.wait.as_str()),
+                        meaning.what,
+                        meaning.check
+                    ),
+                    None => "the off-CPU flamegraph filtered on this queryid shows where it waits; \
+                             the wait event names what it waited for (a lock, I/O, …)"
+                        .into(),
+                },
                 cause: None,
             }
         })
@@ -183,6 +193,17 @@ mod tests {
             .numbers
             .iter()
             .any(|(k, v)| k == "in LWLock:pg_stat_statements (futex)" && v == "85.7%"));
+        // Each main wait is explained from the catalogue of wait events.
+        assert!(
+            found[0].action.starts_with(
+                "LWLock:pg_stat_statements is waiting for pg_stat_statements' shared hash table"
+            ),
+            "{}",
+            found[0].action
+        );
+        assert!(found[1]
+            .action
+            .contains("first check the holder (pg_blocking_pids())"));
         assert!(top_waiters(None, &[]).is_empty());
     }
 

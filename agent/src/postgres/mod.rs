@@ -25,6 +25,7 @@ pub mod v15;
 pub mod v16;
 pub mod v17;
 pub mod v18;
+pub mod wait_events;
 
 #[cfg(test)]
 mod header_check;
