@@ -143,6 +143,23 @@ mod tests {
     }
 
     #[test]
+    fn foreign_key_checks_that_scan_are_the_cause_of_their_finish_phase() {
+        let findings = vec![
+            finding(
+                "phase_dominance",
+                7,
+                &["PortalDrop", "standard_ExecutorFinish"],
+                98,
+            ),
+            finding("unindexed_foreign_key", 7, &["SPI_execute_snapshot"], 97),
+        ];
+        let merged = one_finding_per_cause(findings);
+        assert_eq!(merged.len(), 1);
+        assert_eq!(merged[0].kind, "unindexed_foreign_key");
+        assert_eq!(merged[0].cause.as_ref().map(|c| c.cost_ns), Some(97));
+    }
+
+    #[test]
     fn a_commit_that_drops_the_relations_its_transaction_created_is_one_cause() {
         let findings = vec![
             finding(
