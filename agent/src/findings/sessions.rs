@@ -7,10 +7,11 @@
 //! extended-protocol message batch of a new session, a Parse before its first Execute, counts
 //! as a transaction, so a session per transaction shows as a third of one.)
 
-use exporters::{FrameKind, Profile};
+use exporters::{FrameKind, Profile, StackSample};
 
 use super::cpu::supported_share;
 use super::{percent, Finding, Severity};
+use crate::model::labels;
 use crate::postgres::sql::InstanceFacts;
 use crate::postgres::subsystems::SESSIONS;
 
@@ -31,6 +32,7 @@ pub fn connection_churn(on_cpu: &Profile, instance: Option<&InstanceFacts>, seco
     let in_sessions: u64 = on_cpu
         .samples
         .iter()
+        .filter(|s| of_client_sessions(s))
         .filter(|s| {
             s.frames
                 .iter()
@@ -80,6 +82,18 @@ pub fn connection_churn(on_cpu: &Profile, instance: Option<&InstanceFacts>, seco
             .into(),
         cause: None,
     })
+}
+
+/// Whether `sample` is of a process that serves client connections: a client backend, a
+/// process before it knows its type (a backend authenticating), or the postmaster forking
+/// them. Not a parallel worker, an autovacuum worker or another background process, whose
+/// start goes through the same `InitPostgres`: a pooler does not spare those, and their cost
+/// has other causes (short parallel queries, many small tables to vacuum). A sample without
+/// the label (a major pgscope cannot decode) counts.
+fn of_client_sessions(sample: &StackSample) -> bool {
+    sample
+        .label(labels::BACKEND_TYPE)
+        .is_none_or(|kind| matches!(kind, "client backend" | "not initialized" | "postmaster"))
 }
 
 /// pg_stat_database's sessions over the trace, summed over the databases; None before
@@ -171,6 +185,33 @@ mod tests {
             .numbers
             .iter()
             .any(|(label, _)| label.starts_with("sessions")));
+    }
+
+    #[test]
+    fn background_processes_starting_are_not_client_sessions() {
+        // Parallel workers started for short parallel queries: InitPostgres too, but no pooler
+        // spares them.
+        let worker = |count| {
+            labelled(
+                &["ParallelWorkerMain", "InitPostgres"],
+                &[(labels::BACKEND_TYPE, "parallel worker")],
+                count,
+            )
+        };
+        let client = |count| {
+            labelled(
+                &["PostgresMain", "InitPostgres"],
+                &[(labels::BACKEND_TYPE, "client backend")],
+                count,
+            )
+        };
+        let query = sample(&["PostgresMain", "exec_simple_query"], 100);
+        assert_eq!(
+            connection_churn(&profile(vec![worker(100), query.clone()]), None, 3.0),
+            None
+        );
+        let found = connection_churn(&profile(vec![client(100), query]), None, 3.0).unwrap();
+        assert_eq!(found.kind, "connection_churn");
     }
 
     #[test]
