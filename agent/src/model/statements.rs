@@ -82,12 +82,14 @@ impl StatementCpu {
         (samples > 0).then(|| (Phase::ALL[index], samples as f64 / self.samples as f64))
     }
 
-    /// Adds one sample's weight to each subsystem its user frames belong to, once each.
+    /// Adds one sample's weight to each subsystem its user frames belong to, once each, unless
+    /// the sample is outside the work that subsystem counts (`Subsystem::except_under`).
     fn count_subsystems(&mut self, frames: &[Frame], count: u64) {
+        let names = user_names(frames);
         let mut seen: Vec<&'static str> = Vec::new();
         for frame in frames.iter().filter(|f| f.kind == FrameKind::User) {
             if let Some(subsystem) = subsystems::of_frame(&frame.name, frame.module.as_deref()) {
-                if !seen.contains(&subsystem.name) {
+                if !seen.contains(&subsystem.name) && !subsystem.excepted(&names) {
                     seen.push(subsystem.name);
                     *self.subsystems.entry(subsystem.name).or_default() += count;
                 }
@@ -364,6 +366,31 @@ mod tests {
         assert_eq!(found[0].hottest_function.as_deref(), Some("ExecScan"));
         assert_eq!(found[0].dominant_phase().map(|(p, _)| p), Some(Phase::Run));
         assert_eq!(found[1].query_id, QueryId(-5));
+    }
+
+    #[test]
+    fn a_family_leaves_out_the_remedy_at_work_and_the_values_plain_use() {
+        let p = profile(vec![
+            // A pattern tested in a sequential scan's filter, and in an index's recheck.
+            sample(7, "run", &["ExecScan", "ExecQual", "textlike"], 30),
+            sample(
+                7,
+                "run",
+                &["ExecScan", "BitmapHeapNext", "ExecQual", "textlike"],
+                20,
+            ),
+            // A document detoasted for one key, and to be sent whole to the client.
+            sample(
+                7,
+                "run",
+                &["ExecInterpExpr", "jsonb_object_field_text", "detoast_attr"],
+                40,
+            ),
+            sample(7, "run", &["OutputFunctionCall", "jsonb_out", "detoast_attr"], 10),
+        ]);
+        let found = &statements(&p)[0];
+        assert_eq!(found.in_subsystem(&subsystems::PATTERN_MATCHING), 30);
+        assert_eq!(found.in_subsystem(&subsystems::TOAST), 40);
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub struct Subsystem {
     pub prefixes: &'static [&'static str],
     /// Prefixes of the file names of the libraries that are wholly part of it (`libLLVM`).
     pub modules: &'static [&'static str],
+    /// Frames under which its work is not what makes it costly but the remedy at work (an
+    /// index's recheck of the rows it found) or the value's plain use (sending it to the
+    /// client): a sample with one of them on its stack does not count for the family.
+    pub except_under: &'static [&'static str],
     /// What usually makes it costly, and the first thing to check.
     pub usual_causes: &'static str,
     /// What confirms or rules out those causes, in Postgres' own counters and views.
@@ -30,6 +34,12 @@ pub struct Subsystem {
 }
 
 impl Subsystem {
+    /// Whether a sample whose user frames are `names` is outside the work this family counts
+    /// ([`Self::except_under`]).
+    pub fn excepted(&self, names: &[&str]) -> bool {
+        names.iter().any(|name| self.except_under.contains(name))
+    }
+
     /// Whether `function` (in the library `module`, when known) is one of this subsystem's.
     pub fn holds(&self, function: &str, module: Option<&str>) -> bool {
         self.functions.contains(&function)
@@ -52,6 +62,7 @@ pub const SORT: Subsystem = Subsystem {
     ],
     prefixes: &["tuplesort_", "comparetup_", "qsort_tuple", "qsort_ssup", "ApplySortComparator"],
     modules: &[],
+    except_under: &[],
     usual_causes: "more rows than work_mem holds: the sort writes runs to temporary files and \
                    merges them (temp_blks_written); else many rows or costly comparisons \
                    (non-C collations, numeric, wide keys)",
@@ -75,6 +86,7 @@ pub const HASH_AGGREGATE: Subsystem = Subsystem {
     ],
     prefixes: &["hashagg_"],
     modules: &[],
+    except_under: &[],
     usual_causes: "more groups than work_mem × hash_mem_multiplier holds: the groups spill to \
                    temporary files and are aggregated again in batches (temp_blks_written); \
                    else many rows or groups",
@@ -96,6 +108,7 @@ pub const HASH_JOIN: Subsystem = Subsystem {
     ],
     prefixes: &["ExecHashTable", "ExecHashIncrease", "ExecParallelHashTable"],
     modules: &[],
+    except_under: &[],
     usual_causes: "an inner side larger than work_mem × hash_mem_multiplier: the join splits \
                    into batches written to temporary files (temp_blks_written); else a large \
                    inner side, or a row estimate far below the real count",
@@ -116,6 +129,7 @@ pub const TEMP_FILES: Subsystem = Subsystem {
         "ltsReadFillBuffer",
     ],
     modules: &[],
+    except_under: &[],
     usual_causes: "an operator that outgrew work_mem (log_temp_files and temp_blks_written \
                    say how much it wrote)",
     confirmed_by: "temp_blks_written and temp_blks_read of the statement, temp_files (pg_stat_database)",
@@ -128,6 +142,7 @@ pub const JIT: Subsystem = Subsystem {
     functions: &["jit_compile_expr", "llvm_compile_expr", "llvm_get_function"],
     prefixes: &["llvm_", "LLVM"],
     modules: &["libLLVM", "llvmjit"],
+    except_under: &[],
     usual_causes: "a plan whose estimated cost passes jit_above_cost (often through a bad \
                    row estimate) compiled at every execution, for less time than compiling \
                    takes (jit_*_time against total_exec_time)",
@@ -162,6 +177,7 @@ pub const COLLATION: Subsystem = Subsystem {
     ],
     prefixes: &["ucol_"],
     modules: &["libicui18n", "libicuuc"],
+    except_under: &[],
     usual_causes: "text sorted, grouped, deduplicated or searched in a B-tree under a \
                    linguistic collation, where byte order would serve (codes, identifiers, \
                    hashes): each comparison goes through the provider instead of a memcmp",
@@ -180,6 +196,7 @@ pub const PLPGSQL: Subsystem = Subsystem {
     ],
     prefixes: &["plpgsql_", "exec_stmt_"],
     modules: &["plpgsql"],
+    except_under: &[],
     usual_causes: "a function called once per row (in WHERE, the select list or a join \
                    condition) whose body the planner cannot inline: the interpreter's setup and \
                    its expressions run at every call; or a function that runs a query per call",
@@ -214,6 +231,9 @@ pub const TOAST: Subsystem = Subsystem {
     ],
     prefixes: &[],
     modules: &[],
+    // A value sent to the client (or written by COPY TO) whole is read whole: its output
+    // function detoasts it under OutputFunctionCall, and no column of its own would spare it.
+    except_under: &["OutputFunctionCall"],
     usual_causes: "a large value (jsonb, text, bytea over about 2 kB) read whole for a small \
                    part of it in every row (one key of a document), or rewritten whole for a \
                    small change: each access decompresses and reassembles it",
@@ -254,6 +274,15 @@ pub const PATTERN_MATCHING: Subsystem = Subsystem {
     ],
     prefixes: &["textregex", "texticregex", "regexp_"],
     modules: &[],
+    // An index scan's recheck of the candidate rows (a pg_trgm index's, whose matches are
+    // lossy): the remedy at work. A filter on rows an index on another column found is
+    // evaluated in ExecScan, outside these, and counts.
+    except_under: &[
+        "BitmapHeapNext",
+        "IndexNext",
+        "IndexNextWithReorder",
+        "IndexOnlyNext",
+    ],
     usual_causes: "a pattern no B-tree can serve (a leading wildcard, ILIKE, a regular \
                    expression) tested against the text of every row a scan reads",
     confirmed_by: "EXPLAIN ANALYZE: a Seq Scan or Filter with the pattern and its Rows Removed \
@@ -289,6 +318,7 @@ pub const CATALOG_CHANGES: Subsystem = Subsystem {
     ],
     prefixes: &["CatalogTuple"],
     modules: &[],
+    except_under: &[],
     usual_causes: "tables (often temporary ones) created and dropped in every transaction: each \
                    writes rows of pg_class, pg_attribute and pg_type, creates and unlinks files \
                    and sends every session invalidations",
@@ -318,6 +348,7 @@ pub const SESSIONS: Subsystem = Subsystem {
     ],
     prefixes: &[],
     modules: &[],
+    except_under: &[],
     usual_causes: "an application that opens a connection per request or per transaction \
                    (no connection pool): each one forks a backend, authenticates it, loads its \
                    catalog caches and exits",
@@ -341,6 +372,7 @@ pub const PLANNER: Subsystem = Subsystem {
     ],
     prefixes: &["join_search_", "add_paths_to_", "set_base_rel_", "create_plan"],
     modules: &[],
+    except_under: &[],
     usual_causes: "many relations or partitions to plan (join_collapse_limit, partition \
                    pruning at plan time), or a statement planned at every execution \
                    (plans against calls)",
@@ -364,6 +396,7 @@ pub const BUFFER_MANAGER: Subsystem = Subsystem {
     ],
     prefixes: &[],
     modules: &[],
+    except_under: &[],
     usual_causes: "pages read from outside shared buffers (shared_blks_read against \
                    shared_blks_hit): a working set larger than shared_buffers, or a scan \
                    reading far more pages than the rows it returns need",
@@ -390,6 +423,7 @@ pub const DATA_FILE_READS: Subsystem = Subsystem {
     ],
     prefixes: &[],
     modules: &[],
+    except_under: &[],
     usual_causes: "a working set larger than shared_buffers (shared_blks_read against \
                    shared_blks_hit), or a plan reading far more pages than its rows need",
     confirmed_by: "shared_blks_read against shared_blks_hit of the statement; IO:DataFileRead \
@@ -412,6 +446,7 @@ pub const WAL: Subsystem = Subsystem {
     ],
     prefixes: &["XLogRegister"],
     modules: &[],
+    except_under: &[],
     usual_causes: "full-page images after each checkpoint (wal_fpi against wal_records: \
                    checkpoint_timeout, max_wal_size), or waiting for the WAL flush at commit \
                    (synchronous_commit, many small transactions)",
@@ -435,6 +470,7 @@ pub const LOCK_MANAGER: Subsystem = Subsystem {
     ],
     prefixes: &[],
     modules: &[],
+    except_under: &[],
     usual_causes: "many relations locked per statement (partitions, indexes: beyond 16 the \
                    fast path is full and the shared lock table's LWLocks are contended)",
     confirmed_by: "pg_locks rows with fastpath = false for the statement's backends",
@@ -458,6 +494,7 @@ pub const CATALOG_CACHES: Subsystem = Subsystem {
         "RelationIdGetRelation",
     ],
     modules: &[],
+    except_under: &[],
     usual_causes: "caches rebuilt after invalidations (DDL, temporary tables, ANALYZE in a \
                    loop) or a first access to many relations in each new session (no \
                    connection pooling)",
@@ -472,6 +509,7 @@ pub const EXPRESSIONS: Subsystem = Subsystem {
     functions: &["ExecInterpExpr", "ExecQual", "ExecProject"],
     prefixes: &["ExecEval", "ExecJust"],
     modules: &[],
+    except_under: &[],
     usual_causes: "a filter evaluated for many rows it then discards (an index the planner \
                    could not use), or costly functions in the select list",
     confirmed_by: "rows against the rows the plan reads (EXPLAIN ANALYZE: Rows Removed by Filter)",
@@ -495,6 +533,7 @@ pub const PG_STAT_STATEMENTS: Subsystem = Subsystem {
     ],
     prefixes: &["qtext_"],
     modules: &[],
+    except_under: &[],
     usual_causes: "more distinct statements than pg_stat_statements.max (evictions, \
                    pg_stat_statements_info.dealloc) or a statement so hot that its entry's \
                    spinlock is contended",
@@ -515,6 +554,7 @@ pub const VACUUM: Subsystem = Subsystem {
     ],
     prefixes: &["lazy_scan_", "lazy_vacuum_"],
     modules: &[],
+    except_under: &[],
     usual_causes: "large tables scanned whole (the visibility map not set), indexes vacuumed \
                    again for lack of maintenance_work_mem, or pg_class scanned per database \
                    by vac_update_datfrozenxid",
