@@ -17,6 +17,7 @@
 use super::cpu::supported_share;
 use super::{percent, Finding, Severity, StatementCause};
 use crate::model::StatementCpu;
+use crate::postgres::sql::InstanceFacts;
 use crate::postgres::subsystems::{Subsystem, CATALOG_CHANGES, COLLATION, PATTERN_MATCHING, PLPGSQL, TOAST};
 
 /// A family's share of a statement's CPU from which it is worth acting on: a quarter of a
@@ -26,10 +27,17 @@ const FAMILY_CRITICAL: f64 = 0.50;
 /// The share the samples must support with 95% confidence.
 const FAMILY_SUPPORTED: f64 = 0.15;
 
+/// Calls over the trace from which a statement runs "again and again" (pg_stat_statements').
+const MIN_REPEATS: f64 = 10.0;
+
 /// One rule: the family it reads and what it says.
 struct FamilyRule {
     kind: &'static str,
     family: &'static Subsystem,
+    /// Named only for a statement pg_stat_statements counted at least [`MIN_REPEATS`] calls of
+    /// over the trace, where it could be read: the cause is the repetition (a table created in
+    /// every transaction), not one run of the statement (a migration creating partitions).
+    repeated: bool,
     /// Read after "queryid N spends X% of its CPU ".
     doing: &'static str,
     /// Read after "N statements ".
@@ -41,6 +49,7 @@ const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "collation_comparisons",
         family: &COLLATION,
+        repeated: false,
         doing: "comparing text under a linguistic collation",
         cause: "compare text under a linguistic collation",
         action: "the text it sorts, groups or searches is compared through the collation's \
@@ -53,6 +62,7 @@ const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "plpgsql_calls",
         family: &PLPGSQL,
+        repeated: false,
         doing: "in PL/pgSQL functions it calls",
         cause: "spend their CPU in the PL/pgSQL functions they call",
         action: "a PL/pgSQL function called for each row runs its interpreter at every call. \
@@ -65,6 +75,7 @@ const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "toast_values",
         family: &TOAST,
+        repeated: false,
         doing: "decompressing or compressing large values (TOAST)",
         cause: "spend their CPU decompressing or compressing large values (TOAST)",
         action: "each read of a value stored compressed or out of line (jsonb, text or bytea \
@@ -78,6 +89,7 @@ const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "pattern_matches",
         family: &PATTERN_MATCHING,
+        repeated: false,
         doing: "matching text against patterns (LIKE, regular expressions)",
         cause: "match text against patterns row by row",
         action: "a pattern no B-tree serves (a leading wildcard, ILIKE, a regular expression) \
@@ -90,6 +102,7 @@ const RULES: [FamilyRule; 5] = [
     FamilyRule {
         kind: "catalog_churn",
         family: &CATALOG_CHANGES,
+        repeated: true,
         doing: "creating and dropping relations (writing the system catalogs)",
         cause: "create and drop relations as they run",
         action: "a table created and dropped in every transaction (a temporary table ON COMMIT \
@@ -103,15 +116,24 @@ const RULES: [FamilyRule; 5] = [
 ];
 
 /// The statements of `queries` with [`FAMILY_WARN`] of their CPU under one rule's family, each
-/// named by that rule.
-pub fn family_costs(queries: &[StatementCpu], period_ns: u64) -> Vec<Finding> {
+/// named by that rule; `facts` holds their pg_stat_statements counters over the trace, where
+/// read.
+pub fn family_costs(queries: &[StatementCpu], facts: Option<&InstanceFacts>, period_ns: u64) -> Vec<Finding> {
+    let calls = |q: &StatementCpu| -> Option<f64> {
+        facts?
+            .pgss_deltas_by_query
+            .get(&q.query_id.to_string())?
+            .get("calls")
+            .copied()
+    };
     RULES
         .iter()
         .flat_map(|rule| {
             super::cpu::statements(queries).filter_map(move |q| {
                 let samples = q.in_subsystem(rule.family);
                 let share = samples as f64 / q.samples as f64;
-                (share >= FAMILY_WARN && supported_share(samples, q.samples) >= FAMILY_SUPPORTED)
+                let once = rule.repeated && calls(q).is_some_and(|calls| calls < MIN_REPEATS);
+                (share >= FAMILY_WARN && supported_share(samples, q.samples) >= FAMILY_SUPPORTED && !once)
                     .then(|| finding(rule, q, samples, share, period_ns))
             })
         })
@@ -169,6 +191,7 @@ mod tests {
                 statement(8, "collation", 30),
                 statement(9, "collation", 60),
             ],
+            None,
             1,
         );
         assert_eq!(named(&found), vec![QueryId(7), QueryId(9)]);
@@ -184,7 +207,11 @@ mod tests {
 
     #[test]
     fn statements_in_plpgsql_are_named_by_their_own_rule() {
-        let found = family_costs(&[statement(7, "plpgsql", 120), statement(8, "sort", 150)], 1);
+        let found = family_costs(
+            &[statement(7, "plpgsql", 120), statement(8, "sort", 150)],
+            None,
+            1,
+        );
         assert_eq!(named(&found), vec![QueryId(7)]);
         assert_eq!(found[0].kind, "plpgsql_calls");
         assert!(found[0].title.contains("in PL/pgSQL functions it calls"));
@@ -199,6 +226,7 @@ mod tests {
                 statement(9, "catalog_changes", 180),
                 statement(10, "catalog_caches", 180),
             ],
+            None,
             1,
         );
         let kinds: Vec<(&str, QueryId)> = found.iter().map(|f| (f.kind, f.query_ids[0])).collect();
@@ -217,6 +245,23 @@ mod tests {
     }
 
     #[test]
+    fn catalog_work_of_a_statement_run_once_is_not_churn() {
+        let migration = statement(7, "catalog_changes", 190);
+        let per_transaction = statement(8, "catalog_changes", 190);
+        let facts = InstanceFacts {
+            pgss_deltas_by_query: BTreeMap::from([
+                ("7".to_string(), BTreeMap::from([("calls".to_string(), 1.0)])),
+                ("8".to_string(), BTreeMap::from([("calls".to_string(), 2441.0)])),
+            ]),
+            ..InstanceFacts::default()
+        };
+        let found = family_costs(&[migration.clone(), per_transaction], Some(&facts), 1);
+        assert_eq!(named(&found), vec![QueryId(8)]);
+        // Without pg_stat_statements' counts, the share alone.
+        assert_eq!(named(&family_costs(&[migration], None, 1)), vec![QueryId(7)]);
+    }
+
+    #[test]
     fn a_share_the_samples_do_not_support_is_not_named() {
         let few = StatementCpu {
             query_id: QueryId(7),
@@ -224,6 +269,6 @@ mod tests {
             subsystems: BTreeMap::from([("collation", 5)]),
             ..StatementCpu::default()
         };
-        assert!(family_costs(&[few], 1).is_empty());
+        assert!(family_costs(&[few], None, 1).is_empty());
     }
 }

@@ -148,7 +148,7 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
         &analysis.walls,
         period,
     ));
-    findings.extend(families::family_costs(statements, period));
+    findings.extend(families::family_costs(statements, measured.instance, period));
     findings.extend(foreign_keys::unindexed_foreign_keys(statements, period));
     findings.extend(row_locks::row_lock_contention(&analysis.walls, measured.blockers));
     findings.extend(commit_waits::commit_flush_waits(&analysis.walls));
