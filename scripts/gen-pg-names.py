@@ -321,7 +321,10 @@ def ask_server(build, h):
             version_num = int(cluster.sql("SHOW server_version_num"))
             view = None
             if cluster.sql("SELECT to_regclass('pg_catalog.pg_wait_events') IS NOT NULL").strip() == "t":
-                view = [tuple(r.split("\t")) for r in cluster.sql("COPY (SELECT type, name FROM pg_wait_events) TO STDOUT").splitlines()]
+                view = [
+                    tuple(r.split("\t"))
+                    for r in cluster.sql("COPY (SELECT type, name, description FROM pg_wait_events) TO STDOUT").splitlines()
+                ]
         finally:
             cluster.stop()
     return lines, answers, view, version_num
@@ -552,9 +555,13 @@ def check_answers(t, answers):
 
 
 def check_view(t, view):
-    """pg_wait_events (17+) lists every built-in wait event: each must be in the tables."""
+    """pg_wait_events (17+) lists every built-in wait event: each must be in the tables. Its rows'
+    descriptions (the server's own words for each event) are kept for the output."""
+    t["descriptions"] = []
     if view is None:
         return
+    t["descriptions"] = sorted(view)
+    view = [(typ, name) for typ, name, _ in view]
     ours = set()
     for label, base, typ, kind, events in t["wait_classes"]:
         if kind[0] == "lwlock":
@@ -719,6 +726,27 @@ def render(t, build):
     w("")
     names_table("`BuiltinTrancheIds` from `NUM_INDIVIDUAL_LWLOCKS` → `GetLWTrancheName`.", "BUILTIN_TRANCHES", t["builtin_tranches"])
     names_table("`LockTagType` → `GetLockNameFromTagType`.", "LOCK_TAG_TYPES", t["lock_tags"])
+
+    # The server's descriptions of its wait events (pg_wait_events, 17+).
+    if t["descriptions"]:
+        w(f"/// What a wait event is, in PostgreSQL {major}'s own words (`pg_wait_events.description`), by")
+        w("/// `wait_event_type` and `wait_event`. None for an event it does not describe.")
+    else:
+        w(f"/// What a wait event is, in PostgreSQL {major}'s own words: None, as {major} has no `pg_wait_events`")
+        w("/// (it came in 17) to read them from.")
+    w("pub fn wait_event_description(wait_event_type: &str, wait_event: &str) -> Option<&'static str> {")
+    w("    WAIT_EVENT_DESCRIPTIONS")
+    w("        .binary_search_by(|(t, e, _)| (*t, *e).cmp(&(wait_event_type, wait_event)))")
+    w("        .ok()")
+    w("        .map(|i| WAIT_EVENT_DESCRIPTIONS[i].2)")
+    w("}")
+    w("")
+    w("/// `pg_wait_events` rows: type, name, description; sorted by type and name.")
+    w(f"static WAIT_EVENT_DESCRIPTIONS: [(&str, &str, &str); {len(t['descriptions'])}] = [")
+    for typ, name, description in t["descriptions"]:
+        w(f"    ({rs_str(typ)}, {rs_str(name)}, {rs_str(description)}),")
+    w("];")
+    w("")
 
     # Test-only: each entry with the C expression it comes from. Not rustfmt'ed: one entry a line.
     w("/// Every table entry with the C expression it stands for, for `tests/tests/pg_names.rs`: it")

@@ -46,6 +46,7 @@ struct Major {
     backend_type: fn(u32) -> Option<&'static str>,
     backend_state: fn(u32) -> Option<&'static str>,
     wait_event: fn(u32) -> Option<WaitEvent>,
+    wait_event_description: fn(&str, &str) -> Option<&'static str>,
     backend_types: &'static [(&'static str, u32, &'static str)],
     backend_states: &'static [(&'static str, u32, Option<&'static str>)],
     wait_events: &'static [(&'static str, u32, &'static str, &'static str)],
@@ -76,6 +77,7 @@ macro_rules! major {
             backend_type: $module::backend_type,
             backend_state: $module::backend_state,
             wait_event: $module::wait_event,
+            wait_event_description: $module::wait_event_description,
             backend_types: $module::c_constants::BACKEND_TYPES,
             backend_states: $module::c_constants::BACKEND_STATES,
             wait_events: $module::c_constants::WAIT_EVENTS,
@@ -473,12 +475,48 @@ fn enum_members(text: &str, name: &str) -> Option<Vec<String>> {
 // ------------------------------------------------------------------------------------------------
 // Live backends
 
+/// The descriptions of the wait events are the live server's own (`pg_wait_events`, 17+), every
+/// one; a major without the view describes none.
+fn descriptions_are_the_servers(m: &Major, cluster: &PgCluster) -> Result<()> {
+    let has_view = cluster.psql("SELECT to_regclass('pg_catalog.pg_wait_events') IS NOT NULL")?;
+    if has_view.trim() != "t" {
+        ensure!(
+            (m.wait_event_description)("Lock", "transactionid").is_none(),
+            "PG{} has no pg_wait_events, yet names.rs describes Lock:transactionid",
+            m.major
+        );
+        return Ok(());
+    }
+    let rows = cluster.psql("SELECT type || E'\\t' || name || E'\\t' || description FROM pg_wait_events")?;
+    let mut checked = 0;
+    for row in rows.lines().filter(|line| !line.is_empty()) {
+        let mut fields = row.splitn(3, '\t');
+        let (Some(kind), Some(name), Some(description)) = (fields.next(), fields.next(), fields.next())
+        else {
+            bail!("a pg_wait_events row without three fields: `{row}`");
+        };
+        ensure!(
+            (m.wait_event_description)(kind, name) == Some(description),
+            "PG{}: {kind}:{name} is described as {:?} in names.rs, `{description}` by the server",
+            m.major,
+            (m.wait_event_description)(kind, name)
+        );
+        checked += 1;
+    }
+    ensure!(
+        checked > 200,
+        "only {checked} rows of pg_wait_events read: {rows}"
+    );
+    Ok(())
+}
+
 /// Backends of a throwaway cluster in known states: what their memory holds (`MyBackendType`,
 /// `MyBEEntry->st_state`, `*my_wait_event_info`), decoded, must be what `pg_stat_activity` shows.
 fn live_backends_decode_to_what_pg_stat_activity_shows(m: &Major, build: &Build) -> Result<()> {
     let offsets = Offsets::from_headers(&build.include)?;
     // The harness turns autovacuum off; its launcher is one of the processes compared here.
     let cluster = PgCluster::start_with(&build.install, &[("autovacuum", "on")])?;
+    descriptions_are_the_servers(m, &cluster)?;
     cluster.psql("CREATE TABLE locked (i int)")?;
     let idle = cluster.connect()?;
     let mut in_tx = cluster.connect()?;

@@ -230,6 +230,8 @@ impl AgentFindings {
             // Settings are quoted by `pgscope trace`; the agent reads only the counter above.
             instance: None,
             blockers,
+            // The catalogue's words and each wait type's; the server's own are the trace's.
+            postgres_major: None,
         }));
         self.evaluated += 1;
         self.update(instance, &found);

@@ -171,7 +171,11 @@ pub fn evaluate(analysis: &Analysis) -> Vec<Finding> {
     );
     let top = cpu::top_consumers(statements, analysis.cpu_samples(), &findings);
     findings.extend(top);
-    findings.extend(waits::top_waiters(analysis.waits.as_ref(), &analysis.walls));
+    findings.extend(waits::top_waiters(
+        analysis.waits.as_ref(),
+        &analysis.walls,
+        measured.postgres_major,
+    ));
     findings.extend(waits::host_cpu_contention(
         analysis.waits.as_ref(),
         analysis.backend_time_ns(),

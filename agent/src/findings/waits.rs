@@ -19,7 +19,9 @@ const TOP_MIN_SHARE: f64 = 0.01;
 
 /// `walls`: each statement's wall-clock split (on- and off-CPU samples of one weight), which
 /// says what share of the statement's own time its main wait took.
-pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall]) -> Vec<Finding> {
+/// `major` is the traced server's, whose own descriptions of its wait events explain those the
+/// catalogue does not list.
+pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall], major: Option<u32>) -> Vec<Finding> {
     let Some(waits) = waits else {
         return Vec::new();
     };
@@ -81,13 +83,10 @@ pub fn top_waiters(waits: Option<&WaitTables>, walls: &[StatementWall]) -> Vec<F
                 numbers,
                 query_ids: vec![query.query_id],
                 frames: Vec::new(),
-                action: match main.and_then(|m| wait_events::meaning_of(&m.wait)) {
+                action: match main.and_then(|m| wait_events::explain(&m.wait, major)) {
                     Some(meaning) => format!(
-                        "{} is waiting for {}; first check {}. The off-CPU flamegraph filtered on \
-                         this queryid shows where it waits",
-                        main.map_or("", |m| m.wait.as_str()),
-                        meaning.what,
-                        meaning.check
+                        "{meaning}. The off-CPU flamegraph filtered on this queryid shows where it \
+                         waits"
                     ),
                     None => "the off-CPU flamegraph filtered on this queryid shows where it waits; \
                              the wait event names what it waited for (a lock, I/O, …)"
@@ -187,7 +186,7 @@ mod tests {
             wait(9, "Client:ClientRead", "latch", 100_000),
             wait(0, "IO:DataFileRead", "io", 5),
         ]);
-        let found = top_waiters(Some(&WaitTables::from_profile(&profile)), &[]);
+        let found = top_waiters(Some(&WaitTables::from_profile(&profile)), &[], None);
         assert_eq!(named(&found), vec![QueryId(7), QueryId(8)]);
         assert!(found[0]
             .numbers
@@ -204,7 +203,7 @@ mod tests {
         assert!(found[1]
             .action
             .contains("first check the holder (pg_blocking_pids())"));
-        assert!(top_waiters(None, &[]).is_empty());
+        assert!(top_waiters(None, &[], None).is_empty());
     }
 
     #[test]
@@ -219,7 +218,7 @@ mod tests {
         ]);
         let statements = crate::model::statements::statements(&on_cpu);
         let walls = statement_walls(&statements, period, &off);
-        let found = top_waiters(Some(&WaitTables::from_profile(&off)), &walls);
+        let found = top_waiters(Some(&WaitTables::from_profile(&off)), &walls, None);
         assert!(
             found[0]
                 .title
@@ -237,7 +236,7 @@ mod tests {
         let off = off_cpu(vec![preempted]);
         let walls = statement_walls(&statements, period, &off);
         let tables = WaitTables::from_profile(&off);
-        assert!(top_waiters(Some(&tables), &walls).is_empty());
+        assert!(top_waiters(Some(&tables), &walls, None).is_empty());
         let contention = host_cpu_contention(Some(&tables), 79 * period).expect("a contention finding");
         assert_eq!(contention.severity, Severity::Info);
         assert_eq!(contention.query_ids, vec![QueryId(7)]);
@@ -261,7 +260,7 @@ mod tests {
         ]);
         let tables = WaitTables::from_profile(&profile);
         assert_eq!(tables.blocked_ns(), 500);
-        let found = top_waiters(Some(&tables), &[]);
+        let found = top_waiters(Some(&tables), &[], None);
         assert_eq!(named(&found), vec![QueryId(8), QueryId(9)]);
     }
 }

@@ -51,6 +51,8 @@ pub struct Measurements<'a> {
     pub instance: Option<&'a InstanceFacts>,
     /// The sessions that held others' heavyweight locks, when they were polled.
     pub blockers: Option<&'a BlockerEvidence>,
+    /// The traced server's major, where known: its own descriptions of its wait events.
+    pub postgres_major: Option<u32>,
 }
 
 /// Each statement's time, on CPU (samples × period) and blocked (off CPU without the client's
@@ -202,6 +204,7 @@ mod tests {
             pgss: None,
             instance: None,
             blockers: None,
+            postgres_major: None,
         });
         let period = on_cpu.meta.period;
         assert_eq!(

@@ -104,6 +104,9 @@ pub struct VersionTable {
     pub backend_type_name: fn(u32) -> Option<&'static str>,
     pub backend_state_name: fn(u32) -> Option<&'static str>,
     pub wait_event_name: WaitEventDecoder,
+    /// The major's own description of a wait event (`wait_event_type`, `wait_event`), where it
+    /// has one (`pg_wait_events`, 17+).
+    pub wait_event_description: fn(&str, &str) -> Option<&'static str>,
 }
 
 impl VersionTable {

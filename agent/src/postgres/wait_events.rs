@@ -307,6 +307,33 @@ const TYPES: &[(&str, WaitMeaning)] = &[
     ),
 ];
 
+/// What `wait` (`type:name`) means and what to check first, as a sentence: the catalogue's
+/// words where [`EVENTS`] lists it; else the words of the server's major (`pg_wait_events`
+/// descriptions, 17+) with its type's check; else its type's. None for what is no wait event.
+pub fn explain(wait: &str, major: Option<u32>) -> Option<String> {
+    if let Some((_, found)) = EVENTS.iter().find(|(name, _)| *name == wait) {
+        return Some(format!(
+            "{wait} is waiting for {}; first check {}",
+            found.what, found.check
+        ));
+    }
+    let (kind, event) = wait.split_once(':')?;
+    let by_type = meaning_of(wait)?;
+    let described = major
+        .and_then(|major| super::table_for(major).ok())
+        .and_then(|table| (table.wait_event_description)(kind, event));
+    Some(match described {
+        Some(description) => format!(
+            "{wait}: {description} (PostgreSQL's description); first check {}",
+            by_type.check
+        ),
+        None => format!(
+            "{wait} is waiting for {}; first check {}",
+            by_type.what, by_type.check
+        ),
+    })
+}
+
 /// The meaning of `wait` (`type:name`, as pgscope labels waits), by its event where
 /// [`EVENTS`] lists it, else by its type; None for what is no wait event.
 pub fn meaning_of(wait: &str) -> Option<WaitMeaning> {
@@ -332,6 +359,30 @@ mod tests {
         assert_eq!(meaning_of("IPC:ParallelFinish"), Some(TYPES[4].1));
         assert_eq!(meaning_of("(no wait event)"), None);
         assert_eq!(meaning_of("Nonsense:event"), None);
+    }
+
+    #[test]
+    fn an_event_the_catalogue_does_not_list_takes_the_servers_words_where_it_has_them() {
+        // 17 describes its events in pg_wait_events; 15 has no such view.
+        let on_17 = explain("IPC:ParallelFinish", Some(17)).unwrap();
+        assert!(
+            on_17.starts_with("IPC:ParallelFinish: Waiting for parallel workers to finish computing"),
+            "{on_17}"
+        );
+        assert!(
+            on_17.ends_with("first check what that process is doing"),
+            "{on_17}"
+        );
+        let on_15 = explain("IPC:ParallelFinish", Some(15)).unwrap();
+        assert!(
+            on_15.starts_with("IPC:ParallelFinish is waiting for another process"),
+            "{on_15}"
+        );
+        // The catalogue's words come first, whatever the major.
+        assert!(explain("IO:WALSync", Some(17))
+            .unwrap()
+            .starts_with("IO:WALSync is waiting for its commit's WAL"));
+        assert_eq!(explain("(no wait event)", Some(17)), None);
     }
 
     #[test]

@@ -177,6 +177,7 @@ impl Recording {
             pgss: self.pgss,
             instance: self.instance.as_ref(),
             blockers: self.blockers.as_ref(),
+            postgres_major: self.postgres_major,
         })
         .with_plan_nodes(&self.plan_node_functions);
         view(&analysis)

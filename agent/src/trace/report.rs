@@ -134,6 +134,7 @@ pub(super) fn finish(
         pgss,
         instance: instance.as_ref(),
         blockers: blockers.as_ref(),
+        postgres_major: session.postgres_major(),
     })
     .with_plan_nodes(&plan_node_functions);
     let total = analysis.cpu_samples();

@@ -63,6 +63,7 @@ pub static TABLE: VersionTable = VersionTable {
     backend_type_name: names::backend_type,
     backend_state_name: names::backend_state,
     wait_event_name: names::wait_event,
+    wait_event_description: names::wait_event_description,
 };
 
 #[cfg(test)]

@@ -380,6 +380,18 @@ static LOCK_TAG_TYPES: [&str; 11] = [
     "advisory",      // LOCKTAG_ADVISORY
 ];
 
+/// What a wait event is, in PostgreSQL 14's own words: None, as 14 has no `pg_wait_events`
+/// (it came in 17) to read them from.
+pub fn wait_event_description(wait_event_type: &str, wait_event: &str) -> Option<&'static str> {
+    WAIT_EVENT_DESCRIPTIONS
+        .binary_search_by(|(t, e, _)| (*t, *e).cmp(&(wait_event_type, wait_event)))
+        .ok()
+        .map(|i| WAIT_EVENT_DESCRIPTIONS[i].2)
+}
+
+/// `pg_wait_events` rows: type, name, description; sorted by type and name.
+static WAIT_EVENT_DESCRIPTIONS: [(&str, &str, &str); 0] = [];
+
 /// Every table entry with the C expression it stands for, for `tests/tests/pg_names.rs`: it
 /// evaluates each expression against the PG14 headers and decodes each value.
 /// `LWLOCK_NUMBER(lock)` is the index of an individual lock (an lwlocknames.h macro) in
