@@ -25,8 +25,8 @@ const SESSIONS_SUPPORTED: f64 = 0.15;
 const MIN_SAMPLES: u64 = 20;
 
 /// The finding, where [`SESSIONS_WARN`] of the instance's CPU samples (`on_cpu`, every process
-/// of it) have a frame of the session family; with pg_stat_database's sessions and transactions
-/// over the trace where they were read (`instance`).
+/// of it) are client sessions' starts and ends (a frame of the session family); with
+/// pg_stat_database's sessions over the trace where they were read (`instance`).
 pub fn connection_churn(on_cpu: &Profile, instance: Option<&InstanceFacts>, seconds: f64) -> Option<Finding> {
     let total = on_cpu.total_count();
     let in_sessions: u64 = on_cpu
