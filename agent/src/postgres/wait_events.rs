@@ -2,9 +2,10 @@
 //! incidents keep showing by name, and every wait event type for the rest. A statement's main
 //! wait is then explained where it is named, whatever rule (or none) speaks of it.
 //!
-//! The names are `pg_stat_activity`'s (`wait_event_type:wait_event`) in PostgreSQL 14 to 18. A
-//! few differ by major (17 renamed the SLRU locks, `SubtransSLRU` to `SubtransBuffer`): both
-//! are listed, and a name a major lacks is never seen there.
+//! The names are `pg_stat_activity`'s (`wait_event_type:wait_event`) in PostgreSQL 14 to 18. An
+//! SLRU cache shows under two: its `…SLRU` lock (the whole cache's control lock up to 16, its
+//! banks' from 17) and its `…Buffer` locks (each page's I/O); both are listed. A name a major
+//! lacks is never seen there.
 
 /// A wait's meaning and what to look at first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
