@@ -17,11 +17,6 @@ const FK_WARN: f64 = 0.25;
 const FK_CRITICAL: f64 = 0.50;
 /// The share the samples must support with 95% confidence.
 const FK_SUPPORTED: f64 = 0.15;
-/// The share of the checks' samples fetching the referencing table's rows one after the other
-/// from which the table is large enough for the scan to be their work: about half of them in a
-/// scan of 200000 rows (measured), few where the table has a handful of rows and the checks'
-/// time is the executor's setup, which an index would not spare.
-const SCANNING: f64 = 0.20;
 
 /// The trigger functions a finding cites, where sampled.
 const ACTIONS: [&str; 8] = [
@@ -42,9 +37,9 @@ pub fn unindexed_foreign_keys(queries: &[StatementCpu], period_ns: u64) -> Vec<F
         .filter_map(|q| {
             let actions = q.fk_actions;
             let share = actions.samples as f64 / q.samples as f64;
-            let scanned = actions.sequential > actions.by_index
-                && actions.sequential as f64 >= SCANNING * actions.samples as f64;
-            (share >= FK_WARN && scanned && supported_share(actions.samples, q.samples) >= FK_SUPPORTED)
+            (share >= FK_WARN
+                && actions.scan_the_table()
+                && supported_share(actions.samples, q.samples) >= FK_SUPPORTED)
                 .then(|| finding(q, share, period_ns))
         })
         .collect()

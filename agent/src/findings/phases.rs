@@ -48,18 +48,14 @@ const UNUSUAL: [Unusual; 3] = [
     },
     Unusual {
         phase: Phase::Finish,
-        // Not foreign-key checks that read the other table through an index: one lookup per
-        // row changed is the constraint's usual cost (a one-row DELETE with one indexed key
-        // spends 40% of its CPU finishing, measured). Checks that scan it are named by
+        // Not foreign-key checks that do not scan the other table: one lookup per row changed
+        // is the constraint's usual cost (a one-row DELETE with one indexed key spends 40% of
+        // its CPU finishing, measured). Checks that scan it are named by
         // `unindexed_foreign_key`, into which this finding then folds.
         counted: |q| {
             let fk = q.fk_actions;
-            let indexed = if fk.sequential > fk.by_index {
-                0
-            } else {
-                fk.samples
-            };
-            q.phase(Phase::Finish).saturating_sub(indexed)
+            let usual = if fk.scan_the_table() { 0 } else { fk.samples };
+            q.phase(Phase::Finish).saturating_sub(usual)
         },
         what: "finishing (AFTER triggers fired at the end of the statement, ExecutorEnd \
                closing what the plan opened)",

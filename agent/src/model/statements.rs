@@ -84,12 +84,11 @@ impl StatementCpu {
 
     /// Adds one sample's weight to each subsystem its user frames belong to, once each, unless
     /// the sample is outside the work that subsystem counts (`Subsystem::except_under`).
-    fn count_subsystems(&mut self, frames: &[Frame], count: u64) {
-        let names = user_names(frames);
+    fn count_subsystems(&mut self, frames: &[Frame], names: &[&str], count: u64) {
         let mut seen: Vec<&'static str> = Vec::new();
         for frame in frames.iter().filter(|f| f.kind == FrameKind::User) {
             if let Some(subsystem) = subsystems::of_frame(&frame.name, frame.module.as_deref()) {
-                if !seen.contains(&subsystem.name) && !subsystem.excepted(&names) {
+                if !seen.contains(&subsystem.name) && !subsystem.excepted(names) {
                     seen.push(subsystem.name);
                     *self.subsystems.entry(subsystem.name).or_default() += count;
                 }
@@ -147,7 +146,7 @@ impl StatementCpu {
         }) {
             self.deferred_to_commit += count;
         }
-        if let Some(action) = names.iter().position(|n| is_referenced_side_action(n)) {
+        if let Some(action) = names.iter().position(|n| is_foreign_key_query(n)) {
             let below = &names[action..];
             self.fk_actions.samples += count;
             if below.contains(&"heap_getnextslot") {
@@ -187,14 +186,28 @@ pub struct ForeignKeyActions {
     pub by_index: u64,
 }
 
+impl ForeignKeyActions {
+    /// The share of the checks' samples fetching rows one after the other from which reading
+    /// the other table whole is their work: about half of them in a scan of 200000 rows
+    /// (measured), few where the table has a handful of rows and the checks' time is the
+    /// executor's setup, which an index would not spare.
+    const SCANNING: f64 = 0.20;
+
+    /// Whether the checks read the other table whole, as their work: sequential fetches more
+    /// than indexed ones, and at least [`Self::SCANNING`] of their samples.
+    pub fn scan_the_table(&self) -> bool {
+        self.sequential > self.by_index && self.sequential as f64 >= Self::SCANNING * self.samples as f64
+    }
+}
+
 /// The functions of a foreign key's queries of the other table. On its referenced table the
 /// trigger functions (`RI_FKey_noaction_del`, …) run for each row deleted or whose key is
-/// updated, and query the referencing table for the rows pointing to it; but they tail-call
+/// updated and query the referencing table for the rows pointing to it; but they tail-call
 /// their static helpers (`ri_restrict`), so an optimized build's stacks show only the helper
-/// (named from a symbol table) and the SPI call it makes, `SPI_execute_snapshot`, which nothing
-/// else in Postgres calls. (The referencing side's checks, `RI_FKey_check_ins`, query the
-/// referenced key, whose unique index the constraint requires.)
-fn is_referenced_side_action(function: &str) -> bool {
+/// (named from a symbol table) and the SPI call the checks make, `SPI_execute_snapshot`, which
+/// only they call. The referencing side's checks (`RI_FKey_check_ins`) make it too: they query
+/// the referenced key, whose unique index the constraint requires, so they read by index.
+fn is_foreign_key_query(function: &str) -> bool {
     matches!(
         function,
         "SPI_execute_snapshot" | "ri_PerformCheck" | "ri_restrict" | "ri_set"
@@ -267,8 +280,9 @@ pub fn statements(profile: &Profile) -> Vec<StatementCpu> {
             statement.probe_traps += sample.count;
             continue;
         }
-        statement.add(sample.phase(), &user_names(&sample.frames), sample.count, leaves);
-        statement.count_subsystems(&sample.frames, sample.count);
+        let names = user_names(&sample.frames);
+        statement.add(sample.phase(), &names, sample.count, leaves);
+        statement.count_subsystems(&sample.frames, &names, sample.count);
         samples_of.entry(query_id).or_default().push(sample);
         if let Some(trigger) = sample.label(labels::TRIGGER) {
             *statement.triggers.entry(trigger.to_string()).or_insert(0) += sample.count;
