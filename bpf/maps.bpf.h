@@ -35,8 +35,9 @@ struct {
 	__type(value, struct pgscope_pg_layout);
 } pg_layouts SEC(".maps");
 
-/* A record buffer: a sample is 65 KiB, too large for the 512-byte BPF stack and for a per-CPU
- * map's value (32 KiB at most), so each buffer is an array with one entry per possible CPU
+/* A record buffer: a sample (its PGSCOPE_USER_STACK_MAX bytes of user stack and more) is too
+ * large for the 512-byte BPF stack and for a per-CPU map's value (32 KiB at most), so each
+ * buffer is an array with one entry per possible CPU
  * (the loader sets max_entries), taken by the running CPU: BPF programs run with migration
  * disabled, as they would use a per-CPU map's slot. */
 #define PGSCOPE_RECORD_BUFFERS(name)                                                                       \

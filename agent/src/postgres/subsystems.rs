@@ -37,7 +37,7 @@ impl Subsystem {
     /// Whether a sample whose user frames are `names` is outside the work this family counts
     /// ([`Self::except_under`]).
     pub fn excepted(&self, names: &[&str]) -> bool {
-        names.iter().any(|name| self.except_under.contains(name))
+        !self.except_under.is_empty() && names.iter().any(|name| self.except_under.contains(name))
     }
 
     /// Whether `function` (in the library `module`, when known) is one of this subsystem's.
