@@ -577,19 +577,16 @@ fn planning_at_every_execution_is_named_and_its_control_is_quiet() -> Result<()>
     planning_case(&cluster, "planning_every_execution")
 }
 
-/// pg_stat_statements' mean execution time of `queryid` in `database`, in ms.
-fn mean_exec_ms(cluster: &PgCluster, database: &str, queryid: &str) -> Result<f64> {
-    let mean = psql_in(
+/// Column `column` of pg_stat_statements' row of `queryid` in `database`.
+fn pgss_column(cluster: &PgCluster, database: &str, queryid: &str, column: &str) -> Result<f64> {
+    number_in(
         cluster,
         database,
         &format!(
-            "SELECT mean_exec_time FROM pg_stat_statements WHERE queryid = {queryid} AND \
+            "SELECT {column} FROM pg_stat_statements WHERE queryid = {queryid} AND \
              dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
         ),
-    )?;
-    mean.trim()
-        .parse()
-        .with_context(|| format!("mean_exec_time of {queryid} is `{mean}`"))
+    )
 }
 
 /// A counter every session increments, kept in one row, updated first in a transaction that
@@ -618,14 +615,14 @@ fn hot_row_case(cluster: &PgCluster, name: &str) -> Result<()> {
     let queued = run_case(cluster, &case, &asynchronous)?;
     log_run("one row", &queued);
     let named = named_by(&queued, "row_lock_contention");
-    let queued_ms = mean_exec_ms(cluster, case.database, &queued.queryid)?;
+    let queued_ms = pgss_column(cluster, case.database, &queued.queryid, "mean_exec_time")?;
     let spread = Case {
         sql: "UPDATE counters SET n = n + 1 WHERE slot = pg_backend_pid() % 100000",
         ..case
     };
     let control = run_case(cluster, &spread, &asynchronous)?;
     log_run("100000 rows", &control);
-    let spread_ms = mean_exec_ms(cluster, case.database, &control.queryid)?;
+    let spread_ms = pgss_column(cluster, case.database, &control.queryid, "mean_exec_time")?;
     if let Some(finding) = named {
         let share = finding.leading_number("waiting for row locks, of its time")? / 100.0;
         let waiting = 1.0 - spread_ms / queued_ms;
@@ -833,15 +830,7 @@ fn plpgsql_case(cluster: &PgCluster, name: &str) -> Result<()> {
             case.database,
             "SELECT total_time FROM pg_stat_user_functions WHERE funcname = 'is_open'",
         )?;
-        let statement_ms = number_in(
-            cluster,
-            case.database,
-            &format!(
-                "SELECT total_exec_time FROM pg_stat_statements WHERE queryid = {} AND \
-                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
-                interpreted.queryid
-            ),
-        )?;
+        let statement_ms = pgss_column(cluster, case.database, &interpreted.queryid, "total_exec_time")?;
         let counted = function_ms / statement_ms;
         eprintln!(
             "case={name}: in PL/pgSQL {:.1}% of its CPU (pgscope); is_open {function_ms:.0} ms \
@@ -1333,14 +1322,18 @@ fn in_toast(frame: &str) -> bool {
 /// Independent figures: perf's share of one backend's samples under the TOAST functions, and
 /// the table's toast_blks_hit in pg_statio_user_tables, which grows only when TOAST is read.
 fn toast_case(cluster: &PgCluster, name: &str) -> Result<()> {
-    const DOCUMENTS: &str = "CREATE TABLE documents AS SELECT g AS id, \
-         (SELECT jsonb_object_agg('field' || k, md5((g * 1000 + k)::text)) \
-          FROM generate_series(1, 150) k) || jsonb_build_object('status', \
-          (ARRAY['open', 'closed'])[g % 2 + 1]) AS doc \
-         FROM generate_series(1, 2000) g";
+    macro_rules! documents {
+        () => {
+            "CREATE TABLE documents AS SELECT g AS id, \
+             (SELECT jsonb_object_agg('field' || k, md5((g * 1000 + k)::text)) \
+              FROM generate_series(1, 150) k) || jsonb_build_object('status', \
+              (ARRAY['open', 'closed'])[g % 2 + 1]) AS doc \
+             FROM generate_series(1, 2000) g"
+        };
+    }
     let case = Case {
         database: "toast_documents",
-        setup: DOCUMENTS,
+        setup: documents!(),
         sql: "SELECT count(*) FROM documents WHERE doc->>'status' = 'open'",
         plan_node: "Seq Scan on documents",
         warm_up: "",
@@ -1376,13 +1369,11 @@ fn toast_case(cluster: &PgCluster, name: &str) -> Result<()> {
         );
     }
     let column = Case {
-        setup: "CREATE TABLE documents AS SELECT g AS id, \
-                (SELECT jsonb_object_agg('field' || k, md5((g * 1000 + k)::text)) \
-                 FROM generate_series(1, 150) k) || jsonb_build_object('status', \
-                 (ARRAY['open', 'closed'])[g % 2 + 1]) AS doc \
-                FROM generate_series(1, 2000) g; \
-                ALTER TABLE documents ADD COLUMN status text \
-                GENERATED ALWAYS AS (doc->>'status') STORED",
+        setup: concat!(
+            documents!(),
+            "; ALTER TABLE documents ADD COLUMN status text \
+             GENERATED ALWAYS AS (doc->>'status') STORED"
+        ),
         sql: "SELECT count(*) FROM documents WHERE status = 'open'",
         ..case
     };
@@ -1423,12 +1414,16 @@ fn in_pattern_matching(frame: &str) -> bool {
 ///
 /// Independent figure: perf's share of one backend's samples under the same functions.
 fn pattern_case(cluster: &PgCluster, name: &str) -> Result<()> {
-    const LOGS: &str = "CREATE TABLE logs AS SELECT g AS id, 'request ' || md5(g::text) || \
-         CASE WHEN g % 1000 = 0 THEN ' timeout on db' || g % 7 ELSE ' ok' END AS message \
-         FROM generate_series(1, 100000) g";
+    macro_rules! logs {
+        () => {
+            "CREATE TABLE logs AS SELECT g AS id, 'request ' || md5(g::text) || \
+             CASE WHEN g % 1000 = 0 THEN ' timeout on db' || g % 7 ELSE ' ok' END AS message \
+             FROM generate_series(1, 100000) g"
+        };
+    }
     let case = Case {
         database: "pattern_logs",
-        setup: LOGS,
+        setup: logs!(),
         sql: "SELECT count(*) FROM logs WHERE message LIKE '%timeout on db%'",
         plan_node: "Seq Scan on logs",
         warm_up: "",
@@ -1449,11 +1444,11 @@ fn pattern_case(cluster: &PgCluster, name: &str) -> Result<()> {
         )?;
     }
     let indexed = Case {
-        setup: "CREATE EXTENSION pg_trgm; \
-                CREATE TABLE logs AS SELECT g AS id, 'request ' || md5(g::text) || \
-                CASE WHEN g % 1000 = 0 THEN ' timeout on db' || g % 7 ELSE ' ok' END AS message \
-                FROM generate_series(1, 100000) g; \
-                CREATE INDEX logs_message ON logs USING gin (message gin_trgm_ops)",
+        setup: concat!(
+            logs!(),
+            "; CREATE EXTENSION pg_trgm; \
+             CREATE INDEX logs_message ON logs USING gin (message gin_trgm_ops)"
+        ),
         plan_node: "Bitmap Index Scan on logs_message",
         ..case
     };
@@ -1622,7 +1617,8 @@ fn connection_churn_case(cluster: &PgCluster, name: &str) -> Result<()> {
     if let Some(finding) = named {
         let share = finding.leading_number("CPU starting and ending sessions")? / 100.0;
         let mut untraced = cluster.client("pgbench");
-        untraced.args(args).args(["-T", "3", case.database]);
+        // A number of transactions, not a duration: the same work on any machine.
+        untraced.args(args).args(["-t", "200", case.database]);
         let output = untraced.output().context("running pgbench -C untraced")?;
         let report = String::from_utf8_lossy(&output.stdout);
         ensure!(
@@ -1668,13 +1664,17 @@ fn a_connection_per_transaction_is_named_and_its_control_is_quiet() -> Result<()
 /// Independent figure: the child table's seq_scan in pg_stat_user_tables against the DELETE's
 /// calls in pg_stat_statements: one scan of the referencing table per deleted row.
 fn foreign_key_case(cluster: &PgCluster, name: &str) -> Result<()> {
-    const TABLES: &str = "CREATE TABLE parent (id int PRIMARY KEY); \
-         INSERT INTO parent SELECT generate_series(1, 2000); \
-         CREATE TABLE child (id bigint, parent_id int REFERENCES parent); \
-         INSERT INTO child SELECT g, g % 1000 + 1 FROM generate_series(1, 200000) g";
+    macro_rules! tables {
+        () => {
+            "CREATE TABLE parent (id int PRIMARY KEY); \
+             INSERT INTO parent SELECT generate_series(1, 2000); \
+             CREATE TABLE child (id bigint, parent_id int REFERENCES parent); \
+             INSERT INTO child SELECT g, g % 1000 + 1 FROM generate_series(1, 200000) g"
+        };
+    }
     let case = Case {
         database: "fk_unindexed",
-        setup: TABLES,
+        setup: tables!(),
         sql: "DELETE FROM parent WHERE id = 1001 + pg_backend_pid() % 1000",
         plan_node: "Delete on parent",
         warm_up: "",
@@ -1690,15 +1690,7 @@ fn foreign_key_case(cluster: &PgCluster, name: &str) -> Result<()> {
             case.database,
             "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'child'",
         )?;
-        let calls = number_in(
-            cluster,
-            case.database,
-            &format!(
-                "SELECT calls FROM pg_stat_statements WHERE queryid = {} AND \
-                 dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
-                scanned.queryid
-            ),
-        )?;
+        let calls = pgss_column(cluster, case.database, &scanned.queryid, "calls")?;
         eprintln!(
             "case={name}: {scans} sequential scans of child (pg_stat_user_tables) for {calls} \
              DELETEs (pg_stat_statements)"
@@ -1710,11 +1702,7 @@ fn foreign_key_case(cluster: &PgCluster, name: &str) -> Result<()> {
         );
     }
     let indexed = Case {
-        setup: "CREATE TABLE parent (id int PRIMARY KEY); \
-                INSERT INTO parent SELECT generate_series(1, 2000); \
-                CREATE TABLE child (id bigint, parent_id int REFERENCES parent); \
-                INSERT INTO child SELECT g, g % 1000 + 1 FROM generate_series(1, 200000) g; \
-                CREATE INDEX child_parent_id ON child (parent_id)",
+        setup: concat!(tables!(), "; CREATE INDEX child_parent_id ON child (parent_id)"),
         ..case
     };
     let control = run_case(cluster, &indexed, &[])?;
