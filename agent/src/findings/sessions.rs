@@ -29,17 +29,26 @@ const MIN_SAMPLES: u64 = 20;
 /// pg_stat_database's sessions over the trace where they were read (`instance`).
 pub fn connection_churn(on_cpu: &Profile, instance: Option<&InstanceFacts>, seconds: f64) -> Option<Finding> {
     let total = on_cpu.total_count();
-    let in_sessions: u64 = on_cpu
-        .samples
-        .iter()
-        .filter(|s| of_client_sessions(s))
-        .filter(|s| {
-            s.frames
-                .iter()
-                .any(|f| f.kind == FrameKind::User && SESSIONS.holds(&f.name, f.module.as_deref()))
-        })
-        .map(|s| s.count)
-        .sum();
+    // The family's frames of each counted sample: what the finding cites (it is about no
+    // statement, so `citations` has none to judge it against).
+    let mut cited: Vec<&str> = Vec::new();
+    let mut in_sessions = 0;
+    for sample in on_cpu.samples.iter().filter(|s| of_client_sessions(s)) {
+        let mut counted = false;
+        for frame in sample
+            .frames
+            .iter()
+            .filter(|f| f.kind == FrameKind::User && SESSIONS.holds(&f.name, f.module.as_deref()))
+        {
+            counted = true;
+            if !cited.contains(&&*frame.name) {
+                cited.push(&frame.name);
+            }
+        }
+        if counted {
+            in_sessions += sample.count;
+        }
+    }
     if total < MIN_SAMPLES {
         return None;
     }
@@ -71,8 +80,13 @@ pub fn connection_churn(on_cpu: &Profile, instance: Option<&InstanceFacts>, seco
         title,
         numbers,
         query_ids: Vec::new(),
-        // Kept where sampled (`citations`).
-        frames: SESSIONS.functions.iter().map(|f| f.to_string()).collect(),
+        // Only those sampled, in the family's order.
+        frames: SESSIONS
+            .functions
+            .iter()
+            .filter(|f| cited.contains(f))
+            .map(|f| f.to_string())
+            .collect(),
         action: "each new connection forks a backend that authenticates its client and fills its \
                  catalog caches from nothing, and each disconnection tears it down: an \
                  application that connects per request or per transaction pays this every time. \
@@ -161,6 +175,8 @@ mod tests {
             "900, 300.0 a second".into()
         )));
         assert!(found.query_ids.is_empty());
+        // It cites the functions sampled, none it did not see.
+        assert_eq!(found.frames, vec!["fork_process", "InitPostgres", "proc_exit"]);
     }
 
     #[test]
