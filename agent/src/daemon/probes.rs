@@ -146,7 +146,7 @@ impl AgentProbes {
         root: u32,
         layout: Option<CounterLayout>,
     ) {
-        let ns_per_hit = self.calibrated(probes, session);
+        let ns_per_hit = self.calibrated(probes);
         self.triggers.add_instance(probes, session, root, ns_per_hit);
         if !self.enabled() {
             return;
@@ -227,9 +227,9 @@ impl AgentProbes {
     }
 
     /// What one probed call costs, measured once for the function and the trigger probes.
-    fn calibrated(&mut self, probes: &mut OnCpuProbes, session: &mut Session) -> f64 {
+    fn calibrated(&mut self, probes: &mut OnCpuProbes) -> f64 {
         *self.ns_per_hit.get_or_insert_with(|| {
-            calibrate::measure_ns_per_hit(probes, &mut session.symbolizer).unwrap_or_else(|error| {
+            calibrate::measure_ns_per_hit(probes).unwrap_or_else(|error| {
                 warn!(
                     "cannot measure the cost of a probe hit, assuming {} ns: {error:#}",
                     calibrate::FALLBACK_NS_PER_HIT

@@ -25,7 +25,7 @@ use tokio::time::Sleep;
 use tracing::warn;
 
 use crate::bpf::abi::{Counter, TARGET_OFF_CPU};
-use crate::bpf::OnCpuProbes;
+use crate::bpf::{Detaching, OnCpuProbes};
 use crate::collect::driver::{self, Flow, Policy, DUTY_TICK};
 use crate::collect::instance::{self, Scope};
 use crate::collect::off_cpu::WaitWithoutStack;
@@ -129,8 +129,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     // What a probe hit costs, timed on a thread of its own over half a second while the
     // instance is read and the stacks' symbol files are parsed; awaited before the off-CPU
     // programs and the probes are attached, and cut short when no probe will be.
-    let calibration =
-        calibrate::Calibration::start(&mut probes, &mut Symbolizer::new(SymbolizerOptions::default()));
+    let calibration = calibrate::Calibration::start(&mut probes);
     // Loaded meanwhile (the verifier's work); it samples only once sampling starts.
     let off_cpu_sampled = collect::off_cpu::load_sampler(&mut probes, options.off_cpu, |what, error| {
         note!("pgscope: {what}: {error:#}; on-CPU profiling goes on")
@@ -216,6 +215,12 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             named,
             "static functions named through tables of function pointers"
         );
+    }
+    // Their programs are verified while the calibration times its calls, rather than after.
+    if triggers_located.is_some() {
+        if let Err(error) = probes.load_trigger_programs() {
+            tracing::debug!("the trigger probes' programs will be loaded as they attach: {error:#}");
+        }
     }
     let probed = probe_table.is_some() || triggers_located.is_some();
     let calibrated = match calibration {
@@ -383,7 +388,7 @@ pub async fn run(options: TraceOptions) -> Result<()> {
     let probe_results = probes::ProbeResults::collect(&probes, &probe_set, elapsed, target.pid())?;
     let pids = traced_pids(&probes, layout_source);
     probe_set.detach_all(&mut probes, &pids)?;
-    trigger_probes.detach(&mut probes);
+    trigger_probes.detach_at_end(&mut probes);
     if let Some(because) = trigger_probes.detached_because() {
         note!("pgscope: triggers were named only until the trigger probes were detached: {because}");
     }
@@ -395,8 +400,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
             None
         }
     };
-    // Detach before the slow part (symbolization, output): the database is left alone at once.
-    drop(probes);
+    // Detached before the slow part (symbolization, output) starts, and beside it: the database
+    // is left alone at once, and the kernel's grace periods for each link pass meanwhile.
+    let detaching = Detaching::start(probes);
     // Samples whose statement never reported a queryid are what they are.
     session.release_held_samples();
     if ended_early {
@@ -435,7 +441,9 @@ pub async fn run(options: TraceOptions) -> Result<()> {
         pgss_start: start.pgss.map(|start| start.info),
         blockers: blocker_evidence,
     };
-    report::finish(&options, &target, session, measured)
+    let finished = report::finish(&options, &target, session, measured);
+    drop(detaching);
+    finished
 }
 
 /// The traced processes, all of the one instance (or backend) rooted at `root`.
@@ -452,9 +460,8 @@ fn traced_pids(probes: &OnCpuProbes, root: u32) -> PidsByRoot {
 pub fn calibrate() -> Result<()> {
     preflight::check_all()?;
     let mut probes = OnCpuProbes::load()?;
-    let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
-    let floor = calibrate::measure_floor_ns_per_hit(&mut probes, &mut symbolizer)?;
-    let full = calibrate::measure_ns_per_hit(&mut probes, &mut symbolizer)?;
+    let floor = calibrate::measure_floor_ns_per_hit(&mut probes)?;
+    let full = calibrate::measure_ns_per_hit(&mut probes)?;
     out!("uprobe + uretprobe with empty programs: {floor:.0} ns per call");
     out!("pgscope function probe (entry + return programs): {full:.0} ns per call");
     Ok(())

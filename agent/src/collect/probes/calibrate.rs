@@ -3,18 +3,19 @@
 //! the same calls without probes. The duty cycle turns hit rates into CPU time with it.
 
 use std::hint::black_box;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use symbolizer::Symbolizer;
+use symbolizer::MapPath;
 
 use crate::bpf::abi::TARGET_PROFILE;
 use crate::bpf::{FunctionLinks, OnCpuProbes};
 
-/// Used when calibration cannot run (e.g. a stripped pgscope binary): the upper end of what a
+/// Used when calibration cannot run (e.g. no uprobes on pgscope's own file): the upper end of what a
 /// uprobe + uretprobe pair costs on current x86 kernels.
 pub const FALLBACK_NS_PER_HIT: f64 = 3000.0;
 
@@ -135,32 +136,41 @@ fn trimmed_mean(values: &mut [f64], share: f64) -> f64 {
     kept.iter().sum::<f64>() / kept.len() as f64
 }
 
-fn calibration_target(symbolizer: &mut Symbolizer) -> Result<symbolizer::FunctionLocation> {
-    let pid = std::process::id();
-    let exe = std::env::current_exe().context("locating pgscope's own executable")?;
-    let name = exe
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    symbolizer
-        .find_function(pid, &name, "pgscope_calibration_target")
-        .context("finding the calibration function in pgscope's own binary")
+/// Where the calibration function is, in the file it was loaded from: found from its own
+/// address in pgscope's memory map, which needs no symbol table (a stripped pgscope calibrates
+/// too) and no parse of pgscope's own binary (a tenth of a second of every trace's start in a
+/// debug build). The address is the function's first instruction by construction.
+fn calibration_target() -> Result<(PathBuf, u64)> {
+    let address = pgscope_calibration_target as *const () as usize as u64;
+    let maps = symbolizer::read_maps(std::process::id()).context("reading pgscope's own memory map")?;
+    let mapping = maps
+        .iter()
+        .find(|entry| entry.perms.exec && entry.contains(address))
+        .context("the calibration function is in no executable mapping of pgscope")?;
+    match &mapping.path {
+        MapPath::File { path, deleted: false } => {
+            Ok((path.clone(), address - mapping.start + mapping.offset))
+        }
+        _ => anyhow::bail!(
+            "the calibration function is not mapped from a file that still exists (pgscope's \
+             binary was replaced while it ran?)"
+        ),
+    }
 }
 
 /// Nanoseconds a call costs with a uprobe and a uretprobe whose programs do nothing: the traps
 /// alone, the floor under any function probe.
-pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
-    let location = calibration_target(symbolizer)?;
-    let link = probes.attach_empty(&location.path, location.file_offset)?;
+pub fn measure_floor_ns_per_hit(probes: &mut OnCpuProbes) -> Result<f64> {
+    let (path, file_offset) = calibration_target()?;
+    let link = probes.attach_empty(&path, file_offset)?;
     let extra = extra_ns_per_call(&AtomicBool::new(false));
     probes.detach_empty(link)?;
-    symbolizer.forget_process(std::process::id());
     Ok(extra)
 }
 
 /// Nanoseconds one probed call costs (entry + return, full programs), measured.
-pub fn measure_ns_per_hit(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<f64> {
-    Calibration::start(probes, symbolizer)?.finish(probes)
+pub fn measure_ns_per_hit(probes: &mut OnCpuProbes) -> Result<f64> {
+    Calibration::start(probes)?.finish(probes)
 }
 
 /// A calibration under way: the probe is attached to pgscope's own function and a thread of its
@@ -176,12 +186,11 @@ pub struct Calibration {
 impl Calibration {
     /// Makes pgscope a target, attaches the full function programs to its calibration function
     /// and starts timing. On error nothing stays attached and pgscope is no target.
-    pub fn start(probes: &mut OnCpuProbes, symbolizer: &mut Symbolizer) -> Result<Self> {
+    pub fn start(probes: &mut OnCpuProbes) -> Result<Self> {
         let pid = std::process::id();
-        let location = calibration_target(symbolizer)?;
-        symbolizer.forget_process(pid);
+        let (path, file_offset) = calibration_target()?;
         probes.add_target(pid, TARGET_PROFILE)?;
-        let links = match probes.attach_calibration(&location.path, location.file_offset) {
+        let links = match probes.attach_calibration(&path, file_offset) {
             Ok(links) => links,
             Err(error) => {
                 probes.remove_target(pid)?;
@@ -214,10 +223,12 @@ impl Calibration {
         self.finish(probes).map(|_| ())
     }
 
-    /// Waits for the timing to end, detaches and takes pgscope out of the targets.
+    /// Waits for the timing to end, takes pgscope out of the targets and detaches: on a thread
+    /// of its own, as nothing calls the calibration function any more and the kernel's grace
+    /// periods took a fifth of a second of every trace's start.
     pub fn finish(self, probes: &mut OnCpuProbes) -> Result<f64> {
         let extra = self.timing.join();
-        let detached = probes.detach_function(self.links);
+        let detached = probes.detach_function_in_background(self.links);
         probes.remove_target(std::process::id())?;
         detached?;
         extra.map_err(|_| anyhow::anyhow!("the calibration's thread panicked"))

@@ -546,12 +546,13 @@ impl ProbeSet {
         }
     }
 
-    /// Detaches every probe (the end of the trace; their maps stay readable).
+    /// Detaches every probe (the end of the trace; their maps stay readable): their calls stop
+    /// counting at once, their links detach on threads of their own.
     pub fn detach_all(&mut self, probes: &mut OnCpuProbes, pids: &PidsByRoot) -> Result<()> {
         self.stop_clock(pids);
         for probe in &mut self.probes {
             if let Some(links) = probe.links.take() {
-                probes.detach_function(links)?;
+                probes.detach_function_in_background(links)?;
             }
         }
         Ok(())

@@ -163,7 +163,17 @@ impl TriggerProbes {
         self.detached_because = Some(because);
     }
 
-    /// Detaches them (the end of the trace, or over the budget).
+    /// Detaches them for good at the end of a trace, on a thread of their own: the trace's
+    /// results are read, and the kernel's grace periods pass while its report is written.
+    pub fn detach_at_end(&mut self, probes: &mut OnCpuProbes) {
+        if let Some(links) = self.links.take() {
+            if let Err(error) = probes.detach_trigger_probes_in_background(links) {
+                warn!("cannot detach the trigger probes: {error:#}");
+            }
+        }
+    }
+
+    /// Detaches them (over the budget, or an instance gone).
     pub fn detach(&mut self, probes: &mut OnCpuProbes) {
         if let Some(links) = self.links.take() {
             if let Err(error) = probes.detach_trigger_probes(links) {
