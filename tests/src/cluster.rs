@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use tempfile::TempDir;
 
+use crate::initdb_template;
 use crate::install::PgInstall;
 use crate::process::{children_of, output_with_timeout, run_checked, wait_for};
 use crate::system::{chown, ensure_test_user, ClusterLock, UserIds};
@@ -20,6 +21,15 @@ use crate::system::{chown, ensure_test_user, ClusterLock, UserIds};
 pub const SUPERUSER: &str = "postgres";
 
 const INITDB_TIMEOUT: Duration = Duration::from_secs(120);
+/// Every cluster's `initdb` arguments after `-D`.
+const INITDB_ARGS: &[&str] = &[
+    "-U",
+    SUPERUSER,
+    "--auth=trust",
+    "--no-sync",
+    "--locale=C",
+    "--encoding=UTF8",
+];
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -258,20 +268,19 @@ impl PgCluster {
         cmd
     }
 
+    /// The data directory, copied from the build's `initdb` template (`initdb_template`).
     fn initdb(&self) -> Result<()> {
-        run_checked(
-            self.as_postgres_user("initdb").arg("-D").arg(&self.data).args([
-                "-U",
-                SUPERUSER,
-                "--auth=trust",
-                "--no-sync",
-                "--locale=C",
-                "--encoding=UTF8",
-            ]),
-            INITDB_TIMEOUT,
-        )
-        .with_context(|| format!("initdb of the {} build failed", self.install.label))?;
-        Ok(())
+        initdb_template::copy_to(&self.install, self.user, INITDB_ARGS, &self.data, |data| {
+            run_checked(
+                self.as_postgres_user("initdb")
+                    .arg("-D")
+                    .arg(data)
+                    .args(INITDB_ARGS),
+                INITDB_TIMEOUT,
+            )
+            .with_context(|| format!("initdb of the {} build failed", self.install.label))?;
+            Ok(())
+        })
     }
 
     fn write_settings(&self, extra: &[(&str, &str)]) -> Result<()> {

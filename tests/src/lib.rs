@@ -22,6 +22,7 @@ pub mod findings_json;
 pub mod fork_events;
 pub mod freeze;
 pub mod gdb;
+pub mod initdb_template;
 pub mod install;
 pub mod kube;
 pub mod perf;
