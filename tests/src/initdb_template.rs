@@ -3,7 +3,7 @@
 //! two hundred; a copy takes 0.1 s.
 //!
 //! Templates live under the system's temp dir, one per build and `initdb` arguments, named by a
-//! hash of the build's programs (path, size, modification time) and of the arguments, so that a
+//! hash of the build's programs (size, modification time) and of the arguments, so that a
 //! rebuilt Postgres gets a new one. Every test process may make one: each makes it in a
 //! directory of its own and renames it into place, and a process that finds the name taken uses
 //! the one already there. Clusters copied from one template share its system identifier, as
@@ -36,7 +36,8 @@ fn template_name(install: &PgInstall, initdb_args: &[&str]) -> Result<String> {
     for program in ["initdb", "postgres"] {
         let path = install.bin(program);
         let meta = fs::metadata(&path).with_context(|| format!("cannot stat `{}`", path.display()))?;
-        path.hash(&mut hasher);
+        // Not the path: a copy of a build (`pgss_discovery::hooks_only`, linked or copied with
+        // its times) makes the same data directory, and a template per copy would pile up.
         meta.len().hash(&mut hasher);
         meta.mtime().hash(&mut hasher);
         meta.mtime_nsec().hash(&mut hasher);
