@@ -133,8 +133,10 @@ impl Exporter {
             .collect();
         let mut pgss = HashMap::new();
         let mut blockers = HashMap::new();
+        let mut majors = HashMap::new();
         for instance in session.instances() {
             let root = instance.context.root;
+            majors.insert(root, instance.context.version.map(|table| table.major));
             let oids = instance.stacks.on_cpu.database_oids();
             self.refresh_database_names(root, &oids).await;
             let triggers = instance.stacks.on_cpu.triggers_by_database();
@@ -177,6 +179,7 @@ impl Exporter {
                 probe_rows.get(&root).map(Vec::as_slice),
                 pgss.get(&root).copied(),
                 blockers.get(&root),
+                majors.get(&root).copied().flatten(),
             );
             if let Some(rows) = probe_rows.get(&root) {
                 profiles.extend(super::probes::profiles(rows, start, end));

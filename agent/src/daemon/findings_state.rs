@@ -197,6 +197,7 @@ impl AgentFindings {
         rows: Option<&[CallRow]>,
         pgss: Option<PgssEvidence>,
         blockers: Option<&BlockerEvidence>,
+        postgres_major: Option<u32>,
     ) {
         let Some(on_cpu) = profiles
             .iter()
@@ -230,8 +231,9 @@ impl AgentFindings {
             // Settings are quoted by `pgscope trace`; the agent reads only the counter above.
             instance: None,
             blockers,
-            // The catalogue's words and each wait type's; the server's own are the trace's.
-            postgres_major: None,
+            // Each wait event's meaning in the server's own words where the major has them
+            // (pg_wait_events, 17 and later), as the trace gives them.
+            postgres_major,
         }));
         self.evaluated += 1;
         self.update(instance, &found);
@@ -422,6 +424,68 @@ mod tests {
             })
             .collect();
         (changes, lines)
+    }
+
+    /// The `action` of each finding `evaluate` logged as appearing.
+    fn actions_evaluated(
+        findings: &mut AgentFindings,
+        profiles: &[(&'static str, Profile)],
+        postgres_major: Option<u32>,
+    ) -> Vec<String> {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            findings.evaluate("a", profiles, None, None, None, postgres_major)
+        });
+        let bytes = captured.0.lock().expect("log buffer").clone();
+        String::from_utf8(bytes)
+            .expect("UTF-8 logs")
+            .lines()
+            .filter_map(|line| {
+                let line: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+                line["fields"]["action"].as_str().map(str::to_owned)
+            })
+            .collect()
+    }
+
+    /// The agent explains a wait as `pgscope trace` does: in the server's own words where its
+    /// major has them (pg_wait_events, 17 and later), else by the wait's type.
+    #[test]
+    fn a_wait_is_explained_in_the_servers_own_words_where_its_major_has_them() {
+        use crate::model::fixtures::{labelled, off_cpu, profile, sample};
+        let on_cpu = profile(vec![sample(7, "run", &["ExecScan"], 10)]);
+        let period = on_cpu.meta.period;
+        let waits = off_cpu(vec![labelled(
+            &[],
+            &[
+                ("off_cpu", "io"),
+                ("queryid", "7"),
+                ("wait_event", "IO:ControlFileRead"),
+            ],
+            90 * period,
+        )]);
+        let profiles = [("process_cpu", on_cpu), ("offcpu", waits)];
+        let explained = |major| {
+            actions_evaluated(&mut AgentFindings::default(), &profiles, major)
+                .into_iter()
+                .find(|action| action.starts_with("IO:ControlFileRead"))
+                .expect("a finding explaining the wait")
+        };
+        assert!(
+            explained(Some(17))
+                .contains("Waiting for a read from the pg_control file (PostgreSQL's description)"),
+            "{}",
+            explained(Some(17))
+        );
+        assert!(
+            !explained(None).contains("PostgreSQL's description"),
+            "{}",
+            explained(None)
+        );
     }
 
     fn key(kind: &'static str, query_id: i64, severity: Severity) -> FindingKey {

@@ -553,7 +553,7 @@ mod tests {
             samples: vec![sample("-42", 900), sample("7", 100)],
         };
         let mut findings = AgentFindings::default();
-        findings.evaluate("main", &[("process_cpu", profile)], None, None, None);
+        findings.evaluate("main", &[("process_cpu", profile)], None, None, None, None);
         let mut snapshot = Snapshot {
             findings: findings.snapshot(),
             ..Snapshot::default()
