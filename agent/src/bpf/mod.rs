@@ -106,10 +106,16 @@ impl OnCpuProbes {
         for buffers in RECORD_BUFFERS {
             loader.map_max_entries(buffers, cpus);
         }
-        let ebpf = loader.allow_unsupported_maps().load(PROFILE_OBJECT).context(
-            "the kernel refused pgscope's BPF programs; pgscope needs a kernel with BTF and BPF \
-             ring buffers (5.8 or newer) and root or CAP_BPF + CAP_PERFMON",
-        )?;
+        let ebpf = loader
+            .allow_unsupported_maps()
+            .load(PROFILE_OBJECT)
+            .with_context(|| {
+                refused(
+                    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                        .ok()
+                        .as_deref(),
+                )
+            })?;
         Ok(Self {
             ebpf,
             free_gates: Vec::new(),
@@ -838,6 +844,24 @@ fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut Map, matches: impl Fn(&K) ->
     Ok(())
 }
 
+/// What pgscope says when the kernel refuses its programs: which kernel this is, and what the
+/// oldest it runs on needs (the README's). Debian 11's 5.10 refused the task storage map
+/// `off_cpu_tasks` (5.11) with a bare "Invalid argument", under a message that named 5.8.
+fn refused(release: Option<&str>) -> String {
+    let kernel = match release.map(str::trim) {
+        Some(release) if !release.is_empty() => format!("Linux {release}"),
+        _ => "the kernel".to_owned(),
+    };
+    format!(
+        "{kernel} refused pgscope's BPF programs; pgscope needs Linux {MIN_KERNEL} or newer (task \
+         storage maps, bpf_task_pt_regs) with BTF (/sys/kernel/btf/vmlinux), and root or CAP_BPF \
+         + CAP_PERFMON"
+    )
+}
+
+/// The oldest kernel pgscope runs on (README, "Supported versions").
+const MIN_KERNEL: &str = "5.15";
+
 /// Every program is unloaded on a thread of its own, so that the kernel's grace periods overlap:
 /// each tracepoint took 70 to 80 ms to let go of, one after another.
 impl Drop for OnCpuProbes {
@@ -868,5 +892,23 @@ fn unload(name: &str, program: &mut aya::programs::Program) {
     };
     if let Err(error) = unloaded {
         tracing::debug!("unloading `{name}`: {error}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refused;
+
+    #[test]
+    fn a_refusal_names_the_kernel_and_the_oldest_pgscope_runs_on() {
+        let said = refused(Some("5.10.0-32-amd64\n"));
+        assert!(
+            said.starts_with(
+                "Linux 5.10.0-32-amd64 refused pgscope's BPF programs; pgscope needs Linux 5.15 or newer"
+            ),
+            "{said}"
+        );
+        assert!(refused(None).starts_with("the kernel refused"));
+        assert!(refused(Some(" ")).starts_with("the kernel refused"));
     }
 }
