@@ -109,13 +109,7 @@ impl OnCpuProbes {
         let ebpf = loader
             .allow_unsupported_maps()
             .load(PROFILE_OBJECT)
-            .with_context(|| {
-                refused(
-                    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                        .ok()
-                        .as_deref(),
-                )
-            })?;
+            .with_context(|| refused(read_kernel_release().as_deref()))?;
         Ok(Self {
             ebpf,
             free_gates: Vec::new(),
@@ -262,7 +256,11 @@ impl OnCpuProbes {
             .ok_or_else(|| anyhow!("BPF object has no program `{name}`"))?
             .try_into()?;
         program.load("task", btf).with_context(|| {
-            format!("loading the wait sampler `{name}` (sleepable task iterators and bpf_copy_from_user_task need Linux 5.18 or newer)")
+            format!(
+                "loading the wait sampler `{name}` on {} (sleepable task iterators and \
+                 bpf_copy_from_user_task need Linux 5.18 or newer)",
+                running_kernel(read_kernel_release().as_deref())
+            )
         })?;
         let fd = program
             .fd()
@@ -848,15 +846,25 @@ fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut Map, matches: impl Fn(&K) ->
 /// oldest it runs on needs (the README's). Debian 11's 5.10 refused the task storage map
 /// `off_cpu_tasks` (5.11) with a bare "Invalid argument", under a message that named 5.8.
 fn refused(release: Option<&str>) -> String {
-    let kernel = match release.map(str::trim) {
+    format!(
+        "{} refused pgscope's BPF programs; pgscope needs Linux {MIN_KERNEL} or newer (task \
+         storage maps, bpf_task_pt_regs) with BTF (/sys/kernel/btf/vmlinux), and root or CAP_BPF \
+         + CAP_PERFMON",
+        running_kernel(release)
+    )
+}
+
+/// The running kernel's release (`uname -r`), for messages that depend on it.
+fn read_kernel_release() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()
+}
+
+/// `Linux <release>`, or "the kernel" when the release is unknown.
+fn running_kernel(release: Option<&str>) -> String {
+    match release.map(str::trim) {
         Some(release) if !release.is_empty() => format!("Linux {release}"),
         _ => "the kernel".to_owned(),
-    };
-    format!(
-        "{kernel} refused pgscope's BPF programs; pgscope needs Linux {MIN_KERNEL} or newer (task \
-         storage maps, bpf_task_pt_regs) with BTF (/sys/kernel/btf/vmlinux), and root or CAP_BPF \
-         + CAP_PERFMON"
-    )
+    }
 }
 
 /// The oldest kernel pgscope runs on (README, "Supported versions").
