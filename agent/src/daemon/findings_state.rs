@@ -402,19 +402,16 @@ mod tests {
         }
     }
 
-    /// Runs `update` and returns what it returned and the `fields` of each line it logged.
-    fn logged(
-        findings: &mut AgentFindings,
-        instance: &str,
-        found: &[Finding],
-    ) -> (Changes, Vec<serde_json::Value>) {
+    /// Runs `run` with logs going to a JSON subscriber, as `--log-json` writes them, and returns
+    /// what it returned and the `fields` of each line it logged.
+    fn logging<R>(run: impl FnOnce() -> R) -> (R, Vec<serde_json::Value>) {
         let captured = Captured::default();
         let writer = captured.clone();
         let subscriber = tracing_subscriber::fmt()
             .json()
             .with_writer(move || writer.clone())
             .finish();
-        let changes = tracing::subscriber::with_default(subscriber, || findings.update(instance, found));
+        let returned = tracing::subscriber::with_default(subscriber, run);
         let bytes = captured.0.lock().expect("log buffer").clone();
         let lines = String::from_utf8(bytes)
             .expect("UTF-8 logs")
@@ -423,7 +420,16 @@ mod tests {
                 serde_json::from_str::<serde_json::Value>(line).expect("a JSON log line")["fields"].clone()
             })
             .collect();
-        (changes, lines)
+        (returned, lines)
+    }
+
+    /// Runs `update` and returns what it returned and the `fields` of each line it logged.
+    fn logged(
+        findings: &mut AgentFindings,
+        instance: &str,
+        found: &[Finding],
+    ) -> (Changes, Vec<serde_json::Value>) {
+        logging(|| findings.update(instance, found))
     }
 
     /// The `action` of each finding `evaluate` logged as appearing.
@@ -432,23 +438,10 @@ mod tests {
         profiles: &[(&'static str, Profile)],
         postgres_major: Option<u32>,
     ) -> Vec<String> {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .json()
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
-            findings.evaluate("a", profiles, None, None, None, postgres_major)
-        });
-        let bytes = captured.0.lock().expect("log buffer").clone();
-        String::from_utf8(bytes)
-            .expect("UTF-8 logs")
-            .lines()
-            .filter_map(|line| {
-                let line: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
-                line["fields"]["action"].as_str().map(str::to_owned)
-            })
+        let ((), lines) = logging(|| findings.evaluate("a", profiles, None, None, None, postgres_major));
+        lines
+            .iter()
+            .filter_map(|fields| fields["action"].as_str().map(str::to_owned))
             .collect()
     }
 
