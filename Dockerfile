@@ -18,13 +18,22 @@ WORKDIR /src
 COPY . .
 RUN make release
 
-FROM debian:bookworm-slim
+FROM debian:bookworm-slim AS runtime
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=build /src/target/release/pgscope /usr/local/bin/pgscope
+# Without its DWARF (`make release` splits it off): every node pulls this binary.
+COPY --from=build /src/target/release/dist/pgscope /usr/local/bin/pgscope
 # /metrics, /healthz, /readyz
 EXPOSE 9437
 ENTRYPOINT ["/usr/local/bin/pgscope"]
 CMD ["agent", "--config", "/etc/pgscope/agent.toml"]
+
+# The same image with the debug info, for file and line in a panic's backtrace and for gdb
+# (`docker build --target debug .`): the binary's .gnu_debuglink finds it under /usr/lib/debug.
+FROM runtime AS debug
+COPY --from=build /src/target/release/dist/pgscope.debug /usr/lib/debug/usr/local/bin/pgscope.debug
+
+# The default image: the runtime stage, without the debug info.
+FROM runtime

@@ -18,9 +18,12 @@ build: deps-build
 	$(CARGO) build --locked -p pgscope-agent
 
 # The binary of the container image (Dockerfile): the Makefile's build, optimised. The image
-# build runs it without `deps` (its packages come from the Dockerfile's apt-get).
+# build runs it without `deps` (its packages come from the Dockerfile's apt-get). The image
+# copies target/release/dist/pgscope, the same binary without its DWARF (which is most of the
+# file), linked to target/release/dist/pgscope.debug (scripts/split-debug.sh).
 release:
 	$(CARGO) build --locked --release -p pgscope-agent
+	scripts/split-debug.sh target/release/pgscope target/release/dist
 
 # PostgreSQL 15 built like RHEL builds it: no frame pointers, stripped, debug info in a build-id
 # tree. Cached in /var/cache/pgscope (override with PGSCOPE_CACHE).

@@ -263,11 +263,47 @@ def test_the_image_builds_what_the_makefile_builds():
     dockerfile = (ROOT / "Dockerfile").read_text()
     makefile = (ROOT / "Makefile").read_text()
     assert "RUN make release" in dockerfile
-    assert "release:\n\t$(CARGO) build --locked --release -p pgscope-agent" in makefile
+    assert "release:\n\t$(CARGO) build --locked --release -p pgscope-agent\n" \
+        "\tscripts/split-debug.sh target/release/pgscope target/release/dist\n" in makefile
+    # The default image gets the binary without its DWARF; the `debug` stage adds it where the
+    # binary's debug link finds it.
+    assert "COPY --from=build /src/target/release/dist/pgscope /usr/local/bin/pgscope" in dockerfile
+    assert ("COPY --from=build /src/target/release/dist/pgscope.debug "
+            "/usr/lib/debug/usr/local/bin/pgscope.debug") in dockerfile
+    assert dockerfile.rstrip().endswith("FROM runtime"), "the default image is not the runtime stage"
     deps = (ROOT / "scripts/install-deps.sh").read_text()
     for package in ["clang", "llvm", "libbpf-dev", "bpftool", "build-essential", "pkg-config"]:
         assert f" {package}" in dockerfile, package
         assert package in deps, package
+
+
+def test_the_image_binary_ships_without_its_debug_info_and_still_finds_it(tmp_path):
+    """`make release` splits the binary's DWARF off (scripts/split-debug.sh): the binary keeps
+    its code and symbol table and names its debug file in a .gnu_debuglink, through which gdb
+    still gives a function's file and line. Done here on the binary under test (the debug
+    build: the same sections, more of them)."""
+    pgscope = Path(os.environ.get("PGSCOPE_BIN", str(ROOT / "target/debug/pgscope")))
+    binary = tmp_path / "pgscope"
+    binary.write_bytes(pgscope.read_bytes())
+    binary.chmod(0o755)
+    dist = tmp_path / "dist"
+    subprocess.run([str(ROOT / "scripts/split-debug.sh"), str(binary), str(dist)], check=True,
+                   capture_output=True, text=True)
+    stripped, debug = dist / "pgscope", dist / "pgscope.debug"
+    sections = run_out(["readelf", "-SW", str(stripped)])
+    assert ".text" in sections and ".symtab" in sections, sections
+    assert ".debug_info" not in sections and ".debug_line" not in sections, sections
+    assert ".debug_info" in run_out(["readelf", "-SW", str(debug)])
+    assert stripped.stat().st_size < binary.stat().st_size / 2, (stripped.stat().st_size, binary.stat().st_size)
+    # The link is the file's name, then its CRC: bytes, not text.
+    link = subprocess.run(["readelf", "--string-dump=.gnu_debuglink", str(stripped)],
+                          capture_output=True, check=True).stdout
+    assert b"pgscope.debug" in link, link
+    line = run_out(["gdb", "-batch", "-ex", "info line pgscope::main", str(stripped)])
+    assert 'of "agent/src/main.rs"' in line, line
+    # Without the debug file the binary still runs.
+    debug.unlink()
+    assert run_out([str(stripped), "--version"]).startswith("pgscope"), "the stripped binary does not run"
 
 
 def test_the_binary_runs_on_a_bookworm_slim_root(tmp_path):
