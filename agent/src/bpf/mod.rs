@@ -398,10 +398,10 @@ impl OnCpuProbes {
         target: &Path,
         file_offset: u64,
     ) -> Result<FunctionLinks> {
+        self.wait_for_detached();
         // A gate counts calls only from the moment both programs are attached until detaching
         // starts: detaching takes a grace period during which returns would still be counted
         // while the duty cycle already credits the time as detached.
-        self.wait_for_detached();
         let gate = match self.free_gates.pop() {
             Some(gate) => gate,
             None if self.next_gate < PROBE_SLOTS => {
@@ -499,8 +499,6 @@ impl OnCpuProbes {
         Ok(())
     }
 
-    /// Attaches the trigger probes to the functions at `start` and `end` (file offsets of their
-    /// first instructions) in `target`.
     /// Loads the trigger probes' programs (the verifier's work, a tenth of a second), so that
     /// attaching them later is quick; [`OnCpuProbes::attach_trigger_probes`] loads them too.
     pub fn load_trigger_programs(&mut self) -> Result<()> {
@@ -510,6 +508,8 @@ impl OnCpuProbes {
         Ok(())
     }
 
+    /// Attaches the trigger probes to the functions at `start` and `end` (file offsets of their
+    /// first instructions) in `target`.
     pub fn attach_trigger_probes(&mut self, target: &Path, start: u64, end: u64) -> Result<TriggerLinks> {
         self.wait_for_detached();
         let mut attach = |name: &str, offset: u64| -> Result<UProbeLinkId> {
@@ -535,17 +535,10 @@ impl OnCpuProbes {
         }
     }
 
-    /// Detaches the trigger probes at the end of a trace, each on a thread of its own so that
-    /// their grace periods overlap: the threads' triggers are not forgotten, as nothing reads
-    /// them again, and the order does not matter, as nothing is counted any more.
+    /// Detaches the trigger probes on a thread of their own, at the end of a trace: the threads'
+    /// triggers are not forgotten, as nothing reads them again.
     pub fn detach_trigger_probes_in_background(&mut self, links: TriggerLinks) -> Result<()> {
-        let end = self.function_program(TRIGGER_PROGRAMS[1])?.take_link(links.end)?;
-        let start = self
-            .function_program(TRIGGER_PROGRAMS[0])?
-            .take_link(links.start)?;
-        self.detaching.push((Detaching::start(end), 0));
-        self.detaching.push((Detaching::start(start), 0));
-        Ok(())
+        self.detach_pair_in_background(TRIGGER_PROGRAMS, (links.end, links.start), 0)
     }
 
     /// Detaches the trigger probes, then forgets every thread's triggers: calls that end
@@ -613,14 +606,22 @@ impl OnCpuProbes {
     /// waited for when these probes are dropped.
     pub fn detach_function_in_background(&mut self, links: FunctionLinks) -> Result<()> {
         self.set_gate(links.gate, false)?;
-        let exit = self
-            .function_program(FUNCTION_PROGRAMS[1])?
-            .take_link(links.exit)?;
-        let entry = self
-            .function_program(FUNCTION_PROGRAMS[0])?
-            .take_link(links.entry)?;
-        // A tuple drops its fields in order: the return probe first, as above.
-        self.detaching.push((Detaching::start((exit, entry)), links.gate));
+        self.detach_pair_in_background(FUNCTION_PROGRAMS, (links.exit, links.entry), links.gate)
+    }
+
+    /// Takes the links of `programs` (entry, return) out of them, return link first, and drops
+    /// them in that order on one thread: the kernel unregisters uprobes one at a time anyway.
+    /// `gate` is handed out again once they are gone.
+    fn detach_pair_in_background(
+        &mut self,
+        programs: [&str; 2],
+        (exit, entry): (UProbeLinkId, UProbeLinkId),
+        gate: u32,
+    ) -> Result<()> {
+        let exit = self.function_program(programs[1])?.take_link(exit)?;
+        let entry = self.function_program(programs[0])?.take_link(entry)?;
+        // A tuple drops its fields in order: the return probe first, as detach_function does.
+        self.detaching.push((Detaching::start((exit, entry)), gate));
         Ok(())
     }
 
