@@ -2,12 +2,13 @@
 //! every later cluster of that build. `initdb` took 0.7 s a cluster and the suite starts about
 //! two hundred; a copy takes 0.1 s.
 //!
-//! Templates live under the system's temp dir, one per build and `initdb` arguments, named by a
-//! hash of the build's programs (size, modification time) and of the arguments, so that a
-//! rebuilt Postgres gets a new one. Every test process may make one: each makes it in a
-//! directory of its own and renames it into place, and a process that finds the name taken uses
-//! the one already there. Clusters copied from one template share its system identifier, as
-//! replicas of one primary do; nothing in pgscope or its tests tells instances apart by it.
+//! Templates live under the system's temp dir, one per build, `initdb` arguments and owner,
+//! named by a hash of the build's programs (size, modification time), the arguments and the
+//! test user's uid, so that a rebuilt Postgres gets a new one. Every test process may make one:
+//! each makes it in a directory of its own and renames it into place, and a process that finds
+//! the name taken uses the one already there. Clusters copied from one template share its
+//! system identifier, as replicas of one primary do; nothing in pgscope or its tests tells
+//! instances apart by it.
 
 use std::collections::hash_map::DefaultHasher;
 use std::fs;
@@ -30,9 +31,12 @@ fn templates_root() -> PathBuf {
     std::env::temp_dir().join("pgscope-initdb-templates")
 }
 
-/// The template's name: the build's label and a hash of what makes its `initdb` output.
-fn template_name(install: &PgInstall, initdb_args: &[&str]) -> Result<String> {
+/// The template's name: the build's label and a hash of what makes its `initdb` output, and of
+/// the user who owns it (Postgres refuses a data directory another user owns, and templates
+/// outlive a test user recreated with another uid).
+fn template_name(install: &PgInstall, user: UserIds, initdb_args: &[&str]) -> Result<String> {
     let mut hasher = DefaultHasher::new();
+    user.uid.hash(&mut hasher);
     for program in ["initdb", "postgres"] {
         let path = install.bin(program);
         let meta = fs::metadata(&path).with_context(|| format!("cannot stat `{}`", path.display()))?;
@@ -57,7 +61,7 @@ pub fn copy_to(
 ) -> Result<()> {
     let root = templates_root();
     fs::create_dir_all(&root).with_context(|| format!("cannot create `{}`", root.display()))?;
-    let template = root.join(template_name(install, initdb_args)?);
+    let template = root.join(template_name(install, user, initdb_args)?);
     if !template.exists() {
         make(&root, &template, user, initdb)?;
     }
