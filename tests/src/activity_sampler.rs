@@ -4,17 +4,11 @@
 //! checked against.
 
 use std::collections::BTreeMap;
-use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 
 use crate::cluster::PgCluster;
-
-/// Every client backend but the poller's own: `wait_event_type:wait_event` (empty when it
-/// waits on nothing) and `state`.
-const POLL: &str = "SELECT coalesce(wait_event_type || ':' || wait_event, ''), coalesce(state, '') \
-     FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
 
 /// What the polls saw: how many times each (state, wait event) was seen, summed over backends.
 #[derive(Debug, Clone, Default)]
@@ -34,81 +28,94 @@ impl ActivitySamples {
     }
 }
 
-/// Polls pg_stat_activity at `hz` for `window` through one long-lived connection (its own
-/// backend, left out of what it counts). On a busy machine a read can come late; the next ones
-/// then follow at once until the schedule is caught up, so the reads stay spread evenly.
+/// Polls pg_stat_activity at `hz` for `window`, from inside one backend of its own (left out of
+/// what it counts): a PL/pgSQL loop that clears its statistics snapshot, counts every client
+/// backend's state and wait event into a temporary table and sleeps until its next instant. On a
+/// busy machine a read can come late; the next ones then follow at once until the schedule is
+/// caught up, so the reads stay spread evenly.
 ///
-/// The poll's chain (this thread, psql and its reader thread, the backend) runs at real-time
-/// priority, as pgscope's own sampler does, so that each read takes its snapshot when its timer
-/// fires. At normal priority, on 2 CPUs busy with pgbench, the backend gets its CPU only when a
-/// running thread blocks or its slice ends, and its snapshots are not of random instants:
-/// against the exact context-switch tracer of the same window (TPC-B, 8 clients, 100 Hz) they
-/// showed `Client:ClientRead` 2.9-4.6 points above its share of the time and
-/// `Lock:transactionid` 2.4-3.7 below; at real-time priority within 2 points.
+/// Why in the server, at real-time priority: a read is of the instant the poller takes its
+/// snapshot, and each thread that must run before that instant runs on a CPU a backend had, and
+/// holds that backend where it was: a backend held while running is held out of the wait it was
+/// about to enter, most often `Client:ClientRead` (five times per TPC-B transaction). Read
+/// through psql from the test's thread (three threads woken in turn, each at real-time
+/// priority), the polls' share of `Client:ClientRead` was 3.5-6.4 points below the sampled
+/// profile's on an idle machine (TPC-B, 8 clients, 100 Hz; the profile within 0.4% of the exact
+/// context-switch tracer at its own instants) and 2-2.8 above on a busy one: the reference moved
+/// with the load and failed the test one run in three. Read by the backend alone, woken from its
+/// sleep by its timer, the difference was -2.8 to +1.6 points idle and -1.1 to +0.2 beside two
+/// CPU hogs. At normal priority the backend got its CPU only when a running thread blocked or
+/// its slice ended, and its reads were not of random instants at all.
 /// `SCHED_FIFO` cannot hang the poll: a backend caught in the middle of updating its status
 /// entry gets a CPU from the other one or from the kernel's real-time throttling.
 pub fn sample_activity(cluster: &PgCluster, hz: u32, window: Duration) -> Result<ActivitySamples> {
     ensure!(hz > 0, "a poll rate of 0 Hz");
-    // Before the connection: psql and the connection's reader thread inherit the policy.
-    let realtime = RealtimeThread::enter()?;
     let mut connection = cluster.connect()?;
     set_realtime(connection.pid()).context("cannot run the poller's backend at real-time priority")?;
-    let interval = Duration::from_secs(1) / hz;
-    let mut samples = ActivitySamples::default();
-    let start = Instant::now();
-    while start.elapsed() < window {
-        let rows = connection.query(POLL)?;
-        for line in rows.lines() {
-            let (wait, state) = line
-                .split_once('|')
-                .ok_or_else(|| anyhow::anyhow!("unexpected pg_stat_activity row `{line}`"))?;
-            let wait = (!wait.is_empty()).then(|| wait.to_owned());
-            *samples.seen.entry((state.to_owned(), wait)).or_insert(0) += 1;
-        }
-        samples.polls += 1;
-        let next = start + interval * u32::try_from(samples.polls).unwrap_or(u32::MAX);
-        if let Some(left) = next.checked_duration_since(Instant::now()) {
-            thread::sleep(left);
-        }
-    }
-    samples.elapsed = start.elapsed();
+    let interval_us = 1_000_000 / u64::from(hz);
+    let started = Instant::now();
+    // No write, and a commit after each read: a transaction of the poller held open for the
+    // window would hold back the pruning of TPC-B's updated rows (their HOT chains would grow
+    // for seconds) and change the workload it is to observe.
+    connection.query(&format!(
+        "DO $$\n\
+         DECLARE\n\
+           began timestamptz := clock_timestamp();\n\
+           poll bigint := 0;\n\
+           seen text[] := '{{}}';\n\
+         BEGIN\n\
+           WHILE clock_timestamp() < began + interval '{window_us} microseconds' LOOP\n\
+             seen := seen || ARRAY({POLL});\n\
+             COMMIT;\n\
+             poll := poll + 1;\n\
+             PERFORM pg_sleep(greatest(0, extract(epoch FROM \
+                began + poll * interval '{interval_us} microseconds' - clock_timestamp())));\n\
+           END LOOP;\n\
+           PERFORM set_config('pgscope.polls', poll::text, false);\n\
+           PERFORM set_config('pgscope.seen', array_to_string(seen, E'\\n'), false);\n\
+         END $$",
+        window_us = window.as_micros(),
+    ))?;
+    let elapsed = started.elapsed();
+    let polls: u64 = connection
+        .query("SELECT current_setting('pgscope.polls')")?
+        .trim()
+        .parse()
+        .context("the poll loop counted no reads")?;
+    let rows = connection.query(
+        "SELECT seen, count(*) FROM unnest(string_to_array(current_setting('pgscope.seen'), E'\\n')) \
+         AS seen GROUP BY 1",
+    )?;
     connection.close()?;
-    drop(realtime);
+    let mut samples = ActivitySamples {
+        polls,
+        elapsed,
+        ..ActivitySamples::default()
+    };
+    for line in rows.lines() {
+        let mut fields = line.split('|');
+        let (Some(state), Some(wait), Some(count), None) =
+            (fields.next(), fields.next(), fields.next(), fields.next())
+        else {
+            anyhow::bail!("unexpected row of the polls `{line}`");
+        };
+        let count: u64 = count.parse().with_context(|| format!("bad count in `{line}`"))?;
+        let wait = (!wait.is_empty()).then(|| wait.to_owned());
+        *samples.seen.entry((state.to_owned(), wait)).or_insert(0) += count;
+    }
     Ok(samples)
 }
+
+/// One read: every client backend but the poller's own, as `state|wait_event_type:wait_event`
+/// (nothing after the bar when it waits on nothing). A statistics snapshot lasts its
+/// transaction; each read is in a transaction of its own.
+const POLL: &str = "SELECT coalesce(state, '') || '|' || coalesce(wait_event_type || ':' || wait_event, '') \
+     FROM pg_stat_activity WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
 
 /// `SCHED_FIFO` at the lowest real-time priority, the one pgscope's wait sampler runs at.
 const POLL_PRIORITY: libc::c_int = 1;
 
-/// The calling thread at real-time priority until dropped; then back to its policy before.
-struct RealtimeThread {
-    policy: libc::c_int,
-    param: libc::sched_param,
-}
-
-impl RealtimeThread {
-    fn enter() -> Result<Self> {
-        // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param the call fills.
-        let mut param = libc::sched_param { sched_priority: 0 };
-        let policy = unsafe { libc::sched_getscheduler(0) };
-        if policy < 0 || unsafe { libc::sched_getparam(0, &mut param) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .context("cannot read the test thread's scheduling policy");
-        }
-        set_realtime(0)
-            .context("cannot run the pg_stat_activity poller at real-time priority (needs root)")?;
-        Ok(Self { policy, param })
-    }
-}
-
-impl Drop for RealtimeThread {
-    fn drop(&mut self) {
-        // SAFETY: pid 0 is the calling thread; `param` is the valid sched_param read before.
-        unsafe { libc::sched_setscheduler(0, self.policy, &self.param) };
-    }
-}
-
-/// Puts `pid` (0: the calling thread) in `SCHED_FIFO` at [`POLL_PRIORITY`].
+/// Puts `pid` in `SCHED_FIFO` at [`POLL_PRIORITY`].
 fn set_realtime(pid: u32) -> Result<()> {
     let pid = libc::pid_t::try_from(pid).context("pid out of range")?;
     let param = libc::sched_param {

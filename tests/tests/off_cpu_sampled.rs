@@ -833,12 +833,19 @@ fn activity_waits(samples: &ActivitySamples) -> BTreeMap<String, f64> {
     by_event
 }
 
+/// The wait of the pg_stat_activity poller's own backend between its reads (`sample_activity`).
+/// TPC-B never sleeps: the trace's time in it is the poller's, which its reads leave out.
+const POLLER_SLEEP: &str = "Timeout:PgSleep";
+
 /// Per wait event, the sampled off-CPU milliseconds of client backends that were not idle and
-/// waited on something.
+/// waited on something, the poller's sleep left out.
 fn traced_client_waits(rows: &[OffCpuWait]) -> BTreeMap<String, f64> {
     let mut by_event = BTreeMap::new();
     for row in rows.iter().filter(|r| {
-        r.backend_type == "client backend" && r.off_cpu != "idle" && r.wait_event != "(no wait event)"
+        r.backend_type == "client backend"
+            && r.off_cpu != "idle"
+            && r.wait_event != "(no wait event)"
+            && r.wait_event != POLLER_SLEEP
     }) {
         *by_event.entry(row.wait_event.clone()).or_insert(0.0) += row.ns as f64 / 1e6;
     }
@@ -865,9 +872,10 @@ fn traced_client_waits(rows: &[OffCpuWait]) -> BTreeMap<String, f64> {
 /// `IO:WALWrite`, a read served from the page cache under `IO:DataFileRead`) pg_stat_activity
 /// counts and the off-CPU profile does not: those events are 0.1-0.2% of the waits here.
 ///
-/// The poller runs in the test's thread, over its own connection, while pgscope (a process of
+/// The poller is a backend of its own, reading in a loop of its own while pgscope (a process of
 /// its own) traces the same window. Like pgscope's sampler it runs at real-time priority, so
-/// that its reads are of the instants its timer picks (see `sample_activity`). The exact
+/// that its reads are of the instants its timer picks (see `sample_activity`); its sleeps
+/// between reads are left out of the trace's side (`POLLER_SLEEP`). The exact
 /// tracer running in the same trace costs every backend alike; both sides see the same run.
 fn check_sampled_against_activity(summary: &TraceSummary, polled: &ActivitySamples) -> Result<()> {
     let comparison = ShareComparison::new(
