@@ -33,6 +33,7 @@ struct list_ctx {
 	struct wait_thread_list *list;
 	struct shared_copy words;  /* the run's batch of wait-event words, when read */
 	struct shared_copy status; /* and of status entries */
+	__u32 copied;		   /* pending threads whose stacks are copied already */
 };
 
 /* Notes a thread active in this run (visited, or on a CPU): the next run visits it first. */
@@ -303,10 +304,11 @@ static long visit_listed(__u64 index, struct list_ctx *ctx)
 	return 0;
 }
 
-/* bpf_loop over the threads the first pass left: the second pass's copy. */
+/* bpf_loop over the threads the first pass left since the last copy: their stacks' copy. */
 static long copy_listed(__u64 index, struct list_ctx *ctx)
 {
-	struct task_struct *task = bpf_task_from_pid(ctx->list->pending_tids[index & (WAIT_THREADS_MAX - 1)]);
+	__u64 at = ctx->copied + index;
+	struct task_struct *task = bpf_task_from_pid(ctx->list->pending_tids[at & (WAIT_THREADS_MAX - 1)]);
 	if (!task)
 		return 0;
 	copy_waiting_stack(task);
@@ -366,13 +368,25 @@ int target_waits(struct pgscope_wait_run *args)
 		ctx.status.start = list->status_start;
 		ctx.status.read = read_span(list, list->status_start, list->status_end, scratch->user_stack);
 	}
-	walk_target_threads(list, *weight_ns);
+	/* The threads active in the last run (a busy instance's backends) are visited and their
+	 * stacks copied before the walk of the host's threads: a thread that runs between its
+	 * snapshot and its copy has left the wait, and its stack is lost. On a row-lock storm (8
+	 * clients on 3 rows) 1.7% of the off-CPU samples that sought a stack lost it with the walk
+	 * (~50 us on this VM, ~0.5 ms on a host of 1000 threads) between. */
 	bpf_loop(list->active, visit_active, &ctx, 0);
+	start_stack_pass();
+	ctx.copied = 0;
+	bpf_loop(list->pending, copy_listed, &ctx, 0);
+	ctx.copied = list->pending;
+	/* The copies overwrote the status entries' batch in the scratch buffer: the walk's
+	 * threads read theirs one by one. */
+	ctx.status.read = 0;
+	walk_target_threads(list, *weight_ns);
 	bpf_loop(list->count, visit_listed, &ctx, 0);
 	/* The next run reads the half this one wrote. */
 	list->active = list->next_active;
-	start_stack_pass();
-	bpf_loop(list->pending, copy_listed, &ctx, 0);
+	if (list->pending > ctx.copied)
+		bpf_loop(list->pending - ctx.copied, copy_listed, &ctx, 0);
 	return 0;
 }
 
