@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::activity_sampler::{sample_activity, ActivitySamples};
+use pgscope_tests::bpf_objects;
 use pgscope_tests::freeze::FrozenThread;
 use pgscope_tests::process::{children_of, wait_for};
 use pgscope_tests::summary::OffCpuWait;
@@ -649,6 +650,7 @@ fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> 
         [pid] => *pid,
         pids => anyhow::bail!("expected one pgscope among this test's children, found {pids:?}"),
     };
+    let counters = counters_map_of(reader)?;
     let overflowed = {
         let _frozen = FrozenThread::freeze(reader)?;
         wait_for(
@@ -656,7 +658,7 @@ fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> 
                 "{MIN_RING_OVERFLOW} records lost to the full ring buffer while pgscope's reader is stopped"
             ),
             Duration::from_secs(120),
-            || Ok(Some(ring_buffer_full()?).filter(|&lost| lost >= MIN_RING_OVERFLOW)),
+            || Ok(Some(ring_buffer_full(counters)?).filter(|&lost| lost >= MIN_RING_OVERFLOW)),
         )
     };
     let overflowed = overflowed.context("the storm did not fill the ring buffer")?;
@@ -676,17 +678,38 @@ fn sampled_waits_keep_their_time_when_the_ring_buffer_overflows() -> Result<()> 
     check_sampled_against_exact_at_runs(&summary, "storm with its reader stopped", &sampled_rows)
 }
 
+/// The ID of the BPF `counters` map `pid` (pgscope) holds: its own, not another profiler's of the
+/// same name on the machine (a pgscope agent a developer runs, one a killed test left behind).
+fn counters_map_of(pid: u32) -> Result<u32> {
+    let maps = bpf_objects::held_by(pid)?.maps;
+    for id in &maps {
+        let out = std::process::Command::new("bpftool")
+            .args(["map", "show", "id", &id.to_string(), "-j"])
+            .output()
+            .context("cannot run bpftool")?;
+        // Freed since it was listed: not the counters, which live as long as pgscope.
+        if !out.status.success() {
+            continue;
+        }
+        let map: serde_json::Value = serde_json::from_slice(&out.stdout).context("bpftool's JSON")?;
+        if map["name"] == "counters" {
+            return Ok(*id);
+        }
+    }
+    anyhow::bail!("pgscope ({pid}) holds no BPF map named `counters` among {maps:?}")
+}
+
 /// Records lost to a full ring buffer so far (`PGSCOPE_CNT_RINGBUF_FULL`, index 2 of the BPF
-/// `counters` map, summed over CPUs), read with bpftool: pgscope's reader, which would say, is
-/// the one stopped.
-fn ring_buffer_full() -> Result<u64> {
+/// `counters` map `id`, summed over CPUs), read with bpftool: pgscope's reader, which would say,
+/// is the one stopped.
+fn ring_buffer_full(id: u32) -> Result<u64> {
     let out = std::process::Command::new("bpftool")
-        .args(["map", "dump", "name", "counters", "-j"])
+        .args(["map", "dump", "id", &id.to_string(), "-j"])
         .output()
         .context("cannot run bpftool")?;
     ensure!(
         out.status.success(),
-        "bpftool map dump name counters: {}",
+        "bpftool map dump id {id}: {}",
         String::from_utf8_lossy(&out.stderr).trim()
     );
     let entries: serde_json::Value = serde_json::from_slice(&out.stdout).context("bpftool's JSON")?;
