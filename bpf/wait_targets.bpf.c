@@ -4,7 +4,8 @@
  * tick with BPF_PROG_RUN (sleepable syscall programs, in its sampler thread's context, as the
  * task iterators run). The first walks the host's threads, settles there those that need no
  * read of their memory (on a CPU, or not run since their last sample: an idle backend), and
- * visits the others after the walk (wait_sampler.bpf.h). Its cost is a walk step per thread of
+ * visits the others after the walk (wait_sampler.bpf.h); the threads active in the last run are
+ * visited, and their stacks copied, before it. Its cost is a walk step per thread of
  * the host and a visit per target thread that ran since the last tick. The task iterators
  * (wait_iter.bpf.c) visit every thread of the host with a sleepable program, and reached the
  * eviction storm's backends 80-160 us after the run's instant, long enough for a few of them to
@@ -325,9 +326,10 @@ static __always_inline struct wait_thread_list *thread_list(void)
 	return list;
 }
 
-/* A run: the first pass, then the second over the threads it left, in one program. Its weight
+/* A run, in one program: the last run's active threads snapshotted, visited and their stacks
+ * copied; then the walk, the visits of the threads it listed and their copies. Its weight
  * comes in its context: a map update from user space each tick cost 13 us here, and running the
- * second pass as a program of its own another syscall (about 12 us, with a map read of 5 to tell
+ * copies as a program of their own another syscall (about 12 us, with a map read of 5 to tell
  * whether it had work); syscalls of the sampler's thread, at real-time priority, are time a
  * backend on its CPU cannot run, against 62 us for the first pass itself. And a thread that
  * runs between its visit and its stack's copy has left the wait (its stack is lost): the

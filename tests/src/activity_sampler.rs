@@ -29,8 +29,9 @@ impl ActivitySamples {
 }
 
 /// Polls pg_stat_activity at `hz` for `window`, from inside one backend of its own (left out of
-/// what it counts): a PL/pgSQL loop that clears its statistics snapshot, counts every client
-/// backend's state and wait event into a temporary table and sleeps until its next instant. On a
+/// what it counts): a PL/pgSQL loop that reads every client backend's state and wait event in a
+/// transaction of its own (a statistics snapshot lasts its transaction), keeps them in a
+/// variable until the window ends, and sleeps until its next instant. On a
 /// busy machine a read can come late; the next ones then follow at once until the schedule is
 /// caught up, so the reads stay spread evenly.
 ///

@@ -17,8 +17,8 @@ const BUDGET: f64 = 0.005;
 /// CI run came in at 9.8% against a bound of 8.6% (duty 3.7%, 1.5 s attached of 15.5 s);
 /// before the probes were attached last, runs took 19-24% against bounds of 10-13%.
 const UNBUDGETED: Duration = Duration::from_millis(1250);
-/// Where the trace ends in the cycle: the duty is a mean over whole cycles (a 500 ms window
-/// attached, then off for the rest), and a trace only two or three cycles long that ends just
+/// Where the trace ends in the cycle: the duty is a mean over whole cycles (a window attached,
+/// pgscope's `duty::WINDOW` of 500 ms, then off for the rest), and a trace only two or three cycles long that ends just
 /// after a window holds up to one window more than its duration's share. At a duty of 7.5% a
 /// cycle is 6.7 s, a 15.2 s trace 2.3 of them: a CI run came in at 16.1% against a bound of
 /// 15.7% without this (2.45 s attached, 60 ms over).
