@@ -57,7 +57,7 @@ pub use connection::Connection;
 pub use cpu_window::{ensure_samples_cover, expected_samples, CpuWindow, SchedTime};
 pub use debuginfod::DebuginfodServer;
 pub use install::PgInstall;
-pub use perf::{perf_record, PerfRecording};
+pub use perf::{perf_record, PerfRecording, PerfTimer};
 pub use pgbench::BackgroundPgbench;
 pub use pgscope::{pgscope_bin, run_pgscope, run_pgscope_ok, Trace, TraceOutput};
 pub use pgstack::{runs_under_exec_simple_query, Statics};
