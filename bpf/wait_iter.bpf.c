@@ -33,7 +33,7 @@ int sample_wait_stacks(struct bpf_iter__task *ctx)
 
 	if (ctx->meta->seq_num == 0)
 		start_stack_pass();
-	if (task)
-		copy_waiting_stack(task);
+	if (task && copy_waiting_stack(task) < 0)
+		count(PGSCOPE_CNT_NO_SCRATCH);
 	return 0;
 }

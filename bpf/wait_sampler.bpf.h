@@ -116,8 +116,10 @@ struct shared_copy {
 	__u32 read;
 };
 
-/* Takes the 4 or 8 bytes at `address` from the copy; false when it does not hold them. */
-static __always_inline bool take_from_copy(void *dst, __u32 size, __u64 address, const struct shared_copy *copy)
+/* Takes the 4 or 8 bytes at `address` from the copy; false when it does not hold them. Not
+ * inlined: its bounds checks, inlined at each of its calls, were branches the verifier walked
+ * in every combination (target_waits: 414k instructions inlined, 339k called, Linux 6.18.44). */
+static __noinline bool take_from_copy(void *dst, __u32 size, __u64 address, const struct shared_copy *copy)
 {
 	if (!copy || !copy->bytes || address < copy->start || address - copy->start + size > copy->read)
 		return false;
@@ -144,77 +146,113 @@ static __always_inline bool read_task_word(void *dst, __u32 size, __u64 address,
 	return address && bpf_copy_from_user_task(dst, size, (void *)address, task, 0) == 0;
 }
 
-/* What pg_stat_activity shows for the thread: read_attribution's fields, from another task's
- * memory. What does not change once set (backend type, database, the addresses of the status
- * entry and the wait-event word) is read once per thread. The wait-event word is taken from the
- * run's snapshot when it read it. */
-static __always_inline void read_task_attribution(struct pgscope_wait_sample_task *state, struct task_struct *task,
-						   __u32 tgid, const struct shared_copy *status,
-						   struct pgscope_pg_layout **layout_out)
+/*
+ * The parts of read_task_attribution. Each notes what it read in the flags in the thread's
+ * storage, not in a register, returns 1 when a read faulted (else 0), and is not inlined: with
+ * the flags and a count of faults in registers through one inlined function, every combination
+ * of its reads' outcomes was a state of its own to the verifier, and on Linux 6.18.44 it gave
+ * up on target_waits at its million instructions (E2BIG), leaving the sampler to the task
+ * iterators. Called, each part's paths end in one state.
+ */
+
+/* What does not change once set: backend type, database, the address of the status entry.
+ * Read until known (a backend still starting has not set them yet; 0 read is 0 shown, as the
+ * on-CPU sampler shows it), then kept. */
+static __noinline int read_task_identity(struct pgscope_wait_sample_task *state, struct task_struct *task,
+					 struct pgscope_pg_layout *layout)
 {
-	bool word_in_snapshot = state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD;
+	struct pgscope_attribution *a = &state->attr;
+	int faulted = 0;
+
+	if (a->backend_type || read_task_word(&a->backend_type, 4, layout->my_backend_type, task))
+		a->flags |= PGSCOPE_ATTR_BACKEND_TYPE;
+	else if (layout->my_backend_type)
+		faulted = 1;
+	if (a->database_id || read_task_word(&a->database_id, 4, layout->my_database_id, task))
+		a->flags |= PGSCOPE_ATTR_DATABASE;
+	else if (layout->my_database_id)
+		faulted = 1;
+	if (!state->status_entry && layout->my_be_entry &&
+	    !read_task_word(&state->status_entry, 8, layout->my_be_entry, task))
+		faulted = 1;
+	return faulted;
+}
+
+/* The status entry's state and queryid, from the run's batch when it holds them. */
+static __noinline int read_task_status(struct pgscope_wait_sample_task *state, struct task_struct *task,
+				       struct pgscope_pg_layout *layout, const struct shared_copy *status)
+{
+	struct pgscope_attribution *a = &state->attr;
+	__u64 entry = state->status_entry;
+
+	if (!entry)
+		return 0;
+	__u64 state_at = entry + layout->st_state_offset, query_id_at = entry + layout->st_query_id_offset;
+	if ((take_from_copy(&a->backend_state, 4, state_at, status) ||
+	     read_task_word(&a->backend_state, 4, state_at, task)) &&
+	    (!layout->st_query_id_offset || take_from_copy(&a->query_id, 8, query_id_at, status) ||
+	     read_task_word(&a->query_id, 8, query_id_at, task))) {
+		a->flags |= PGSCOPE_ATTR_STATUS;
+		return 0;
+	}
+	return 1;
+}
+
+/* The wait-event word: the run's snapshot's when it read it; the address it is at is read once
+ * (with a status entry the backend has its PGPROC, and the word stays where it is). */
+static __noinline int read_task_wait_word(struct pgscope_wait_sample_task *state, struct task_struct *task,
+					  struct pgscope_pg_layout *layout)
+{
+	struct pgscope_attribution *a = &state->attr;
+	int faulted = 0;
+
+	if (!state->wait_event_ptr && layout->my_wait_event_info) {
+		__u64 pointer = 0;
+		if (!read_task_word(&pointer, 8, layout->my_wait_event_info, task))
+			faulted = 1;
+		else if (state->status_entry)
+			state->wait_event_ptr = pointer;
+		else if (read_task_word(&a->wait_event_info, 4, pointer, task))
+			a->flags |= PGSCOPE_ATTR_WAIT_EVENT;
+	}
+	if (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD) {
+		a->wait_event_info = state->snapshot_wait_event;
+		a->flags |= PGSCOPE_ATTR_WAIT_EVENT;
+	} else if (state->wait_event_ptr) {
+		if (read_task_word(&a->wait_event_info, 4, state->wait_event_ptr, task))
+			a->flags |= PGSCOPE_ATTR_WAIT_EVENT;
+		else
+			faulted = 1;
+	}
+	return faulted;
+}
+
+/* What pg_stat_activity shows for the thread: read_attribution's fields, from another task's
+ * memory (the three parts above, in order: the wait word's address depends on whether the
+ * status entry is known). Returns the process's layout (NULL: not known). */
+static __always_inline struct pgscope_pg_layout *read_task_attribution(struct pgscope_wait_sample_task *state,
+								       struct task_struct *task, __u32 tgid,
+								       const struct shared_copy *status)
+{
 	struct pgscope_attribution *a = &state->attr;
 	struct pgscope_pg_layout *layout = bpf_map_lookup_elem(&pg_layouts, &tgid);
-	__u32 flags = 0;
-	int faults = 0;
 
-	*layout_out = layout;
 	a->query_id = 0;
 	a->wait_event_info = 0;
 	a->backend_state = 0;
 	a->off_cpu_class = PGSCOPE_OFF_CPU_NONE;
+	a->flags = 0;
 	if (!layout) {
 		a->backend_type = 0;
 		a->database_id = 0;
-		a->flags = 0;
-		return;
+		return NULL;
 	}
-	/* Read until known (a backend still starting has not set them yet; 0 read is 0 shown, as
-	 * the on-CPU sampler shows it), then kept. */
-	if (a->backend_type || read_task_word(&a->backend_type, 4, layout->my_backend_type, task))
-		flags |= PGSCOPE_ATTR_BACKEND_TYPE;
-	else if (layout->my_backend_type)
-		faults++;
-	if (a->database_id || read_task_word(&a->database_id, 4, layout->my_database_id, task))
-		flags |= PGSCOPE_ATTR_DATABASE;
-	else if (layout->my_database_id)
-		faults++;
-	if (!state->status_entry && layout->my_be_entry &&
-	    !read_task_word(&state->status_entry, 8, layout->my_be_entry, task))
-		faults++;
-	__u64 entry = state->status_entry;
-	if (entry) {
-		__u64 state_at = entry + layout->st_state_offset, query_id_at = entry + layout->st_query_id_offset;
-		if ((take_from_copy(&a->backend_state, 4, state_at, status) ||
-		     read_task_word(&a->backend_state, 4, state_at, task)) &&
-		    (!layout->st_query_id_offset || take_from_copy(&a->query_id, 8, query_id_at, status) ||
-		     read_task_word(&a->query_id, 8, query_id_at, task)))
-			flags |= PGSCOPE_ATTR_STATUS;
-		else
-			faults++;
-	}
-	if (!state->wait_event_ptr && layout->my_wait_event_info) {
-		__u64 pointer = 0;
-		if (!read_task_word(&pointer, 8, layout->my_wait_event_info, task))
-			faults++;
-		/* With a status entry the backend has its PGPROC: the word stays where it is. */
-		else if (entry)
-			state->wait_event_ptr = pointer;
-		else if (read_task_word(&a->wait_event_info, 4, pointer, task))
-			flags |= PGSCOPE_ATTR_WAIT_EVENT;
-	}
-	if (word_in_snapshot) {
-		a->wait_event_info = state->snapshot_wait_event;
-		flags |= PGSCOPE_ATTR_WAIT_EVENT;
-	} else if (state->wait_event_ptr) {
-		if (read_task_word(&a->wait_event_info, 4, state->wait_event_ptr, task))
-			flags |= PGSCOPE_ATTR_WAIT_EVENT;
-		else
-			faults++;
-	}
-	a->flags = flags;
-	if (faults)
+	int faulted = read_task_identity(state, task, layout);
+	faulted += read_task_status(state, task, layout, status);
+	faulted += read_task_wait_word(state, task, layout);
+	if (faulted)
 		count(PGSCOPE_CNT_ATTRIBUTION_FAULT);
+	return layout;
 }
 
 /* Copies the thread's user stack from its saved sp upwards, bounded like copy_user_stack. */
@@ -671,8 +709,7 @@ static __always_inline enum wait_visit visit_waiting_thread(struct task_struct *
 		return WAIT_VISIT_REPEATED;
 	/* It left the wait its deferred ticks are of: they go to that wait's total. */
 	flush_deferred(state, tgid);
-	struct pgscope_pg_layout *layout = NULL;
-	read_task_attribution(state, task, tgid, status, &layout);
+	struct pgscope_pg_layout *layout = read_task_attribution(state, task, tgid, status);
 	state->switches = state->snapshot_switches;
 	bool ran = ran_since_snapshot(task, state);
 	/* Read at its snapshot, or since but before it ran again: the word it showed then. */
@@ -751,11 +788,6 @@ static __always_inline void start_stack_pass(void)
 	set_wait_config(WAIT_CONFIG_SENT, 0);
 }
 
-/*
- * A run's second pass, for one thread: sends it with the attribution the first pass read and
- * the user stack it is still blocked in. A thread that ran in between has left that wait, and
- * its stack with it: it is counted in the wait the first pass saw, without a stack, marked so.
- */
 /* Whether the thread ran since the wait its pending sample is of: its snapshot's, or the
  * wait it was found back in (back_in_sampled_wait). */
 static __always_inline bool ran_since_sampled_wait(struct task_struct *task,
@@ -764,20 +796,28 @@ static __always_inline bool ran_since_sampled_wait(struct task_struct *task,
 	return task->on_cpu || task->nvcsw + task->nivcsw + 1 != state->switches;
 }
 
-static __always_inline void copy_waiting_stack(struct task_struct *task)
+/*
+ * A run's second pass, for one thread: sends it with the attribution the first pass read and
+ * the user stack it is still blocked in. A thread that ran in between has left that wait, and
+ * its stack with it: it is counted in the wait the first pass saw, without a stack, marked so.
+ * -1 when the run's configuration could not be read (the caller counts it).
+ *
+ * Not inlined, so that its paths end in one state for the bpf_loop callbacks that call it (as
+ * walk_thread; see read_task_attribution for the kernel where that mattered).
+ */
+static __noinline int copy_waiting_stack(struct task_struct *task)
 {
 	struct pgscope_wait_sample_task *state = bpf_task_storage_get(&wait_sample_tasks, task, 0, 0);
 	if (!state || state->kind != PGSCOPE_WAIT_SAMPLE_PENDING)
-		return;
+		return 0;
 	__u32 zero = 0, budget_index = 1, sent_index = WAIT_CONFIG_SENT;
 	__u64 *weight_ns = bpf_map_lookup_elem(&wait_sample_config, &zero);
 	__u64 *budget = bpf_map_lookup_elem(&wait_sample_config, &budget_index);
 	__u64 *sent = bpf_map_lookup_elem(&wait_sample_config, &sent_index);
 	__u32 tgid = task->tgid;
 	if (!weight_ns || !budget || !sent) {
-		count(PGSCOPE_CNT_NO_SCRATCH);
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
-		return;
+		return -1;
 	}
 	__u64 now_switches = 0;
 	if (ran_since_sampled_wait(task, state) && back_in_sampled_wait(task, state, &now_switches)) {
@@ -792,7 +832,7 @@ static __always_inline void copy_waiting_stack(struct task_struct *task)
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 		count_sampled(tgid, &state->attr, *weight_ns);
-		return;
+		return 0;
 	}
 	if (*sent >= *budget) {
 		/* The time is not lost with the stack: it is counted, marked as left without. */
@@ -800,7 +840,7 @@ static __always_inline void copy_waiting_stack(struct task_struct *task)
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NO_STACK;
 		count_sampled(tgid, &state->attr, *weight_ns);
-		return;
+		return 0;
 	}
 	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
 	if (send_wait_sample(state, task, tgid, task->pid, regs, *weight_ns)) {
@@ -814,4 +854,5 @@ static __always_inline void copy_waiting_stack(struct task_struct *task)
 		count_sampled(tgid, &state->attr, *weight_ns);
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 	}
+	return 0;
 }

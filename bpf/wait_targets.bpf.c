@@ -312,7 +312,8 @@ static long copy_listed(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = bpf_task_from_pid(ctx->list->pending_tids[at & (WAIT_THREADS_MAX - 1)]);
 	if (!task)
 		return 0;
-	copy_waiting_stack(task);
+	if (copy_waiting_stack(task) < 0)
+		count(PGSCOPE_CNT_NO_SCRATCH);
 	bpf_task_release(task);
 	return 0;
 }
