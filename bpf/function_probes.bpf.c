@@ -9,8 +9,9 @@
  */
 
 /*
- * Function probes: uprobe + uretprobe on a handful of Postgres functions, the attach cookie
- * naming the function (lower half) and the attachment's slot (upper half: its gate and where
+ * Function probes: uprobe + uretprobe on a handful of Postgres functions (the seven of enum
+ * pgscope_function, and any others the user names), the attach cookie naming the function
+ * (lower half: its id, below PGSCOPE_FN_IDS) and the attachment's slot (upper half: its gate and where
  * its arguments are, which depends on the Postgres major). Calls, time and a log2 latency
  * histogram are aggregated per CPU per (backend, queryid, function) in the kernel: no event per
  * call crosses to user space.
@@ -91,7 +92,7 @@ struct {
 /* Entries per function, for the duty cycle's hit-rate measurement (user space reads deltas). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, PGSCOPE_FN_MAX);
+	__uint(max_entries, PGSCOPE_FN_IDS);
 	__type(key, __u32);
 	__type(value, __u64);
 } function_hits SEC(".maps");
@@ -101,7 +102,7 @@ struct {
  * the overhead budget counts these traps alongside the targets'. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, PGSCOPE_FN_MAX);
+	__uint(max_entries, PGSCOPE_FN_IDS);
 	__type(key, __u32);
 	__type(value, __u64);
 } foreign_function_hits SEC(".maps");

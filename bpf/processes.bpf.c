@@ -58,7 +58,7 @@ int on_process_exit(void *ctx)
 
 	if (!bpf_map_lookup_elem(&targets, &tgid))
 		return 0;
-	for (__u32 function = 0; function < PGSCOPE_FN_MAX; function++) {
+	for (__u32 function = 0; function < PGSCOPE_FN_IDS; function++) {
 		__u64 key = (pid_tgid << 32) | function;
 		bpf_map_delete_elem(&calls_in_flight, &key);
 	}

@@ -124,7 +124,9 @@ struct TraceArgs {
     top: usize,
     /// Measure every call of these Postgres functions (comma-separated, or `all`): pgss_store,
     /// s_lock, LockRelationOid, GetCachedPlan, PortalStart, vac_update_datfrozenxid,
-    /// _bt_getroot. Each call costs a uprobe trap (1-3 µs): opt in for the functions you need.
+    /// _bt_getroot, or any other function of the postgres executable by name (up to 25,
+    /// e.g. SubTransGetParent). Each call costs a uprobe trap (1-3 µs): opt in for the
+    /// functions you need.
     #[arg(long, value_delimiter = ',', value_name = "FUNCTIONS")]
     probes: Vec<String>,
     /// Probe a function at a location you give, in files where pgscope cannot find its name

@@ -78,6 +78,12 @@ enum pgscope_function {
 	PGSCOPE_FN_MAX = 7,
 };
 
+/* Ids of probed functions: enum pgscope_function, then the functions probed by name
+ * (`--probes SubTransGetParent`), numbered by user space from PGSCOPE_FN_MAX. The per-function
+ * arrays (function_hits) hold this many; an exiting thread's in-flight calls are looked up under
+ * each (bpf/processes.bpf.c), so it stays small. */
+#define PGSCOPE_FN_IDS 32
+
 /* Slots of the per-attachment maps (function_gates, probe_args): the upper half of a function
  * probe's attach cookie names its slot; slot 0 means none (ungated, reads no argument). */
 #define PGSCOPE_PROBE_SLOTS 1024

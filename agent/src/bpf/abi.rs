@@ -563,26 +563,62 @@ mod tests {
     }
 }
 
-/// `enum pgscope_function`: the Postgres functions pgscope can probe. The value is the attach
-/// cookie the BPF programs read back.
+/// `enum pgscope_function`, and the functions probed by name after it: the Postgres functions
+/// pgscope probes. Its id ([`Function::id`]) is the attach cookie the BPF programs read back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u32)]
 pub enum Function {
-    PgssStore = c::pgscope_function::PGSCOPE_FN_PGSS_STORE,
-    SLock = c::pgscope_function::PGSCOPE_FN_S_LOCK,
-    LockRelationOid = c::pgscope_function::PGSCOPE_FN_LOCK_RELATION_OID,
-    GetCachedPlan = c::pgscope_function::PGSCOPE_FN_GET_CACHED_PLAN,
-    PortalStart = c::pgscope_function::PGSCOPE_FN_PORTAL_START,
-    VacUpdateDatfrozenxid = c::pgscope_function::PGSCOPE_FN_VAC_UPDATE_DATFROZENXID,
-    BtGetroot = c::pgscope_function::PGSCOPE_FN_BT_GETROOT,
+    PgssStore,
+    SLock,
+    LockRelationOid,
+    GetCachedPlan,
+    PortalStart,
+    VacUpdateDatfrozenxid,
+    BtGetroot,
+    /// Any other function, named by the user (`--probes SubTransGetParent`): counted and
+    /// timed like the seven, without reading its arguments.
+    Named(NamedFunction),
 }
+
+/// A function probed by name: its place among those this process was asked for, each name
+/// once ([`Function::named`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NamedFunction(u8);
+
+/// `PGSCOPE_FN_IDS`: ids of probed functions, the built-in seven's and then the named ones';
+/// the per-function BPF arrays hold this many.
+pub const FUNCTION_IDS: usize = c::PGSCOPE_FN_IDS as usize;
+
+/// Functions that can be probed by name in one process, besides the seven.
+pub const NAMED_FUNCTIONS_MAX: usize = FUNCTION_IDS - Function::ALL.len();
+
+/// The names of the functions probed by name, by [`NamedFunction`] index. Leaked: at most
+/// [`NAMED_FUNCTIONS_MAX`] short names for the life of the process, so that a `Function` stays
+/// `Copy` and its name `&'static str` like the seven's.
+static NAMED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
 
 const _: () = assert!(covers_every_value(
     &Function::ALL_VALUES,
     c::pgscope_function::PGSCOPE_FN_MAX
 ));
+const _: () = assert!(FUNCTION_IDS > Function::ALL.len() && FUNCTION_IDS <= u8::MAX as usize);
+
+/// Why a name cannot be probed.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FunctionNameError {
+    #[error("`{0}` is not a C function name (letters, digits and `_`, not starting with a digit)")]
+    NotAnIdentifier(String),
+    #[error(
+        "more than {NAMED_FUNCTIONS_MAX} functions probed by name: each costs two probe points and \
+         a row per statement; probe fewer at a time"
+    )]
+    TooMany,
+}
+
+/// Longest function name accepted; C has no limit, but no Postgres function comes near.
+const NAME_MAX: usize = 128;
 
 impl Function {
+    /// The seven functions pgscope knows the meaning of (findings, per-major signatures).
     pub const ALL: [Function; 7] = [
         Function::PgssStore,
         Function::SLock,
@@ -593,8 +629,32 @@ impl Function {
         Function::BtGetroot,
     ];
 
-    /// The values of [`Self::ALL`], for the check against the header.
-    const ALL_VALUES: [u32; Self::ALL.len()] = values_of!(Self::ALL);
+    /// The ids of [`Self::ALL`], for the check against the header.
+    const ALL_VALUES: [u32; Self::ALL.len()] = {
+        let mut values = [0; Self::ALL.len()];
+        let mut i = 0;
+        while i < values.len() {
+            values[i] = Self::ALL[i].id();
+            i += 1;
+        }
+        values
+    };
+
+    /// Its attach cookie and index in the per-function BPF arrays: `enum pgscope_function` for
+    /// the seven, the ids after them for the named ones.
+    pub const fn id(self) -> u32 {
+        use c::pgscope_function as f;
+        match self {
+            Function::PgssStore => f::PGSCOPE_FN_PGSS_STORE,
+            Function::SLock => f::PGSCOPE_FN_S_LOCK,
+            Function::LockRelationOid => f::PGSCOPE_FN_LOCK_RELATION_OID,
+            Function::GetCachedPlan => f::PGSCOPE_FN_GET_CACHED_PLAN,
+            Function::PortalStart => f::PGSCOPE_FN_PORTAL_START,
+            Function::VacUpdateDatfrozenxid => f::PGSCOPE_FN_VAC_UPDATE_DATFROZENXID,
+            Function::BtGetroot => f::PGSCOPE_FN_BT_GETROOT,
+            Function::Named(NamedFunction(index)) => f::PGSCOPE_FN_MAX + index as u32,
+        }
+    }
 
     /// The C function name, as given to `--probes`.
     pub fn name(self) -> &'static str {
@@ -606,12 +666,57 @@ impl Function {
             Function::PortalStart => "PortalStart",
             Function::VacUpdateDatfrozenxid => "vac_update_datfrozenxid",
             Function::BtGetroot => "_bt_getroot",
+            Function::Named(NamedFunction(index)) => named_names()
+                .get(usize::from(index))
+                .copied()
+                .unwrap_or("(unknown function)"),
         }
     }
 
-    pub fn from_cookie(value: u32) -> Option<Function> {
-        Function::ALL.into_iter().find(|f| *f as u32 == value)
+    /// The function called `name`: one of the seven, or a function probed by name (given its
+    /// id the first time it is named).
+    pub fn named(name: &str) -> Result<Function, FunctionNameError> {
+        if let Some(known) = Function::ALL.into_iter().find(|f| f.name() == name) {
+            return Ok(known);
+        }
+        let mut chars = name.chars();
+        let identifier = name.len() <= NAME_MAX
+            && chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !identifier {
+            return Err(FunctionNameError::NotAnIdentifier(name.to_string()));
+        }
+        let mut names = named_names();
+        let index = match names.iter().position(|n| *n == name) {
+            Some(index) => index,
+            None if names.len() < NAMED_FUNCTIONS_MAX => {
+                names.push(Box::leak(name.to_string().into_boxed_str()));
+                names.len() - 1
+            }
+            None => return Err(FunctionNameError::TooMany),
+        };
+        // Below NAMED_FUNCTIONS_MAX, which fits a u8 (asserted above).
+        Ok(Function::Named(NamedFunction(index as u8)))
     }
+
+    /// Whether the function was named by the user rather than one of the seven.
+    pub fn is_named(self) -> bool {
+        matches!(self, Function::Named(_))
+    }
+
+    pub fn from_cookie(value: u32) -> Option<Function> {
+        if let Some(known) = Function::ALL.into_iter().find(|f| f.id() == value) {
+            return Some(known);
+        }
+        let index = value.checked_sub(c::pgscope_function::PGSCOPE_FN_MAX)?;
+        (usize::try_from(index).ok()? < named_names().len())
+            .then_some(Function::Named(NamedFunction(index as u8)))
+    }
+}
+
+/// The names given so far; a poisoned lock only means another thread panicked mid-push.
+fn named_names() -> std::sync::MutexGuard<'static, Vec<&'static str>> {
+    NAMED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `PGSCOPE_PROBE_SLOTS`: slots of the per-attachment maps (`function_gates`, `probe_args`);
@@ -694,7 +799,8 @@ impl Function {
             Function::GetCachedPlan
             | Function::PortalStart
             | Function::VacUpdateDatfrozenxid
-            | Function::BtGetroot => &[],
+            | Function::BtGetroot
+            | Function::Named(_) => &[],
         }
     }
 }
@@ -820,7 +926,7 @@ mod call_stats_tests {
         assert_eq!(exec.label(), "pgss_store(exec)");
         let plan = ProbedCall::from_key(&key(2 << 8)).expect("pgss_store");
         assert_eq!(plan.label(), "pgss_store(plan)");
-        let lock = ProbedCall::from_key(&key(Function::LockRelationOid as u32)).expect("known");
+        let lock = ProbedCall::from_key(&key(Function::LockRelationOid.id())).expect("known");
         assert_eq!(lock.label(), "LockRelationOid");
         assert!(ProbedCall::from_key(&key(99)).is_none());
     }
@@ -843,5 +949,58 @@ mod call_stats_tests {
         };
         a.merge(&b);
         assert_eq!((a.calls, a.total_ns, a.max_ns, a.nested_traps), (5, 15, 7, 10));
+    }
+}
+
+#[cfg(test)]
+mod named_function_tests {
+    use super::*;
+
+    /// One test for the registry: it is the process's, and unit tests run in parallel. The
+    /// seven keep their ids; a name is given one id, the same each time it is named, and read
+    /// back from its cookie; names that are not C identifiers, and more than the room, are
+    /// refused.
+    #[test]
+    fn functions_are_named_once_and_known_by_their_cookie() {
+        for function in Function::ALL {
+            assert_eq!(Function::named(function.name()), Ok(function));
+            assert_eq!(Function::from_cookie(function.id()), Some(function));
+        }
+        let sleep = Function::named("pg_sleep").expect("an identifier");
+        assert!(sleep.is_named());
+        assert_eq!(sleep.name(), "pg_sleep");
+        assert!(sleep.id() >= c::pgscope_function::PGSCOPE_FN_MAX && (sleep.id() as usize) < FUNCTION_IDS);
+        assert_eq!(Function::named("pg_sleep"), Ok(sleep));
+        assert_eq!(Function::from_cookie(sleep.id()), Some(sleep));
+        let other = Function::named("_SubTransGetParent2").expect("an identifier");
+        assert_ne!(other.id(), sleep.id());
+        for bad in [
+            "",
+            "9lives",
+            "pg sleep",
+            "pg_sleep;",
+            "ünïcode",
+            &"x".repeat(NAME_MAX + 1),
+        ] {
+            assert!(
+                matches!(Function::named(bad), Err(FunctionNameError::NotAnIdentifier(_))),
+                "{bad:?} accepted"
+            );
+        }
+        assert_eq!(Function::from_cookie(FUNCTION_IDS as u32), None);
+        // Other tests may name `pg_sleep` too (and only it): fill what room is left.
+        let mut filled = 0;
+        while Function::named(&format!("filler_{filled}")).is_ok() {
+            filled += 1;
+        }
+        assert_eq!(named_names().len(), NAMED_FUNCTIONS_MAX);
+        assert_eq!(Function::named("one_too_many"), Err(FunctionNameError::TooMany));
+        // Names already given still are, and the last id is the last name's.
+        assert_eq!(Function::named("pg_sleep"), Ok(sleep));
+        let last = format!("filler_{}", filled - 1);
+        assert_eq!(
+            Function::from_cookie((FUNCTION_IDS - 1) as u32).map(Function::name),
+            Some(last.as_str())
+        );
     }
 }

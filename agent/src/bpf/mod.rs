@@ -31,7 +31,7 @@ use tracing::info;
 
 use abi::{
     CallKey, CallStats, Counter, Function, OffCpuKey, OffCpuTotal, PgLayout, ProbeArgs, RelationLockKey,
-    SpinSiteKey, SpinSiteStats, TriggerStack, PROBE_SLOTS,
+    SpinSiteKey, SpinSiteStats, TriggerStack, FUNCTION_IDS, PROBE_SLOTS,
 };
 
 /// The maps of record buffers, one per possible CPU each (`PGSCOPE_RECORD_BUFFERS`).
@@ -65,9 +65,9 @@ pub struct TriggerLinks {
     end: UProbeLinkId,
 }
 
-/// A cookie outside `enum pgscope_function`: the programs run in full, their statistics land
-/// under a function user space ignores.
-const CALIBRATION_COOKIE: u64 = Function::ALL.len() as u64;
+/// A cookie past every function id: the programs run in full, their statistics land under a
+/// function user space ignores.
+const CALIBRATION_COOKIE: u64 = FUNCTION_IDS as u64;
 
 /// The attachments of one probed function.
 pub struct FunctionLinks {
@@ -421,7 +421,7 @@ impl OnCpuProbes {
         }
         let attached = self.set_probe_args(gate, args).and_then(|()| {
             self.attach_with_cookie(
-                function as u64 | (u64::from(gate) << 32),
+                u64::from(function.id()) | (u64::from(gate) << 32),
                 function.name(),
                 target,
                 file_offset,
@@ -651,23 +651,23 @@ impl OnCpuProbes {
     }
 
     /// Entries per function by target processes since load, summed over CPUs, indexed by
-    /// [`Function`] value.
-    pub fn function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
+    /// [`Function::id`].
+    pub fn function_hits(&self) -> Result<[u64; FUNCTION_IDS]> {
         self.hits_per_function("function_hits")
     }
 
     /// Entries per function by processes that are not targets (other instances of the same
     /// executable): they trap as well, since a uprobe is set on the file, not on a process.
-    pub fn foreign_function_hits(&self) -> Result<[u64; Function::ALL.len()]> {
+    pub fn foreign_function_hits(&self) -> Result<[u64; FUNCTION_IDS]> {
         self.hits_per_function("foreign_function_hits")
     }
 
-    fn hits_per_function(&self, name: &str) -> Result<[u64; Function::ALL.len()]> {
+    fn hits_per_function(&self, name: &str) -> Result<[u64; FUNCTION_IDS]> {
         let map = self.map(name)?;
         let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map)?;
-        let mut hits = [0u64; Function::ALL.len()];
-        for (slot, function) in hits.iter_mut().zip(Function::ALL) {
-            *slot = array.get(&(function as u32), 0)?.iter().sum();
+        let mut hits = [0u64; FUNCTION_IDS];
+        for (id, slot) in (0u32..).zip(hits.iter_mut()) {
+            *slot = array.get(&id, 0)?.iter().sum();
         }
         Ok(hits)
     }

@@ -32,7 +32,8 @@ pub struct AgentConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ProbesConfig {
     /// Function names (`GetCachedPlan`, `LockRelationOid`, `PortalStart`, `pgss_store`,
-    /// `s_lock`, `_bt_getroot`, `vac_update_datfrozenxid`) or `all`.
+    /// `s_lock`, `_bt_getroot`, `vac_update_datfrozenxid`, or any other function of the
+    /// postgres executable, up to 25 of those) or `all`.
     pub functions: Vec<String>,
     /// Share of each instance's CPU the probes may cost: hot probes are attached part of the
     /// time and their counts scaled up. 0 measures every call whatever it costs.

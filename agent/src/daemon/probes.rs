@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use super::config::AgentConfig;
 use super::probe_estimates::{delta, estimate_interval, Estimate, EstimateKey};
 use super::trigger_probes::AgentTriggerProbes;
-use crate::bpf::abi::{CallKey, Function, ProbedCall};
+use crate::bpf::abi::{CallKey, Function, ProbedCall, FUNCTION_IDS};
 use crate::bpf::OnCpuProbes;
 use crate::collect::probes::nested::corrected_total_ns;
 use crate::collect::probes::statement_clock::CounterLayout;
@@ -403,9 +403,15 @@ impl AgentProbes {
         if !self.enabled() {
             return ProbeMetrics::default();
         }
-        let per_function = |hits: anyhow::Result<[u64; Function::ALL.len()]>| {
-            hits.map(|hits| Function::ALL.iter().map(|f| f.name()).zip(hits).collect())
-                .unwrap_or_default()
+        // The seven and the functions probed by name, by id.
+        let per_function = |hits: anyhow::Result<[u64; FUNCTION_IDS]>| {
+            hits.map(|hits| {
+                (0u32..)
+                    .zip(hits)
+                    .filter_map(|(id, hits)| Some((Function::from_cookie(id)?.name(), hits)))
+                    .collect()
+            })
+            .unwrap_or_default()
         };
         ProbeMetrics {
             hits: per_function(probes.function_hits()),

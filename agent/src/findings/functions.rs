@@ -30,6 +30,15 @@ const MIN_CALLS: u64 = 10;
 /// What a probed function's time is, and what to consider when it dominates a statement.
 fn mechanism(function: Function) -> Option<(&'static str, &'static str)> {
     Some(match function {
+        // Probed by name: what the catalogue says of its subsystem, when it has one.
+        Function::Named(_) => match crate::postgres::subsystems::of_frame(function.name(), None) {
+            Some(subsystem) => (subsystem.what, subsystem.usual_causes),
+            None => (
+                "a function probed by name (--probes)",
+                "compare its calls per execution with what the statement should need: a count \
+                 that grows with the rows or the relations touched is the cost to remove",
+            ),
+        },
         Function::PgssStore => (
             "pg_stat_statements recording the statement (its entry's spinlock; a new entry, \
              and evictions when the table is full, under the extension's LWLock)",

@@ -172,7 +172,7 @@ pub(super) fn unchanged_since_14(function: Function) -> Option<ProbeSignature> {
             &[],
         ),
         Function::VacUpdateDatfrozenxid => ("void vac_update_datfrozenxid(void)", "commands/vacuum.h", &[]),
-        Function::PgssStore | Function::BtGetroot => return None,
+        Function::PgssStore | Function::BtGetroot | Function::Named(_) => return None,
     };
     Some(ProbeSignature {
         prototype,

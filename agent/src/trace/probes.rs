@@ -335,7 +335,7 @@ mod tests {
     fn results_merge_backends_per_query() {
         let key = |tgid, query_id| CallKey {
             tgid,
-            function: Function::LockRelationOid as u32,
+            function: Function::LockRelationOid.id(),
             query_id,
         };
         let stats = |calls| CallStats {
@@ -430,7 +430,7 @@ mod tests {
     fn duty_cycled_counts_are_scaled_and_marked() {
         let key = CallKey {
             tgid: 1,
-            function: Function::LockRelationOid as u32,
+            function: Function::LockRelationOid.id(),
             query_id: 7,
         };
         let measured = CallStats {

@@ -13,7 +13,7 @@ use tracing::warn;
 use super::duty::{plan_shared_duty, DutyCycle};
 use super::statement_clock::{CounterLayout, StatementClock};
 use super::{ExplicitProbe, Extrapolation};
-use crate::bpf::abi::{Function, ProbeArgs};
+use crate::bpf::abi::{Function, ProbeArgs, FUNCTION_IDS};
 use crate::bpf::{FunctionLinks, OnCpuProbes};
 use crate::postgres::{pgss_hooks, VersionTable};
 
@@ -90,6 +90,41 @@ fn explicit_location(explicit: &ExplicitProbe, pid: u32) -> Result<FunctionLocat
     })
 }
 
+/// A function probed by name, where its symbol says it starts: probed only when that is the
+/// first instruction of a function `.eh_frame` describes, decoded as such (the check
+/// `--probe` offsets get). A symbol that is not (an alias into the middle of another function,
+/// a label) would put the breakpoint inside an instruction of every process mapping the file.
+fn named_entry(function: Function, location: FunctionLocation) -> Result<FunctionLocation, String> {
+    match symbolizer::check_probe_point(&location.path, location.file_offset) {
+        Ok(point) if point.is_entry => Ok(location),
+        Ok(point) => Err(format!(
+            "the symbol {} is at file offset {:#x} of `{}`, inside the function that starts at \
+             {:#x}, not at a function's first instruction",
+            function.name(),
+            location.file_offset,
+            location.path.display(),
+            point.function_offset
+        )),
+        Err(error) => Err(format!("{} cannot be probed safely: {error}", function.name())),
+    }
+}
+
+/// Why a function probed by name was not found, and what to do, in one sentence.
+fn named_not_found(function: Function, executable: &str, error: &FindFunctionError) -> String {
+    match error {
+        FindFunctionError::NoSymbol { path, .. } => format!(
+            "`{}` names no function of `{}` (its exported functions, or all of them with its \
+             debug file; pgscope's own probes are {}): check the spelling, install the debug \
+             package for a static function, or give a library's function with --probe \
+             NAME=PATH:OFFSET",
+            function.name(),
+            path.display(),
+            Function::ALL.map(|f| f.name()).join(", ")
+        ),
+        other => format!("{} (looked for in `{executable}`)", other),
+    }
+}
+
 /// Where `function` is in process `pid`, or why it cannot be probed (one sentence).
 fn locate(
     symbolizer: &mut Symbolizer,
@@ -103,9 +138,13 @@ fn locate(
         return explicit_location(given, pid);
     }
     let error = match symbolizer.find_function(pid, &module_of(function, executable), function.name()) {
+        Ok(location) if function.is_named() => return named_entry(function, location),
         Ok(location) => return Ok(location),
         Err(error) => error,
     };
+    if function.is_named() {
+        return Err(named_not_found(function, executable, &error));
+    }
     // Stripped and no debug file: pgss_store is still the one function all of
     // pg_stat_statements' hook functions call.
     if !matches!(
@@ -205,16 +244,16 @@ pub struct ProbeSet {
     /// The instance's CPU time over the trace ([`ProbeSet::account_cpu`]).
     cpu_total_ns: f64,
     cycle: DutyCycle,
-    last_hits: [u64; Function::ALL.len()],
+    last_hits: [u64; FUNCTION_IDS],
     /// Hits by processes that are not targets (other instances mapping the same file), as last
     /// read and when the probes were attached: their traps are part of the probes' cost.
-    last_foreign_hits: [u64; Function::ALL.len()],
-    foreign_hits_at_attach: [u64; Function::ALL.len()],
+    last_foreign_hits: [u64; FUNCTION_IDS],
+    foreign_hits_at_attach: [u64; FUNCTION_IDS],
     since_plan: Duration,
     /// Whether the duty cycle was planned once (the first plan comes sooner).
     planned: bool,
     /// Hit counters and time of the last live-view line.
-    live_hits: [u64; Function::ALL.len()],
+    live_hits: [u64; FUNCTION_IDS],
     live_since: Option<Instant>,
     /// Each instance's statement count (by root PID), read at every switch; none without
     /// attribution.
@@ -377,12 +416,12 @@ impl ProbeSet {
             ns_per_hit,
             cpu_total_ns: 0.0,
             cycle: DutyCycle::new(),
-            last_hits: [0; Function::ALL.len()],
-            last_foreign_hits: [0; Function::ALL.len()],
-            foreign_hits_at_attach: [0; Function::ALL.len()],
+            last_hits: [0; FUNCTION_IDS],
+            last_foreign_hits: [0; FUNCTION_IDS],
+            foreign_hits_at_attach: [0; FUNCTION_IDS],
             since_plan: Duration::ZERO,
             planned: false,
-            live_hits: [0; Function::ALL.len()],
+            live_hits: [0; FUNCTION_IDS],
             live_since: None,
             statements: BTreeMap::new(),
             statements_total: 0,
@@ -565,7 +604,7 @@ impl ProbeSet {
         self.live_since = Some(now);
         let mut lines = Vec::new();
         for probe in &self.probes {
-            let index = probe.function as usize;
+            let index = probe.function.id() as usize;
             let calls = self.last_hits[index].saturating_sub(self.live_hits[index]);
             if seconds > 0.0 {
                 let state = if probe.links.is_some() {
@@ -676,7 +715,7 @@ impl ProbeSet {
             .probes
             .iter()
             .map(|p| {
-                let index = p.function as usize;
+                let index = p.function.id() as usize;
                 (
                     p.function,
                     now[index].saturating_sub(self.foreign_hits_at_attach[index]),
@@ -714,7 +753,7 @@ impl ProbeSet {
         let hits = probes.function_hits()?;
         let foreign = probes.foreign_function_hits()?;
         for probe in &mut self.probes {
-            let index = probe.function as usize;
+            let index = probe.function.id() as usize;
             let foreign_delta = foreign[index].saturating_sub(self.last_foreign_hits[index]);
             if probe.links.is_some() {
                 let own = hits[index].saturating_sub(self.last_hits[index]);

@@ -69,6 +69,22 @@ fn errors_name_the_bad_key() {
     assert!(format!("{:#}", config.validate().unwrap_err()).contains("bad-name"));
 }
 
+/// Any function of the executable can be probed by name; what is no C name is refused before
+/// the agent starts. (`pg_sleep` only: the names are the process's, see bpf::abi's test.)
+#[test]
+fn probes_name_the_seven_or_any_function() {
+    let mut config = AgentConfig::default();
+    config.pyroscope.url = Some("http://p:4040".into());
+    config.probes.functions = vec!["GetCachedPlan".into(), "pg_sleep".into()];
+    config.validate().expect("the seven and any other name");
+    config.probes.functions = vec!["pg_sleep(0.1)".into()];
+    let error = format!("{:#}", config.validate().unwrap_err());
+    assert!(
+        error.contains("probes.functions") && error.contains("pg_sleep(0.1)"),
+        "{error}"
+    );
+}
+
 #[test]
 fn errors_say_where_without_quoting_the_line() {
     let error = AgentConfig::parse("[pyroscope]\nbasic_auth_pasword = \"hunter2\"\n").unwrap_err();
