@@ -93,6 +93,19 @@ impl Session<'_> {
         Ok(self.child.try_wait()?.is_none())
     }
 
+    /// Fails, with psql's exit status and what it printed, once the session's `psql` has
+    /// exited: `what` ended early.
+    pub fn ensure_running(&mut self, what: &str) -> Result<()> {
+        let Some(status) = self.child.try_wait()? else {
+            return Ok(());
+        };
+        let mut stderr = String::new();
+        if let Some(pipe) = self.child.stderr.as_mut() {
+            let _ = pipe.read_to_string(&mut stderr);
+        }
+        bail!("{what} ended early: psql exited ({status}): {}", stderr.trim())
+    }
+
     /// Waits until the backend has finished its query (no longer active).
     pub fn wait_until_finished(&self) -> Result<()> {
         wait_for(

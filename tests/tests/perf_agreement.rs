@@ -86,7 +86,7 @@ fn compare_vacuum(install: &PgInstall) -> Result<()> {
     let (_dir, script) = large_catalog_vacuums(&cluster, VACUUMS)?;
     let mut session = cluster.spawn_script_session(&script)?;
     let both = record_both(install, session.pid(), VACUUM_SECS, VACUUM_FREQUENCY)?;
-    ensure!(session.is_running()?, "the VACUUMs ended during the trace");
+    session.ensure_running("the VACUUMs")?;
 
     let perf_names = frame_names(&both.perf, comparable_name);
     let pgscope_names = frame_names(&both.pgscope, comparable_name);
