@@ -56,6 +56,19 @@ pub fn pgss_eviction_scripts(cluster: &crate::PgCluster) -> anyhow::Result<(temp
     crate::app_database::distinct_selects_in(cluster, "postgres", 16, 8)
 }
 
+/// Writes `text` to a file `name` in a new directory the cluster's OS user can read (pgbench and
+/// psql run as it; the test's temp dirs are its own), and returns the directory, which removes
+/// the file when dropped, with the file's path.
+pub fn readable_script(name: &str, text: &str) -> anyhow::Result<(tempfile::TempDir, std::path::PathBuf)> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
+    let script = dir.path().join(name);
+    std::fs::write(&script, text)?;
+    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
+    Ok((dir, script))
+}
+
 /// Tables [`large_catalog_vacuums`] creates: each VACUUM's `vac_update_datfrozenxid` then reads
 /// ~20000 `pg_class` rows (~1000 pages) through `systable_getnext`, about 10 ms a VACUUM here.
 pub const LARGE_CATALOG_TABLES: u32 = 20_000;
@@ -69,7 +82,6 @@ pub fn large_catalog_vacuums(
     cluster: &crate::PgCluster,
     vacuums: u32,
 ) -> anyhow::Result<(tempfile::TempDir, std::path::PathBuf)> {
-    use std::os::unix::fs::PermissionsExt;
     // One transaction per thousand tables: a table's creation holds a lock until commit, and
     // the lock table has room for max_locks_per_transaction × max_connections.
     for first in (1..=LARGE_CATALOG_TABLES).step_by(1000) {
@@ -79,10 +91,8 @@ pub fn large_catalog_vacuums(
              EXECUTE format('CREATE TABLE catalog_filler_%s (a int)', i); END LOOP; END $$"
         ))?;
     }
-    let dir = tempfile::tempdir()?;
-    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
-    let script = dir.path().join("vacuums.sql");
-    std::fs::write(&script, "VACUUM catalog_filler_1;\n".repeat(vacuums as usize))?;
-    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
-    Ok((dir, script))
+    readable_script(
+        "vacuums.sql",
+        &"VACUUM catalog_filler_1;\n".repeat(vacuums as usize),
+    )
 }

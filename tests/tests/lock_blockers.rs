@@ -6,12 +6,12 @@
 //! rows: each holder's lock lasts a moment, no session holds others up) gives no such finding.
 
 use std::collections::BTreeSet;
-use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use pgscope_tests::findings_json::{describe_findings, findings_while, JsonFinding};
 use pgscope_tests::process::wait_for;
+use pgscope_tests::workload::readable_script;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// Sessions queued behind the idle transaction.
@@ -140,12 +140,7 @@ const HOT_ROWS: &str = "\\set id random(1, 3)\n\
 fn contention_on_hot_rows_in_short_transactions_names_no_blocker() -> Result<()> {
     require_root_and_bpf();
     let cluster = cluster()?;
-    // The cluster's user runs pgbench: the script must be readable to it.
-    let dir = tempfile::tempdir()?;
-    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
-    let script = dir.path().join("hot_rows.sql");
-    std::fs::write(&script, HOT_ROWS)?;
-    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
+    let (_dir, script) = readable_script("hot_rows.sql", HOT_ROWS)?;
     let script_arg = script.display().to_string();
     let traced = findings_while(Trace::instance(cluster.data_dir()), || {
         let mut pgbench =

@@ -4,9 +4,8 @@
 //! execution of the statement calls it a known number of times, and no call can return before
 //! the time it was asked to sleep.
 
-use std::os::unix::fs::PermissionsExt;
-
 use anyhow::{ensure, Context, Result};
+use pgscope_tests::workload::readable_script;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// `pg_sleep` calls per execution of [`SCRIPT`].
@@ -26,11 +25,7 @@ const UNKNOWN: &str = "NoSuchFunctionX";
 fn a_function_probed_by_name_counts_every_call_of_its_statement() -> Result<()> {
     require_root_and_bpf();
     let cluster = PgCluster::start_with_pg_stat_statements(&PgInstall::distro()?, &[])?;
-    let dir = tempfile::tempdir()?;
-    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
-    let script = dir.path().join("sleeps.sql");
-    std::fs::write(&script, SCRIPT)?;
-    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
+    let (_dir, script) = readable_script("sleeps.sql", SCRIPT)?;
 
     // No budget: every call is measured, so the count is exact rather than an estimate.
     let trace = Trace::instance(cluster.data_dir())

@@ -166,11 +166,7 @@ struct Script {
 
 impl Script {
     fn new(sql: &str) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-        let path = dir.path().join("case.sql");
-        std::fs::write(&path, format!("{sql};\n"))?;
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+        let (dir, path) = pgscope_tests::workload::readable_script("case.sql", &format!("{sql};\n"))?;
         Ok(Self {
             path: path_string(&path)?,
             _dir: dir,

@@ -4,9 +4,8 @@
 //! rather than the wait machinery every lock wait goes through (`epoll_wait ← WaitEventSetWait
 //! ← WaitLatch ← ProcSleep`). A `Lock:*` wait is classed as a latch wait, never as I/O.
 
-use std::os::unix::fs::PermissionsExt;
-
 use anyhow::{ensure, Context, Result};
+use pgscope_tests::workload::readable_script;
 use pgscope_tests::{require_root_and_bpf, PgCluster, PgInstall, Trace};
 
 /// Transactions per client: each holds its row lock for a millisecond, so with 8 clients on 3
@@ -27,11 +26,7 @@ fn a_row_lock_storms_waits_name_the_waiter() -> Result<()> {
         "CREATE TABLE lock_rows (id int PRIMARY KEY, v bigint NOT NULL); \
          INSERT INTO lock_rows SELECT g, 0 FROM generate_series(1, 3) g",
     )?;
-    let dir = tempfile::tempdir()?;
-    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755))?;
-    let script = dir.path().join("row_locks.sql");
-    std::fs::write(&script, SCRIPT)?;
-    std::fs::set_permissions(&script, PermissionsExt::from_mode(0o644))?;
+    let (_dir, script) = readable_script("row_locks.sql", SCRIPT)?;
 
     let trace = Trace::instance(cluster.data_dir()).spawn_summarized()?;
     let transactions = TRANSACTIONS_PER_CLIENT.to_string();
