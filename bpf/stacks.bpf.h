@@ -95,21 +95,28 @@ static __always_inline void restore_uretprobe_returns(struct pgscope_sample *s, 
 	}
 }
 
-/* Sends a sample whose user stack copy holds `len` bytes, the return addresses uretprobes
- * replaced put back; only the used prefix of the stack crosses the ring buffer. False when the
- * ring buffer was full (counted). */
-static __always_inline bool output_sample(struct pgscope_sample *s, struct task_struct *task, __u64 len)
+/* Sends a sample whose user stack copy holds `len` bytes, as they are; only the used prefix of
+ * the stack crosses the ring buffer. False when the ring buffer was full (counted). */
+static __always_inline bool output_copied_sample(struct pgscope_sample *s, __u64 len, __u64 flags)
 {
 	s->user_stack_len = len;
-	restore_uretprobe_returns(s, task, len);
 	__u64 size = PGSCOPE_SAMPLE_STACK_OFFSET + len;
 	if (size > sizeof(*s))
 		size = sizeof(*s);
-	if (bpf_ringbuf_output(&samples, s, size, 0)) {
+	if (bpf_ringbuf_output(&samples, s, size, flags)) {
 		count(PGSCOPE_CNT_RINGBUF_FULL);
 		return false;
 	}
 	return true;
+}
+
+/* Sends a sample whose user stack copy holds `len` bytes, the return addresses uretprobes
+ * replaced put back (the task's, now: it has not run since the copy). */
+static __always_inline bool output_sample(struct pgscope_sample *s, struct task_struct *task, __u64 len,
+					  __u64 flags)
+{
+	restore_uretprobe_returns(s, task, len);
+	return output_copied_sample(s, len, flags);
 }
 
 /* Fills in the current task's identity, kernel stack, user registers and user stack copy, and
@@ -148,7 +155,7 @@ static __always_inline bool send_stacks(void *ctx, struct pgscope_sample *s, __u
 			s->user_ip -= 1;
 	}
 
-	if (!output_sample(s, task, copy_user_stack(s, task)))
+	if (!output_sample(s, task, copy_user_stack(s, task), 0))
 		return false;
 	count(PGSCOPE_CNT_SENT);
 	return true;

@@ -17,8 +17,11 @@ int sample_waits(struct bpf_iter__task *ctx)
 
 	if (ctx->meta->seq_num == 0)
 		start_run();
-	if (!task)
+	/* Past the last thread: the run's records wake the consumer once. */
+	if (!task) {
+		wake_consumer();
 		return 0;
+	}
 	__u32 tgid = task->tgid;
 	if (!profiled(tgid))
 		return 0;
@@ -33,7 +36,9 @@ int sample_wait_stacks(struct bpf_iter__task *ctx)
 
 	if (ctx->meta->seq_num == 0)
 		start_stack_pass();
-	if (task && copy_waiting_stack(task) < 0)
+	if (!task)
+		wake_consumer();
+	else if (copy_waiting_stack(task) < 0)
 		count(PGSCOPE_CNT_NO_SCRATCH);
 	return 0;
 }

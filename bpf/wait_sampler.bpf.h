@@ -79,8 +79,26 @@ struct {
 	__type(value, struct pgscope_wait_sample_task);
 } wait_sample_tasks SEC(".maps");
 
+
 /* Its own record buffers: the iterator may sleep in a read, and other programs run meanwhile. */
 PGSCOPE_RECORD_BUFFERS(wait_sample_scratch);
+
+/*
+ * The stacks a run of the kfunc passes copies as soon as it knows the thread waits with one to
+ * take (bpf/wait_targets.bpf.c, copy_stack_early), each kept in a slot until the thread's
+ * attribution is read and the sample sent from it: a copy in the second pass came 35-50 us
+ * after the thread's snapshot on the row-lock storm, and 1-2% of the threads ran in between,
+ * their stacks lost with the wait. A run's slots are taken in turn; threads past them are
+ * copied in the second pass.
+ */
+#define WAIT_EARLY_STACKS 8
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, WAIT_EARLY_STACKS);
+	__type(key, __u32);
+	__type(value, struct pgscope_sample);
+} wait_early_stacks SEC(".maps");
+
 
 /* The threads of targets a run of the kfunc passes visits after its walk (wait_targets.bpf.c),
  * and those its first pass left to the second. Defined here so that the main object
@@ -106,6 +124,7 @@ struct wait_thread_list {
 	__u64 status_end;
 	__u32 batch_postmaster;
 	__u32 batch_tid;
+	__u32 early_stacks; /* the run's early slots taken (wait_early_stacks) */
 };
 
 /* A run's copy of a span of an instance's shared memory, the same at every address in each of
@@ -316,34 +335,77 @@ static __always_inline void flush_deferred(struct pgscope_wait_sample_task *stat
 	state->deferred_ticks = 0;
 }
 
-/* Sends the thread's sample with its user stack; true when it went out. */
-static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *state, struct task_struct *task,
-					     __u32 tgid, __u32 tid, struct pt_regs *regs, __u64 weight)
+/*
+ * The ring buffer's flags for a run's records. Each record sent with the default wakes the
+ * consumer when it has caught up: an interrupt and a wakeup of pgscope's reader per record,
+ * ~2 us of the run each on the row-lock storm (8 clients on 3 rows), during which the threads
+ * whose stacks are still to be copied can leave their waits. A run's records wake it once, at
+ * its end (wake_consumer); sooner only when the buffer holds more than a quarter of its size.
+ */
+#define WAIT_WAKEUP_BACKLOG (2 << 20)
+static __always_inline __u64 wait_output_flags(void)
 {
-	struct pgscope_sample *s = this_cpu_buffer(&wait_sample_scratch);
+	return bpf_ringbuf_query(&samples, BPF_RB_AVAIL_DATA) > WAIT_WAKEUP_BACKLOG ? 0 : BPF_RB_NO_WAKEUP;
+}
 
-	if (!s) {
-		count(PGSCOPE_CNT_NO_SCRATCH);
-		return false;
-	}
+/* At a run's end: wakes the consumer for the records the run sent (a discarded reservation,
+ * which the consumer skips). */
+static __always_inline void wake_consumer(void)
+{
+	if (!bpf_ringbuf_query(&samples, BPF_RB_AVAIL_DATA))
+		return;
+	void *wake = bpf_ringbuf_reserve(&samples, 8, 0);
+	if (wake)
+		bpf_ringbuf_discard(wake, BPF_RB_FORCE_WAKEUP);
+}
+
+/* Fills in what a sample of the thread carries besides its user registers and stack. */
+static __always_inline void fill_wait_sample(struct pgscope_sample *s, struct pgscope_wait_sample_task *state,
+					     __u32 tgid, __u32 tid, __u64 weight)
+{
 	s->tgid = tgid;
 	s->tid = tid;
 	s->time_ns = bpf_ktime_get_ns();
 	s->cpu = bpf_get_smp_processor_id();
 	s->kernel_frames = 0;
-	s->user_ip = regs->ip;
-	s->user_sp = regs->sp;
-	s->user_bp = regs->bp;
 	s->attr = state->attr;
 	s->off_cpu_ns = weight;
-	long syscall = regs->orig_ax;
-	s->off_cpu_syscall = syscall < 0 ? (__u32)-1 : (__u32)syscall;
+	/* Its syscall then, and now: it has not run since. */
+	s->off_cpu_syscall = state->snapshot_syscall < 0 ? (__u32)-1 : (__u32)state->snapshot_syscall;
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
 	s->statement_start = 0;
 	s->trigger_oid = 0;
 	s->trigger_constraint = 0;
+}
 
-	if (!output_sample(s, task, copy_task_stack(s, task)))
+/*
+ * Sends the thread's sample with its user stack: the one copied into its early slot at its
+ * snapshot's wait (copy_stack_early: its registers and returns restored there), or one copied
+ * now. True when it went out.
+ */
+static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *state, struct task_struct *task,
+					     __u32 tgid, __u64 weight)
+{
+	bool early = state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_STACK;
+	__u32 slot = (state->snapshot_flags >> PGSCOPE_WAIT_SNAPSHOT_SLOT_SHIFT) & 0xff;
+	struct pgscope_sample *s =
+		early ? bpf_map_lookup_elem(&wait_early_stacks, &slot) : this_cpu_buffer(&wait_sample_scratch);
+
+	if (!s) {
+		count(PGSCOPE_CNT_NO_SCRATCH);
+		return false;
+	}
+	fill_wait_sample(s, state, tgid, task->pid, weight);
+	if (!early) {
+		struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+		s->user_ip = regs->ip;
+		s->user_sp = regs->sp;
+		s->user_bp = regs->bp;
+		__u64 len = copy_task_stack(s, task);
+		s->user_stack_len = len;
+		restore_uretprobe_returns(s, task, len);
+	}
+	if (!output_copied_sample(s, s->user_stack_len, wait_output_flags()))
 		return false;
 	count(PGSCOPE_CNT_WAIT_SAMPLES);
 	return true;
@@ -441,19 +503,22 @@ static __always_inline __u64 wait_config(__u32 index)
  * which a sample can see, and how much they weigh is the machine's (docs/architecture.md).
  * A wait begun as the sampler's thread took the CPU is the run's own doing: the thread was
  * running at the run's instant (the sampler leaves it to the perf-event sampler too). Called
- * once per target thread and run, beside its snapshot.
+ * once per target thread and run, beside its snapshot. 1 when counted. Not inlined: inlined
+ * beside the early copy of a stack, its branches multiplied the verifier's states (target_waits:
+ * 519k instructions, 286k called; Linux 6.18.44).
  */
-static __always_inline void count_exact_at_run(struct task_struct *task, __u32 tgid, __u64 weight)
+static __noinline int count_exact_at_run(struct task_struct *task, __u32 tgid, __u64 weight)
 {
 	if (!wait_config(WAIT_CONFIG_SAMPLER_TID))
-		return;
+		return 0;
 	struct pgscope_off_cpu_task *exact = bpf_task_storage_get(&off_cpu_tasks, task, 0, 0);
 	if (!exact || !exact->measured || !exact->start_ns || exact->displaced)
-		return;
+		return 0;
 	struct pgscope_off_cpu_key key = { .tgid = tgid, .attr = exact->attr };
 	/* Not what the tracer counts by: whether a stack was taken. */
 	key.attr.flags &= ~PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 	add_to_totals(&exact_at_runs, &key, weight, 1);
+	return 1;
 }
 
 /*
@@ -550,19 +615,6 @@ static __always_inline void read_snapshot_word(struct task_struct *task, struct 
 		state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
 }
 
-/* Takes the thread's wait-event word from the run's batch, kept like read_snapshot_word's;
- * false when the batch does not hold it. */
-static __always_inline bool take_batched_word(struct task_struct *task, struct pgscope_wait_sample_task *state,
-					      const struct shared_copy *words)
-{
-	if (!(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_BATCH) ||
-	    !take_from_copy(&state->snapshot_wait_event, 4, state->wait_event_ptr, words))
-		return false;
-	if (!ran_since_snapshot(task, state))
-		state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
-	return true;
-}
-
 /* The wait class (futex, latch, io; 0 for any other) of a syscall a thread is blocked in. */
 static __always_inline __u32 wait_class_of(long syscall, unsigned int task_state)
 {
@@ -572,20 +624,26 @@ static __always_inline __u32 wait_class_of(long syscall, unsigned int task_state
 	return class >= PGSCOPE_OFF_CPU_FUTEX && class <= PGSCOPE_OFF_CPU_IO ? class : 0;
 }
 
-/* The class of syscall a snapshot found the thread in, as an index of class_words (0: none of
- * futex, latch, io). */
+/* The class of syscall a snapshot found the thread in (0: none of futex, latch, io). */
 static __always_inline __u32 snapshot_word_class(struct pgscope_wait_sample_task *state)
 {
 	return wait_class_of(state->snapshot_syscall, state->snapshot_task_state);
+}
+
+/* The thread's slot in class_words for a wait class (NULL for none). */
+static __always_inline __u32 *class_word(struct pgscope_wait_sample_task *state, __u32 class)
+{
+	__u32 index = class - PGSCOPE_OFF_CPU_FUTEX;
+	return index < 3 ? &state->class_words[index] : NULL;
 }
 
 /* Remembers the word a visit knows the thread showed at its snapshot, by the class of the
  * syscall it was in then. */
 static __always_inline void remember_word(struct pgscope_wait_sample_task *state)
 {
-	__u32 class = snapshot_word_class(state);
-	if (class && (state->attr.flags & PGSCOPE_ATTR_WAIT_EVENT))
-		state->class_words[class & 3] = state->attr.wait_event_info;
+	__u32 *word = class_word(state, snapshot_word_class(state));
+	if (word && (state->attr.flags & PGSCOPE_ATTR_WAIT_EVENT))
+		*word = state->attr.wait_event_info;
 }
 
 /*
@@ -605,8 +663,8 @@ static __always_inline void guess_wait_event(struct pgscope_wait_sample_task *st
 {
 	struct pgscope_attribution *a = &state->attr;
 	count(PGSCOPE_CNT_WAIT_EVENT_UNKNOWN);
-	__u32 class = snapshot_word_class(state);
-	a->wait_event_info = class ? state->class_words[class & 3] : 0;
+	__u32 *word = class_word(state, snapshot_word_class(state));
+	a->wait_event_info = word ? *word : 0;
 }
 
 /* What a run's first pass left to the second for a thread. */
@@ -646,7 +704,7 @@ static __always_inline bool repeat_unchanged(struct task_struct *task, __u32 tgi
 		.weight_ns = weight,
 		.magic = PGSCOPE_WAIT_REPEAT_MAGIC,
 	};
-	if (bpf_ringbuf_output(&samples, &repeat, sizeof(repeat), 0) == 0) {
+	if (bpf_ringbuf_output(&samples, &repeat, sizeof(repeat), wait_output_flags()) == 0) {
 		count(PGSCOPE_CNT_WAIT_REPEATS);
 		return true;
 	}
@@ -819,15 +877,19 @@ static __noinline int copy_waiting_stack(struct task_struct *task)
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
 		return -1;
 	}
+
+	/* Copied at its snapshot's wait, before it ran (copy_stack_early): what it did since does
+	 * not matter. */
+	bool early = state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_STACK;
 	__u64 now_switches = 0;
-	if (ran_since_sampled_wait(task, state) && back_in_sampled_wait(task, state, &now_switches)) {
+	if (!early && ran_since_sampled_wait(task, state) && back_in_sampled_wait(task, state, &now_switches)) {
 		/* The sample repeated next is of the wait the stack is copied in. */
 		state->switches = now_switches;
 		count(PGSCOPE_CNT_WAIT_STACK_AFTER_RUN);
 	}
 	/* Read again, not remembered: a thread that ran since it was found back in its wait
 	 * leaves no stack of that wait either. */
-	if (ran_since_sampled_wait(task, state)) {
+	if (!early && ran_since_sampled_wait(task, state)) {
 		count(PGSCOPE_CNT_WAIT_RAN_BEFORE_STACK);
 		state->attr.flags |= PGSCOPE_ATTR_STACK_NOT_SAMPLED;
 		state->kind = PGSCOPE_WAIT_SAMPLE_NONE;
@@ -842,8 +904,7 @@ static __noinline int copy_waiting_stack(struct task_struct *task)
 		count_sampled(tgid, &state->attr, *weight_ns);
 		return 0;
 	}
-	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
-	if (send_wait_sample(state, task, tgid, task->pid, regs, *weight_ns)) {
+	if (send_wait_sample(state, task, tgid, *weight_ns)) {
 		*sent += 1;
 		state->kind = PGSCOPE_WAIT_SAMPLE_STACKS;
 	} else {

@@ -173,8 +173,9 @@ static __always_inline void extend_span(__u64 *start, __u64 *end, __u64 from, __
 static __always_inline void join_batch(struct wait_thread_list *list, struct task_struct *task,
 				       struct pgscope_wait_sample_task *state, __u32 tid)
 {
-	/* On a CPU: not visited, neither its word nor its status entry is read. */
-	if (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU)
+	/* On a CPU: its word is not read in the batch; nor is its status entry, which is read in
+	 * its visit, if it has one. */
+	if (task->on_cpu)
 		return;
 	__u32 postmaster = BPF_CORE_READ(task, real_parent, tgid);
 	if (!list->batch_tid) {
@@ -196,7 +197,6 @@ static __always_inline void join_batch(struct wait_thread_list *list, struct tas
 	if (!word)
 		return;
 	extend_span(&list->batch_start, &list->batch_end, word, word + 4);
-	state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_BATCH;
 }
 
 /* Reads `start`..`end` of the batch's instance into `buffer`, up to its size; the bytes read. */
@@ -219,14 +219,70 @@ static __always_inline __u32 read_span(struct wait_thread_list *list, __u64 star
 	return read;
 }
 
-/* bpf_loop over the threads active in the last run, first of all: their snapshots, nearest the
- * run's start. A busy backend changes state every few tens of microseconds, and the walk takes
- * ~165 ns per thread of the host (on this VM, ~50 us before it reaches Postgres' threads, the
- * newest): the run's perturbation (the thread it displaced may hold a lock the others then
- * queue on) would have grown by then. Marked, so that the walk leaves them alone. Since the
- * last run a thread's process may have left the targets (exec), or the thread exited and
- * another took its pid: checked again. */
-static long snapshot_active(__u64 index, struct list_ctx *ctx)
+/*
+ * Copies the stack of a thread off its CPU at its snapshot into the run's next early slot,
+ * with the registers it entered the kernel with and the returns uretprobes replaced; kept
+ * when the thread did not run before the copy ended (else the copy may be of a later wait, and
+ * the second pass tries again). 1 when kept. Not inlined: the two loops that call it then end
+ * in one state (see read_task_attribution).
+ */
+static __noinline int copy_stack_early(struct task_struct *task, struct pgscope_wait_sample_task *state,
+				       struct wait_thread_list *list)
+{
+	__u32 slot = list->early_stacks;
+	if (slot >= WAIT_EARLY_STACKS)
+		return 0;
+	struct pgscope_sample *s = bpf_map_lookup_elem(&wait_early_stacks, &slot);
+	if (!s)
+		return 0;
+	struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
+	s->user_ip = regs->ip;
+	s->user_sp = regs->sp;
+	s->user_bp = regs->bp;
+	__u64 len = copy_task_stack(s, task);
+	if (!len || ran_since_snapshot(task, state))
+		return 0;
+	s->user_stack_len = len;
+	restore_uretprobe_returns(s, task, len);
+	state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_STACK | (slot << PGSCOPE_WAIT_SNAPSHOT_SLOT_SHIFT);
+	list->early_stacks = slot + 1;
+	return 1;
+}
+
+/* Whether a thread's snapshot found it off its CPU in a wait it ran into since its last sample
+ * (not one the visit repeats). */
+static __always_inline bool snapshot_waits_anew(struct pgscope_wait_sample_task *state)
+{
+	return !(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) && state->snapshot_switches != state->switches;
+}
+
+/* Whether a thread's snapshot found it woken from a wait and not on a CPU yet: it runs within
+ * microseconds, most often before the second pass (17% of these on the row-lock storm, when 1%
+ * of the others), and its stack is copied at once. Those woken from their client's wait are
+ * copied for nothing; they are few a run. */
+static __always_inline bool snapshot_woken(struct pgscope_wait_sample_task *state)
+{
+	return snapshot_waits_anew(state) && state->snapshot_task_state == TASK_RUNNING_STATE &&
+	       state->snapshot_syscall >= 0;
+}
+
+/* Whether a thread's wait, by the word it showed at its snapshot, is one sampled with a stack:
+ * not its client's, not a background process's main loop (waits_for_work). */
+static __always_inline bool snapshot_needs_stack(struct pgscope_wait_sample_task *state)
+{
+	__u32 word = state->snapshot_wait_event, class = word & PG_WAIT_CLASS_MASK;
+	return snapshot_waits_anew(state) && (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD) && word &&
+	       class != PG_WAIT_CLIENT && class != PG_WAIT_ACTIVITY;
+}
+
+/* bpf_loop over the threads active in the last run, first of all: their switch counts, and
+ * what the run's batches span. A busy backend changes state every few tens of microseconds,
+ * and the walk takes ~165 ns per thread of the host (on this VM, ~50 us before it reaches
+ * Postgres' threads, the newest): the run's perturbation (the thread it displaced may hold a
+ * lock the others then queue on) would have grown by then. Marked, so that the walk leaves
+ * them alone. Since the last run a thread's process may have left the targets (exec), or the
+ * thread exited and another took its pid: checked again. */
+static long mark_active(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
 	__u32 tid = list->active_tids[list->run & 1][index & (WAIT_THREADS_MAX - 1)];
@@ -238,16 +294,15 @@ static long snapshot_active(__u64 index, struct list_ctx *ctx)
 				     : NULL;
 	if (state) {
 		state->visited_run = list->run;
-		snapshot_thread(task, state, list->run);
+		state->batch_switches = task->on_cpu ? 0 : (__u32)(task->nvcsw + task->nivcsw + 1);
 		join_batch(list, task, state, tid);
-		count_exact_at_run(task, task->tgid, wait_config(0));
 	}
 	bpf_task_release(task);
 	return 0;
 }
 
 /* The `index`th thread active in the last run (a reference the caller releases; NULL when
- * gone) and, when this run took its snapshot, its state. */
+ * gone) and, when this run marked it, its state. */
 static __always_inline struct task_struct *snapshotted_active(struct wait_thread_list *list, __u64 index,
 							      struct pgscope_wait_sample_task **state)
 {
@@ -262,6 +317,38 @@ static __always_inline struct task_struct *snapshotted_active(struct wait_thread
 	return task;
 }
 
+/*
+ * bpf_loop over the threads active in the last run, after the batch of their words: their
+ * snapshots. A thread that has not run since the batch was read (its switch count then and now
+ * the same, off its CPU) shows the word read there. One waiting with a stack to take, by that
+ * word, or woken and not on a CPU yet, has its stack copied at once: the nearer the copy to the
+ * snapshot, the fewer threads run in between and leave their waits with their stacks (on the
+ * row-lock storm, 8 clients on 3 rows: 1.1% of the off-CPU samples that sought a stack lost it
+ * with the copies after every snapshot and word, 0.4% with each copy beside its snapshot).
+ */
+static long snapshot_active(__u64 index, struct list_ctx *ctx)
+{
+	struct wait_thread_list *list = ctx->list;
+	struct pgscope_wait_sample_task *state;
+	struct task_struct *task = snapshotted_active(list, index, &state);
+	if (!task)
+		return 0;
+	if (state) {
+		/* The run's look at the thread, beside its snapshot: the exact tracer's state then
+		 * is the snapshot's. */
+		count_exact_at_run(task, task->tgid, wait_config(0));
+		snapshot_thread(task, state, list->run);
+		if (state->batch_switches && state->batch_switches == (__u32)state->snapshot_switches &&
+		    !(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) &&
+		    take_from_copy(&state->snapshot_wait_event, 4, state->wait_event_ptr, &ctx->words))
+			state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
+		if (snapshot_woken(state) || snapshot_needs_stack(state))
+			copy_stack_early(task, state, list);
+	}
+	bpf_task_release(task);
+	return 0;
+}
+
 /* bpf_loop over the threads active in the last run, after their snapshots: their wait-event
  * words, before the walk. */
 static long read_active_words(__u64 index, struct list_ctx *ctx)
@@ -271,7 +358,7 @@ static long read_active_words(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = snapshotted_active(list, index, &state);
 	if (!task)
 		return 0;
-	if (state && !take_batched_word(task, state, &ctx->words))
+	if (state && !(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD))
 		read_snapshot_word(task, state);
 	bpf_task_release(task);
 	return 0;
@@ -351,10 +438,11 @@ int target_waits(struct pgscope_wait_run *args)
 	list->pending = 0;
 	list->next_active = 0;
 	list->batch_tid = 0;
+	list->early_stacks = 0;
 	list->batch_end = 0;
 	list->status_end = 0;
 	struct list_ctx ctx = { .list = list };
-	bpf_loop(list->active, snapshot_active, &ctx, 0);
+	bpf_loop(list->active, mark_active, &ctx, 0);
 	/* The scratch record's stack buffer holds each batch in turn: the words, taken before the
 	 * status entries are read; then those, until the first pass ends. The second pass, which
 	 * copies stacks into it, comes after. */
@@ -364,6 +452,7 @@ int target_waits(struct pgscope_wait_run *args)
 		ctx.words.start = list->batch_start;
 		ctx.words.read = read_span(list, list->batch_start, list->batch_end, scratch->user_stack);
 	}
+	bpf_loop(list->active, snapshot_active, &ctx, 0);
 	bpf_loop(list->active, read_active_words, &ctx, 0);
 	ctx.words.read = 0;
 	if (scratch) {
@@ -390,6 +479,7 @@ int target_waits(struct pgscope_wait_run *args)
 	list->active = list->next_active;
 	if (list->pending > ctx.copied)
 		bpf_loop(list->pending - ctx.copied, copy_listed, &ctx, 0);
+	wake_consumer();
 	return 0;
 }
 

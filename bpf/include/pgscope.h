@@ -399,10 +399,14 @@ struct pgscope_wait_sample_task {
 	__u32 snapshot_flags;
 	__s32 snapshot_syscall;
 	__u32 snapshot_task_state;
+	/* Its switch count (low half) as a run of the kfunc passes found it off its CPU before it
+	 * read the wait-event words of its threads (0: on a CPU then): unchanged at the snapshot,
+	 * the word read is the snapshot's (bpf/wait_targets.bpf.c). */
+	__u32 batch_switches;
 	/* The last wait-event word it showed at one of its snapshots, by the class of the syscall
-	 * it was in (enum pgscope_off_cpu_class: futex, latch, io; 0 unused): what a guess takes
+	 * it was in (enum pgscope_off_cpu_class: futex, latch, io, at 0-2): what a guess takes
 	 * (bpf/wait_sampler.bpf.h, guess_wait_event). */
-	__u32 class_words[4];
+	__u32 class_words[3];
 };
 
 _Static_assert(sizeof(struct pgscope_wait_sample_task) == 128, "task storage: its size is the kernel's allocation per thread");
@@ -411,8 +415,10 @@ _Static_assert(sizeof(struct pgscope_wait_sample_task) == 128, "task storage: it
 enum pgscope_wait_snapshot_flag {
 	PGSCOPE_WAIT_SNAPSHOT_ON_CPU = 1, /* on a CPU, or displaced by the run: the perf-event sampler's */
 	PGSCOPE_WAIT_SNAPSHOT_WORD = 2,	  /* snapshot_wait_event was read before the thread ran again */
-	PGSCOPE_WAIT_SNAPSHOT_BATCH = 4,  /* its word is read with the run's batch (bpf/wait_targets.bpf.c) */
+	PGSCOPE_WAIT_SNAPSHOT_STACK = 4,  /* its stack was copied before it ran again, into the run's early
+					     slot (snapshot_flags >> PGSCOPE_WAIT_SNAPSHOT_SLOT_SHIFT) */
 };
+#define PGSCOPE_WAIT_SNAPSHOT_SLOT_SHIFT 8
 
 /* pgscope_wait_sample_task.kind */
 enum pgscope_wait_sample_kind {

@@ -333,6 +333,32 @@ impl TraceSummary {
             .sum()
     }
 
+    /// `samples.off_cpu_sought_stack`: off-CPU samples that sought a stack.
+    pub fn off_cpu_sought_stack(&self) -> Result<u64> {
+        self.json
+            .pointer("/samples/off_cpu_sought_stack")
+            .and_then(Value::as_u64)
+            .context("the summary has no number `samples.off_cpu_sought_stack`")
+    }
+
+    /// `samples.degraded`: samples kept with a part missing, by reason.
+    pub fn samples_degraded(&self) -> Result<BTreeMap<String, u64>> {
+        let degraded = self
+            .json
+            .pointer("/samples/degraded")
+            .and_then(Value::as_object)
+            .context("the summary has no object `samples.degraded`")?;
+        degraded
+            .iter()
+            .map(|(reason, n)| {
+                let n = n
+                    .as_u64()
+                    .with_context(|| format!("`samples.degraded.{reason}` is not a count: {n}"))?;
+                Ok((reason.clone(), n))
+            })
+            .collect()
+    }
+
     /// `samples.profiled`: samples kept in the profile.
     pub fn samples_profiled(&self) -> Result<u64> {
         self.json

@@ -802,6 +802,20 @@ impl Counters {
         ])
     }
 
+    /// Off-CPU samples that sought a stack: sent with one, or left without (the thread ran before
+    /// the copy, its wait event guessed, over the run's budget).
+    pub fn off_cpu_stack_seekers(&self) -> u64 {
+        [
+            Counter::WaitSamples,
+            Counter::WaitRanBeforeStack,
+            Counter::WaitEventUnknown,
+            Counter::WaitOverBudget,
+        ]
+        .into_iter()
+        .map(|c| self.get(c))
+        .sum()
+    }
+
     /// Off-CPU samples whose whole stack was copied after the thread ran and went back into the
     /// wait the sample is of (same kind of syscall, wait event and statement).
     pub fn late_stacks(&self) -> Vec<(Counter, u64)> {

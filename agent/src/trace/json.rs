@@ -332,6 +332,9 @@ pub struct SamplesJson {
     pub taken_in_kernel: u64,
     /// Samples lost, by reason (counter name → count); only reasons that occurred.
     pub lost: BTreeMap<&'static str, u64>,
+    /// Off-CPU samples that sought a stack: sent with one, or left without (what `degraded`'s
+    /// off-CPU reasons are a part of, with `taken_in_kernel`).
+    pub off_cpu_sought_stack: u64,
     /// Samples kept with a degraded part (e.g. partial user stack), by reason.
     pub degraded: BTreeMap<&'static str, u64>,
     /// Off-CPU samples whose whole stack was copied after the thread ran and went back into the
@@ -543,6 +546,7 @@ pub fn build(inputs: &SummaryInputs<'_>) -> Summary {
         samples: SamplesJson {
             profiled: total,
             taken_in_kernel: inputs.counters.get(Counter::Samples),
+            off_cpu_sought_stack: inputs.counters.off_cpu_stack_seekers(),
             lost: by_reason(inputs.counters.losses()),
             degraded: by_reason(inputs.counters.degradations()),
             late_stacks: by_reason(inputs.counters.late_stacks()),

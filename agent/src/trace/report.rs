@@ -502,11 +502,7 @@ fn loss_lines(
         ));
     }
     let on_cpu = counters.get(Counter::Samples);
-    // Off-CPU samples that sought a stack: sent with one, or left without.
-    let off_cpu = counters.get(Counter::WaitSamples)
-        + counters.get(Counter::WaitRanBeforeStack)
-        + counters.get(Counter::WaitEventUnknown)
-        + counters.get(Counter::WaitOverBudget);
+    let off_cpu = counters.off_cpu_stack_seekers();
     let mut lines = Vec::new();
     if !lost.is_empty() {
         lines.push(format!(
