@@ -323,8 +323,9 @@ static __always_inline struct task_struct *snapshotted_active(struct wait_thread
  * the same, off its CPU) shows the word read there. One waiting with a stack to take, by that
  * word, or woken and not on a CPU yet, has its stack copied at once: the nearer the copy to the
  * snapshot, the fewer threads run in between and leave their waits with their stacks (on the
- * row-lock storm, 8 clients on 3 rows: 1.1% of the off-CPU samples that sought a stack lost it
- * with the copies after every snapshot and word, 0.4% with each copy beside its snapshot).
+ * row-lock storm, 8 clients on 3 rows: 1.6-2.8% of the samples that sought a stack lost it with
+ * every copy in the second pass, 1.1% with the copies after every snapshot and word, 0.25-0.6%
+ * with each copy beside its snapshot).
  */
 static long snapshot_active(__u64 index, struct list_ctx *ctx)
 {
@@ -349,8 +350,9 @@ static long snapshot_active(__u64 index, struct list_ctx *ctx)
 	return 0;
 }
 
-/* bpf_loop over the threads active in the last run, after their snapshots: their wait-event
- * words, before the walk. */
+/* bpf_loop over the threads active in the last run, after their snapshots: the wait-event
+ * words the batch could not give (the thread ran since the mark, or is of another instance),
+ * read one by one, before the walk. */
 static long read_active_words(__u64 index, struct list_ctx *ctx)
 {
 	struct wait_thread_list *list = ctx->list;
