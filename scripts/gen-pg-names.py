@@ -15,6 +15,11 @@ decoding model of each wait class (dense enum, LWLock tranche, lock tag, one fix
 events) is then checked against the server on values beyond the tables, and on 17+ every row of
 `pg_wait_events` must be in the tables.
 
+Each wait event's description is the server's own (`pg_wait_events.description`) on 17+. 14-16
+have no such view: theirs come from the PostgreSQL documentation's wait-event tables
+(doc/src/sgml/monitoring.sgml of PostgreSQL 15, `scripts/pg-docs.sh`), and for 16's events the
+15 documentation lacks, from 17's `pg_wait_events`; an event described by neither has none.
+
 Builds: 14, 16, 17, 18 are the upstream builds and headers `scripts/pg-majors.sh` caches; 15 is
 Debian's postgresql-15 and postgresql-server-dev-15 (`make deps`). Needs cc, rustfmt, a psql (the
 distro's 15 serves every major), and root or an unprivileged user: as root the cluster runs as
@@ -39,6 +44,20 @@ MAJORS = (14, 15, 16, 17, 18)
 DISTRO_BINDIR = "/usr/lib/postgresql/15/bin"
 DISTRO_INCLUDE = "/usr/include/postgresql/15/server"
 TIMEOUT = 120
+# The documentation's wait-event tables (`<table id="wait-event-TYPE-table">`), by wait_event_type.
+DOC_TABLE_TYPES = {
+    "activity": "Activity",
+    "bufferpin": "BufferPin",
+    "client": "Client",
+    "extension": "Extension",
+    "io": "IO",
+    "ipc": "IPC",
+    "lock": "Lock",
+    "lwlock": "LWLock",
+    "timeout": "Timeout",
+}
+# The major whose server lends its descriptions to 16 for events the 15 documentation lacks.
+VIEW_LENDER = {16: 17}
 
 
 class GenError(Exception):
@@ -562,6 +581,19 @@ def check_view(t, view):
         return
     t["descriptions"] = sorted(view)
     view = [(typ, name) for typ, name, _ in view]
+    ours = our_events(t)
+    missing = sorted(set(view) - ours)
+    if missing:
+        raise GenError(f"pg_wait_events rows not in the tables: {missing}")
+    non_lock = {r for r in ours if r[0] not in ("LWLock", "Lock")}
+    extra = sorted(non_lock - set(view))
+    if extra:
+        raise GenError(f"table entries pg_wait_events does not list: {extra}")
+    t["view_rows"] = len(view)
+
+
+def our_events(t):
+    """Every (wait_event_type, wait_event) the tables name."""
     ours = set()
     for label, base, typ, kind, events in t["wait_classes"]:
         if kind[0] == "lwlock":
@@ -574,14 +606,73 @@ def check_view(t, view):
                 ours.add((typ, kind[1]))
         else:
             ours.update((typ, name) for _, name in events)
-    missing = sorted(set(view) - ours)
+    return ours
+
+
+def doc_text(fragment):
+    """The text of a DocBook fragment: elements dropped, a GUC's cross-reference by its name."""
+    text = re.sub(r'<xref\s+linkend="guc-([a-z0-9-]+)"\s*/>', lambda m: m.group(1).replace("-", "_"), fragment)
+    if re.search(r"<xref\b", text):
+        raise GenError(f"a documentation entry refers to something other than a setting: {fragment.strip()}")
+    text = re.sub(r"<[^>]+>", "", text)
+    if "&" in text:
+        raise GenError(f"a documentation entry holds an entity: {fragment.strip()}")
+    return " ".join(text.split())
+
+
+def doc_descriptions(sgml):
+    """{(wait_event_type, wait_event): description} of the documentation's wait-event tables."""
+    found = {}
+    for table_id, body in re.findall(r'<table id="wait-event-([a-z]+)-table">(.*?)</table>', sgml, re.S):
+        typ = DOC_TABLE_TYPES.get(table_id)
+        if typ is None:
+            raise GenError(f"the documentation has a wait-event table of an unknown type: {table_id}")
+        tbody = re.search(r"<tbody>(.*?)</tbody>", body, re.S)
+        if not tbody:
+            raise GenError(f"the documentation's {typ} wait-event table has no body")
+        rows = re.findall(r"<row>\s*<entry>(.*?)</entry>\s*<entry>(.*?)</entry>\s*</row>", tbody.group(1), re.S)
+        if not rows:
+            raise GenError(f"the documentation's {typ} wait-event table has no rows")
+        for name, description in rows:
+            found[(typ, doc_text(name))] = doc_text(description)
+    missing = sorted(set(DOC_TABLE_TYPES.values()) - {typ for typ, _ in found})
     if missing:
-        raise GenError(f"pg_wait_events rows not in the tables: {missing}")
-    non_lock = {r for r in ours if r[0] not in ("LWLock", "Lock")}
-    extra = sorted(non_lock - set(view))
-    if extra:
-        raise GenError(f"table entries pg_wait_events does not list: {extra}")
-    t["view_rows"] = len(view)
+        raise GenError(f"the documentation has no wait-event table of {missing}")
+    return found
+
+
+def documented(major, ours):
+    """(descriptions, sources) of a major without pg_wait_events: for each of its events, the PG15
+    documentation's description, else (16) its lender's pg_wait_events; sorted rows as
+    check_view keeps them, and what they came from."""
+    out = run([os.path.join(REPO, "scripts", "pg-docs.sh")], "cannot get the PostgreSQL 15 documentation (scripts/pg-docs.sh)")
+    path, _, version = out.strip().rpartition("\n")[2].partition(" ")
+    try:
+        with open(path, encoding="utf-8") as f:
+            docs = doc_descriptions(f.read())
+    except OSError as e:
+        raise GenError(f"{path} is unreadable: {e}") from e
+    rows = {event: docs[event] for event in ours if event in docs}
+    sources = [("descriptions", f"PostgreSQL 15 documentation, monitoring.sgml (Debian source postgresql-15 {version})")]
+    lender = VIEW_LENDER.get(major)
+    if lender and len(rows) < len(ours):
+        build = locate(lender)
+        with tempfile.TemporaryDirectory(prefix="gen-pg-names.") as tmp:
+            os.chmod(tmp, 0o755)
+            cluster = Cluster(build, tmp)
+            try:
+                cluster.start()
+                view = cluster.sql("COPY (SELECT type, name, description FROM pg_wait_events) TO STDOUT")
+            finally:
+                cluster.stop()
+        lent = {}
+        for line in view.splitlines():
+            typ, name, description = line.split("\t")
+            lent[(typ, name)] = description
+        borrowed = {event: lent[event] for event in ours if event not in rows and event in lent}
+        rows.update(borrowed)
+        sources.append(("", f"and for {len(borrowed)} events it lacks, pg_wait_events of PostgreSQL {lender} ({dict(build.sources)['server']})"))
+    return sorted((typ, name, description) for (typ, name), description in rows.items()), sources
 
 
 # ------------------------------------------------------------------------------------------------
@@ -606,8 +697,8 @@ def render(t, build):
     w = out.append
     w(f"// @generated by `scripts/gen-pg-names.py --major {major}`: the values from the server headers of")
     w(f"// PostgreSQL {t['version']}, the names from its server:")
-    for what, src in build.sources:
-        w(f"//   {what + ':':8} {src}")
+    for what, src in build.sources + t["description_sources"]:
+        w(f"//   {what + ':' if what else '':8} {src}")
     w("// Do not edit: change the script and run it again (`--check`: is it current?).")
     w("")
     w(f"//! What `pg_stat_activity` shows for the raw values pgscope reads from a PostgreSQL {major} backend:")
@@ -728,12 +819,14 @@ def render(t, build):
     names_table("`LockTagType` → `GetLockNameFromTagType`.", "LOCK_TAG_TYPES", t["lock_tags"])
 
     # The server's descriptions of its wait events (pg_wait_events, 17+).
-    if t["descriptions"]:
+    if not t["description_sources"]:
         w(f"/// What a wait event is, in PostgreSQL {major}'s own words (`pg_wait_events.description`), by")
         w("/// `wait_event_type` and `wait_event`. None for an event it does not describe.")
     else:
-        w(f"/// What a wait event is, in PostgreSQL {major}'s own words: None, as {major} has no `pg_wait_events`")
-        w("/// (it came in 17) to read them from.")
+        w(f"/// What a wait event is, in PostgreSQL's own words, by `wait_event_type` and `wait_event`: {major} has")
+        w("/// no `pg_wait_events` (it came in 17), so these are the PostgreSQL 15 documentation's")
+        w("/// descriptions of the same events (and, for those it lacks, a later major's `pg_wait_events`; see")
+        w("/// the header). None for an event neither describes.")
     w("pub fn wait_event_description(wait_event_type: &str, wait_event: &str) -> Option<&'static str> {")
     w("    WAIT_EVENT_DESCRIPTIONS")
     w("        .binary_search_by(|(t, e, _)| (*t, *e).cmp(&(wait_event_type, wait_event)))")
@@ -741,7 +834,7 @@ def render(t, build):
     w("        .map(|i| WAIT_EVENT_DESCRIPTIONS[i].2)")
     w("}")
     w("")
-    w("/// `pg_wait_events` rows: type, name, description; sorted by type and name.")
+    w("/// Wait events' descriptions: type, name, description; sorted by type and name.")
     w(f"static WAIT_EVENT_DESCRIPTIONS: [(&str, &str, &str); {len(t['descriptions'])}] = [")
     for typ, name, description in t["descriptions"]:
         w(f"    ({rs_str(typ)}, {rs_str(name)}, {rs_str(description)}),")
@@ -848,6 +941,9 @@ def generate(major):
     settle_gaps(t, answers)
     check_answers(t, answers)
     check_view(t, view)
+    t["description_sources"] = []
+    if view is None:
+        t["descriptions"], t["description_sources"] = documented(major, our_events(t))
     version = run([os.path.join(build.bindir, "postgres"), "--version"], "postgres --version")
     m = re.match(r"postgres \(PostgreSQL\) (\d+)\.(\d+)", version)
     if not m or int(m.group(1)) != major:

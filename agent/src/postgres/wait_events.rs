@@ -309,8 +309,9 @@ const TYPES: &[(&str, WaitMeaning)] = &[
 ];
 
 /// What `wait` (`type:name`) means and what to check first, as a sentence: the catalogue's
-/// words where [`EVENTS`] lists it; else the words of the server's major (`pg_wait_events`
-/// descriptions, 17+) with its type's check; else its type's. None for what is no wait event.
+/// words where [`EVENTS`] lists it; else PostgreSQL's own description of the event in the
+/// server's major (generated into its names table: `pg_wait_events` on 17+, the documentation's
+/// on 14-16) with its type's check; else its type's. None for what is no wait event.
 pub fn explain(wait: &str, major: Option<u32>) -> Option<String> {
     if let Some((_, found)) = EVENTS.iter().find(|(name, _)| *name == wait) {
         return Some(format!(
@@ -363,8 +364,8 @@ mod tests {
     }
 
     #[test]
-    fn an_event_the_catalogue_does_not_list_takes_the_servers_words_where_it_has_them() {
-        // 17 describes its events in pg_wait_events; 15 has no such view.
+    fn an_event_the_catalogue_does_not_list_takes_postgres_own_words_for_its_major() {
+        // 17 describes its events in pg_wait_events; 15 has no such view, its documentation does.
         let on_17 = explain("IPC:ParallelFinish", Some(17)).unwrap();
         assert!(
             on_17.starts_with("IPC:ParallelFinish: Waiting for parallel workers to finish computing"),
@@ -376,9 +377,19 @@ mod tests {
         );
         let on_15 = explain("IPC:ParallelFinish", Some(15)).unwrap();
         assert!(
-            on_15.starts_with("IPC:ParallelFinish is waiting for another process"),
+            on_15.starts_with("IPC:ParallelFinish: Waiting for parallel workers to finish computing."),
             "{on_15}"
         );
+        // An event its major's tables do not describe: its type's words.
+        let unknown = explain("IPC:NoSuchEvent", Some(15)).unwrap();
+        assert!(
+            unknown.starts_with("IPC:NoSuchEvent is waiting for another process"),
+            "{unknown}"
+        );
+        // No major known: its type's words.
+        assert!(explain("IPC:ParallelFinish", None)
+            .unwrap()
+            .starts_with("IPC:ParallelFinish is waiting for another process"));
         // The catalogue's words come first, whatever the major.
         assert!(explain("IO:WALSync", Some(17))
             .unwrap()

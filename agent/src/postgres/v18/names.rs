@@ -465,7 +465,7 @@ pub fn wait_event_description(wait_event_type: &str, wait_event: &str) -> Option
         .map(|i| WAIT_EVENT_DESCRIPTIONS[i].2)
 }
 
-/// `pg_wait_events` rows: type, name, description; sorted by type and name.
+/// Wait events' descriptions: type, name, description; sorted by type and name.
 static WAIT_EVENT_DESCRIPTIONS: [(&str, &str, &str); 273] = [
     ("Activity", "ArchiverMain", "Waiting in main loop of archiver process"),
     ("Activity", "AutovacuumMain", "Waiting in main loop of autovacuum launcher process"),
