@@ -25,10 +25,17 @@
  */
 static __always_inline __u64 copy_user_stack_by_page(struct pgscope_sample *s, __u64 sp, __u64 len)
 {
+	/* Within sp's page: one read. Else `first` stays 4096 - (sp & 4095), a range the verifier
+	 * knows: clamped to `len` instead, its bound was lost on Linux 6.1 (it does not narrow a
+	 * register compared with another), and the whole pages' reads past it were refused. */
 	__u64 first = 4096 - (sp & 4095);
-	if (first > len)
-		first = len;
-	if (!first || bpf_probe_read_user(s->user_stack, first, (void *)sp) != 0) {
+	if (len <= first) {
+		if (len && bpf_probe_read_user(s->user_stack, len, (void *)sp) == 0)
+			return len;
+		count(PGSCOPE_CNT_USER_STACK_LOST);
+		return 0;
+	}
+	if (bpf_probe_read_user(s->user_stack, first, (void *)sp) != 0) {
 		count(PGSCOPE_CNT_USER_STACK_LOST);
 		return 0;
 	}
@@ -39,7 +46,10 @@ static __always_inline __u64 copy_user_stack_by_page(struct pgscope_sample *s, _
 			break;
 		/* Whole pages past the first end within the buffer: first <= 4096. The last may
 		 * read past `len` (beyond the stack's start, zero where unmapped); only `len` bytes
-		 * are sent. */
+		 * are sent. The offset is opaque to the compiler from here: else it folds
+		 * `- (sp & 4095)` into the buffer's address, a pointer with a negative variable
+		 * offset that Linux 6.1's verifier refuses as unbounded. */
+		barrier_var(offset);
 		if (offset > PGSCOPE_USER_STACK_MAX - 4096)
 			break;
 		if (bpf_probe_read_user(&s->user_stack[offset], 4096, (void *)(sp + offset)) != 0)
