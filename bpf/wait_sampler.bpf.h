@@ -82,6 +82,9 @@ struct {
 
 /* Its own record buffers: the iterator may sleep in a read, and other programs run meanwhile. */
 PGSCOPE_RECORD_BUFFERS(wait_sample_scratch);
+/* The kfunc passes' batch of status entries, read before the snapshots like the words' (in
+ * wait_sample_scratch) and used by the visits after the early copies (bpf/wait_targets.bpf.c). */
+PGSCOPE_RECORD_BUFFERS(wait_status_scratch);
 
 /*
  * The stacks a run of the kfunc passes copies as soon as it knows the thread waits with one to
