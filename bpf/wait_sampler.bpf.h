@@ -79,7 +79,6 @@ struct {
 	__type(value, struct pgscope_wait_sample_task);
 } wait_sample_tasks SEC(".maps");
 
-
 /* Its own record buffers: the iterator may sleep in a read, and other programs run meanwhile. */
 PGSCOPE_RECORD_BUFFERS(wait_sample_scratch);
 /* The kfunc passes' batch of status entries, read before the snapshots like the words' (in
@@ -101,7 +100,6 @@ struct {
 	__type(key, __u32);
 	__type(value, struct pgscope_sample);
 } wait_early_stacks SEC(".maps");
-
 
 /* The threads of targets a run of the kfunc passes visits after its walk (wait_targets.bpf.c),
  * and those its first pass left to the second. Defined here so that the main object
@@ -373,7 +371,7 @@ static __always_inline void fill_wait_sample(struct pgscope_sample *s, struct pg
 	s->kernel_frames = 0;
 	s->attr = state->attr;
 	s->off_cpu_ns = weight;
-	/* Its syscall then, and now: it has not run since. */
+	/* Its syscall at the snapshot: an early stack's (send_wait_sample sets a later copy's). */
 	s->off_cpu_syscall = state->snapshot_syscall < 0 ? (__u32)-1 : (__u32)state->snapshot_syscall;
 	s->off_cpu_flags = PGSCOPE_OFF_CPU_SAMPLED;
 	s->statement_start = 0;
@@ -404,6 +402,9 @@ static __always_inline bool send_wait_sample(struct pgscope_wait_sample_task *st
 		s->user_ip = regs->ip;
 		s->user_sp = regs->sp;
 		s->user_bp = regs->bp;
+		/* A thread found back in its wait (back_in_sampled_wait) is in another syscall of
+		 * the same kind, maybe: the one its stack is copied in. */
+		s->off_cpu_syscall = regs->orig_ax < 0 ? (__u32)-1 : (__u32)regs->orig_ax;
 		__u64 len = copy_task_stack(s, task);
 		s->user_stack_len = len;
 		restore_uretprobe_returns(s, task, len);

@@ -223,8 +223,7 @@ static __always_inline __u32 read_span(struct wait_thread_list *list, __u64 star
  * Copies the stack of a thread off its CPU at its snapshot into the run's next early slot,
  * with the registers it entered the kernel with and the returns uretprobes replaced; kept
  * when the thread did not run before the copy ended (else the copy may be of a later wait, and
- * the second pass tries again). 1 when kept. Not inlined: the two loops that call it then end
- * in one state (see read_task_attribution).
+ * the second pass tries again). 1 when kept. Not inlined, like take_batched, its caller.
  */
 static __noinline int copy_stack_early(struct task_struct *task, struct pgscope_wait_sample_task *state,
 				       struct wait_thread_list *list)
@@ -256,23 +255,25 @@ static __always_inline bool snapshot_waits_anew(struct pgscope_wait_sample_task 
 	return !(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU) && state->snapshot_switches != state->switches;
 }
 
-/* Whether a thread's snapshot found it woken from a wait and not on a CPU yet: it runs within
- * microseconds, most often before the second pass (17% of these on the row-lock storm, when 1%
- * of the others), and its stack is copied at once. Those woken from their client's wait are
- * copied for nothing; they are few a run. */
-static __always_inline bool snapshot_woken(struct pgscope_wait_sample_task *state)
+/* Whether the batches read before a thread's snapshot hold what it showed at it: it was off
+ * its CPU then and has not run since (its switch count at the mark is the snapshot's). */
+static __always_inline bool snapshot_batched(struct pgscope_wait_sample_task *state)
 {
-	return snapshot_waits_anew(state) && state->snapshot_task_state == TASK_RUNNING_STATE &&
-	       state->snapshot_syscall >= 0;
+	return state->batch_switches && state->batch_switches == (__u32)state->snapshot_switches &&
+	       !(state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU);
 }
 
 /* Whether a thread's wait, by the word it showed at its snapshot, is one sampled with a stack:
- * not its client's, not a background process's main loop (waits_for_work). */
+ * not its client's, not a background process's main loop (waits_for_work), and either one
+ * Postgres reports or one it was just woken from (runnable in a syscall, not on a CPU yet: it
+ * runs within microseconds, and 17% of these lost their stack to the second pass on the
+ * row-lock storm, when 1% of the others did). */
 static __always_inline bool snapshot_needs_stack(struct pgscope_wait_sample_task *state)
 {
 	__u32 word = state->snapshot_wait_event, class = word & PG_WAIT_CLASS_MASK;
-	return snapshot_waits_anew(state) && (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD) && word &&
-	       class != PG_WAIT_CLIENT && class != PG_WAIT_ACTIVITY;
+	bool woken = state->snapshot_task_state == TASK_RUNNING_STATE && state->snapshot_syscall >= 0;
+	return snapshot_waits_anew(state) && (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_WORD) &&
+	       (word || woken) && class != PG_WAIT_CLIENT && class != PG_WAIT_ACTIVITY;
 }
 
 /* bpf_loop over the threads active in the last run, first of all: their switch counts, and
@@ -320,7 +321,7 @@ static __always_inline struct task_struct *snapshotted_active(struct wait_thread
 /*
  * Right after a thread's snapshot. Not run since the batches were read, what they hold of it is
  * what it showed at its snapshot, its word and its status entry (state, queryid) alike: its word
- * is taken, and its stack copied now when it waits with one (or was just woken). The stack goes
+ * is taken, and its stack copied now when it waits with one (snapshot_needs_stack). The stack goes
  * with the status its visit takes from the batch, whatever the thread does after the copy. 1
  * when the stack was copied. Not inlined: inlined in the loop, these branches doubled the
  * verifier's work on target_waits (484k instructions).
@@ -328,21 +329,18 @@ static __always_inline struct task_struct *snapshotted_active(struct wait_thread
 static __noinline int take_batched(struct task_struct *task, struct pgscope_wait_sample_task *state,
 				   struct wait_thread_list *list, const struct shared_copy *words)
 {
-	if (!state->batch_switches || state->batch_switches != (__u32)state->snapshot_switches ||
-	    (state->snapshot_flags & PGSCOPE_WAIT_SNAPSHOT_ON_CPU))
+	if (!snapshot_batched(state))
 		return 0;
 	if (take_from_copy(&state->snapshot_wait_event, 4, state->wait_event_ptr, words))
 		state->snapshot_flags |= PGSCOPE_WAIT_SNAPSHOT_WORD;
-	if (snapshot_woken(state) || snapshot_needs_stack(state))
-		return copy_stack_early(task, state, list);
-	return 0;
+	return snapshot_needs_stack(state) ? copy_stack_early(task, state, list) : 0;
 }
 
 /*
  * bpf_loop over the threads active in the last run, after the batch of their words: their
  * snapshots. A thread that has not run since the batch was read (its switch count then and now
  * the same, off its CPU) shows the word read there. One waiting with a stack to take, by that
- * word, or woken and not on a CPU yet, has its stack copied at once: the nearer the copy to the
+ * word (or woken from such a wait, not on a CPU yet), has its stack copied at once: the nearer the copy to the
  * snapshot, the fewer threads run in between and leave their waits with their stacks (on the
  * row-lock storm, 8 clients on 3 rows: 1.6-2.8% of the samples that sought a stack lost it with
  * every copy in the second pass, 1.1% with the copies after every snapshot and word, 0.25-0.6%
@@ -390,8 +388,10 @@ static long visit_active(__u64 index, struct list_ctx *ctx)
 	struct task_struct *task = snapshotted_active(list, index, &state);
 	if (!task)
 		return 0;
+	/* The status batch was read before the snapshots: of a thread that ran in between, it
+	 * holds an earlier statement's; its visit reads the entry itself. */
 	if (state)
-		visit_thread(list, task, task->pid, &ctx->status);
+		visit_thread(list, task, task->pid, snapshot_batched(state) ? &ctx->status : NULL);
 	bpf_task_release(task);
 	return 0;
 }

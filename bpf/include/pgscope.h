@@ -400,8 +400,8 @@ struct pgscope_wait_sample_task {
 	__s32 snapshot_syscall;
 	__u32 snapshot_task_state;
 	/* Its switch count (low half) as a run of the kfunc passes found it off its CPU before it
-	 * read the wait-event words of its threads (0: on a CPU then): unchanged at the snapshot,
-	 * the word read is the snapshot's (bpf/wait_targets.bpf.c). */
+	 * read its threads' wait-event words and status entries (0: on a CPU then): unchanged at
+	 * the snapshot, what was read is the snapshot's (bpf/wait_targets.bpf.c). */
 	__u32 batch_switches;
 	/* The last wait-event word it showed at one of its snapshots, by the class of the syscall
 	 * it was in (enum pgscope_off_cpu_class: futex, latch, io, at 0-2): what a guess takes

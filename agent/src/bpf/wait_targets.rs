@@ -134,7 +134,7 @@ mod tests {
     /// `target_waits` took 848762 instructions and 2-5 s to load on one 6.18 kernel; called,
     /// 79436. The same code took over the million on 6.18.44 (refused, E2BIG), where its
     /// attribution reads are now three called functions with their flags in memory: 339495
-    /// there (363570 with the stacks copied at the snapshots and the status batch read before
+    /// there (413471 with the stacks copied at the snapshots and the status batch read before
     /// them, the exact tracer's state and the batches' use in called functions). Kernels prune differently; half the limit leaves either room, and a path that
     /// multiplies the states again fails here before it fails on a user's kernel.
     const MOST_VERIFIED_INSTRUCTIONS: u32 = 500_000;
