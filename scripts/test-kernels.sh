@@ -30,7 +30,6 @@ vng=$(awk '$1 == "vng" {print $2}' <<<"$lines")
 PATH=$(dirname "$vng"):$PATH
 
 work=$(mktemp -d /tmp/pgscope-kernels.XXXXXX)
-trap 'rm -rf "$work"' EXIT
 chmod 755 "$work"
 
 # KVM or TCG: a guest that boots under KVM within a minute says KVM works.
@@ -74,4 +73,10 @@ echo "$host_series ($(uname -r), host): $result"
 summary+=("$host_series=${result%% *}")
 
 echo "kernels: ${summary[*]}"
+# The logs the result lines name stay when a kernel did not give what it should.
+if ((failed)); then
+  log "logs of each kernel: $work/<series>/"
+else
+  rm -rf "$work"
+fi
 exit "$failed"
